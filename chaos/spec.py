@@ -1,0 +1,62 @@
+"""The chaos spec: what to break, and when. Pure parsing, no I/O.
+
+Grammar (clauses separated by ``;``)::
+
+    kill rank=R at=S      SIGKILL the process that is rank R, while the job runs step S
+    kill node=N at=S      SIGKILL node N's agent and every process on it (its memory is lost)
+
+"While the job runs step S" means: as soon as step S-1 is committed (``at=0``: as soon as the
+first epoch starts). Each action fires once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from peerckpt.errors import ConfigurationError
+
+_GRAMMAR = "'kill rank=R at=S' or 'kill node=N at=S', separated by ';'"
+
+
+@dataclass(frozen=True)
+class ChaosAction:
+    """One fault to inject."""
+
+    kind: str  # "kill_rank" or "kill_node"
+    target: int
+    at: int
+    text: str
+
+
+def parse_chaos(spec: str) -> list[ChaosAction]:
+    """Parse a chaos spec; raise ConfigurationError naming the clause that is wrong."""
+    actions = []
+    for clause in (c.strip() for c in spec.split(";")):
+        if not clause:
+            continue
+        words = clause.split()
+        if not words or words[0] != "kill":
+            raise ConfigurationError(f"chaos clause {clause!r}: unknown action; use {_GRAMMAR}")
+        fields: dict[str, int] = {}
+        for word in words[1:]:
+            key, sep, value = word.partition("=")
+            if not sep or key not in ("rank", "node", "at") or key in fields:
+                raise ConfigurationError(
+                    f"chaos clause {clause!r}: bad field {word!r}; use {_GRAMMAR}"
+                )
+            try:
+                fields[key] = int(value)
+            except ValueError:
+                raise ConfigurationError(
+                    f"chaos clause {clause!r}: {key} must be an integer, not {value!r}"
+                ) from None
+            if fields[key] < 0:
+                raise ConfigurationError(f"chaos clause {clause!r}: {key} must be ≥ 0")
+        if ("rank" in fields) == ("node" in fields) or "at" not in fields:
+            raise ConfigurationError(
+                f"chaos clause {clause!r}: name exactly one of rank= or node=, and at=; use {_GRAMMAR}"
+            )
+        kind = "kill_rank" if "rank" in fields else "kill_node"
+        target = fields["rank"] if "rank" in fields else fields["node"]
+        actions.append(ChaosAction(kind, target, fields["at"], clause))
+    return actions

@@ -1,0 +1,81 @@
+"""The ``peerckpt`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from peerckpt.errors import PeerckptError
+
+
+def _run(args: argparse.Namespace) -> int:
+    from peerckpt.runtime.launcher import JobSpec, LocalLauncher, format_report
+
+    spec = JobSpec(
+        script=args.script,
+        args=args.script_args,
+        nodes=args.nodes,
+        nproc_per_node=args.nproc_per_node,
+        spares=args.spares,
+        replicas=args.replicas,
+        chaos=args.chaos or "",
+        heartbeat_timeout=args.heartbeat_timeout,
+        report=args.report,
+        job=args.job,
+    )
+    result = LocalLauncher(spec).run()
+    print(format_report(result), file=sys.stderr)
+    return result.exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="peerckpt", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser(
+        "run",
+        help="run a training script as a local job of simulated nodes",
+        description="Start a coordinator, one agent per node, the ranks and the spares on this "
+        "machine; replace lost ranks with spares and recover their state from peer memory.",
+    )
+    run.add_argument("--nodes", type=int, default=1, help="simulated nodes (failure domains)")
+    run.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node")
+    run.add_argument("--spares", type=int, default=0, help="hot spare processes, on a spare node")
+    run.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="buddies per rank, on other nodes (default: the script's, else 1)",
+    )
+    run.add_argument(
+        "--chaos",
+        default=None,
+        help="faults to inject, e.g. 'kill rank=2 at=30; kill node=1 at=60'",
+    )
+    run.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=5.0,
+        help="seconds without a heartbeat before a node is declared lost",
+    )
+    run.add_argument("--report", default=None, help="write the job's report here as JSON")
+    run.add_argument("--job", default=None, help="the job's name (default: random)")
+    run.add_argument("script", help="the training script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("PEERCKPT_LOG_LEVEL", "INFO"),
+        format="%(asctime)s peerckpt[launcher] %(levelname)s %(message)s",
+    )
+    try:
+        if args.command == "run":
+            return _run(args)
+    except PeerckptError as exc:
+        print(f"peerckpt: {exc}", file=sys.stderr)
+        return 2
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Exception classes of peerckpt.
+
+Every error names its cause and, where there is one, the fix. They live here, in the public
+package, because users catch them and every subpackage raises them.
+"""
+
+from __future__ import annotations
+
+
+class PeerckptError(Exception):
+    """Base class of every error peerckpt raises on purpose."""
+
+
+class ConfigurationError(PeerckptError):
+    """The job was started with settings that cannot work (missing environment, bad flags)."""
+
+
+class AuthenticationError(PeerckptError):
+    """A connection did not prove knowledge of the job's secret, or was refused for that."""
+
+
+class ProtocolError(PeerckptError):
+    """A peer sent bytes that do not follow the wire protocol."""
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame declared more bytes than its destination can hold; nothing of it was read."""
+
+
+class ChecksumMismatch(PeerckptError):
+    """Bytes of a snapshot or replica do not match the checksum recorded when they were taken."""
+
+
+class StaleEpoch(PeerckptError):
+    """A message carried an epoch older than the current one and was fenced off."""
+
+
+class PeerUnavailable(PeerckptError):
+    """A peer agent could not be reached or stopped answering."""
+
+
+class InsufficientMemory(PeerckptError):
+    """Host memory (or /dev/shm) is too small for the snapshot slots that were asked for."""
+
+
+class StateMismatch(PeerckptError):
+    """The state being restored does not fit the objects passed to ``ctx.track``."""
+
+
+class RecoveryFailed(PeerckptError):
+    """No surviving copy of some state could be found; the job cannot continue from memory."""
+
+
+class MembershipChanged(PeerckptError):
+    """Raised inside a rank when the job's membership changed; the runtime restarts the function.
+
+    User code should let it propagate. The runtime catches it, rejoins the new epoch, restores
+    the last committed step and calls the decorated function again.
+    """

@@ -1,0 +1,1 @@
+"""The durable tier's formats. For now the snapshot manifest, shared with replication."""

@@ -1,0 +1,137 @@
+"""The manifest of one rank's snapshot: which bytes of the slot hold which chunk.
+
+A snapshot slot is one contiguous byte range: tensor chunks at 64-byte aligned offsets, then
+the msgpack blob of small state (step, RNG, data-loader positions) as the chunk ``__meta__``.
+The rank fills in the layout; the agent adds a crc32c per chunk before replicating, and every
+receiver verifies them before it acknowledges or restores. The same records describe durable
+checkpoints (one manifest per step, written last).
+
+Chunk metadata follows DESIGN.md: ``key`` (the FQN), dtype, global shape, and the box the
+chunk covers (``offsets``/``lengths`` per dimension). Pure data; no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import crc32c
+
+FORMAT_VERSION = 1
+META_KEY = "__meta__"
+ALIGN = 64
+
+
+def align(n: int) -> int:
+    """Round ``n`` up to the slot alignment."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One chunk's place in a slot and, once the agent has seen it, its checksum."""
+
+    key: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    byte_offset: int
+    nbytes: int
+    crc: int | None = None
+
+    def to_msg(self) -> list[Any]:
+        return [
+            self.key,
+            self.dtype,
+            list(self.global_shape),
+            list(self.offsets),
+            list(self.lengths),
+            self.byte_offset,
+            self.nbytes,
+            self.crc,
+        ]
+
+    @classmethod
+    def from_msg(cls, msg: list[Any]) -> ChunkRecord:
+        key, dtype, gshape, offsets, lengths, byte_offset, nbytes, crc = msg
+        return cls(
+            key, dtype, tuple(gshape), tuple(offsets), tuple(lengths), byte_offset, nbytes, crc
+        )
+
+
+@dataclass(frozen=True)
+class SnapshotManifest:
+    """Everything needed to verify and restore one rank's snapshot of one step."""
+
+    rank: int
+    step: int
+    epoch: int
+    chunks: tuple[ChunkRecord, ...]
+    used_bytes: int
+    version: int = FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_msg(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "rank": self.rank,
+            "step": self.step,
+            "epoch": self.epoch,
+            "chunks": [c.to_msg() for c in self.chunks],
+            "used_bytes": self.used_bytes,
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_msg(cls, msg: dict[str, Any]) -> SnapshotManifest:
+        if msg.get("version") != FORMAT_VERSION:
+            raise ValueError(
+                f"snapshot manifest format {msg.get('version')!r} is not {FORMAT_VERSION}; "
+                "all processes of a job must run the same peerckpt version"
+            )
+        return cls(
+            rank=msg["rank"],
+            step=msg["step"],
+            epoch=msg["epoch"],
+            chunks=tuple(ChunkRecord.from_msg(c) for c in msg["chunks"]),
+            used_bytes=msg["used_bytes"],
+            extra=msg.get("extra", {}),
+        )
+
+    def meta(self) -> ChunkRecord:
+        for chunk in self.chunks:
+            if chunk.key == META_KEY:
+                return chunk
+        raise KeyError("snapshot manifest has no __meta__ chunk")
+
+    def with_checksums(self, view: memoryview) -> SnapshotManifest:
+        """Return a copy whose chunks carry the crc32c of their bytes in ``view``."""
+        chunks = tuple(
+            replace(c, crc=crc32c.crc32c(view[c.byte_offset : c.byte_offset + c.nbytes]))
+            for c in self.chunks
+        )
+        return replace(self, chunks=chunks)
+
+    def bad_chunks(self, view: memoryview) -> list[str]:
+        """Keys of the chunks whose bytes in ``view`` do not match their recorded crc32c."""
+        if self.used_bytes > len(view):
+            return [c.key for c in self.chunks]
+        bad = []
+        for c in self.chunks:
+            if (
+                c.crc is None
+                or crc32c.crc32c(view[c.byte_offset : c.byte_offset + c.nbytes]) != c.crc
+            ):
+                bad.append(c.key)
+        return bad
+
+    def validate_bounds(self, capacity: int) -> None:
+        """Check that every chunk lies inside a slot of ``capacity`` bytes."""
+        if self.used_bytes > capacity:
+            raise ValueError(f"snapshot uses {self.used_bytes} bytes, slot holds {capacity}")
+        for c in self.chunks:
+            if c.byte_offset < 0 or c.nbytes < 0 or c.byte_offset + c.nbytes > self.used_bytes:
+                raise ValueError(
+                    f"chunk {c.key!r} lies outside the snapshot's {self.used_bytes} bytes"
+                )

@@ -1,0 +1,2 @@
+"""The coordinator: membership and epochs, failure detection, the commit tracker and
+recovery planning."""

@@ -1,0 +1,375 @@
+"""The agent: one process per node, owning the node's shared-memory arena and data links.
+
+It serves its local rank processes over a Unix socket (slot allocation, snapshot notices,
+restore instructions), checksums every snapshot and pushes it to the rank's buddies, keeps
+replicas for other nodes, serves fetches during recoveries, and reports everything to the
+coordinator. It never decides membership; it carries out the coordinator's epochs.
+
+Order on an epoch change (a ``membership`` event from the coordinator):
+1. fence: the agent's epoch becomes the new one, older pushes are refused;
+2. tell local processes to ``abort`` (ranks drop their process group at once);
+3. cancel replication in flight; wait for slot locks;
+4. for each local rank of the new epoch, obtain its committed snapshot (own slot, local
+   replica, or a fetch from the plan's sources, checksums verified) and send it ``epoch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from peerckpt.persist.manifest import SnapshotManifest
+from peerckpt.recovery.membership import Membership
+from peerckpt.recovery.rpc import RpcClient, is_stream_closed
+from peerckpt.replication.arena import Arena
+from peerckpt.replication.control import ControlServer, ProcLink
+from peerckpt.replication.replicator import BuddySender, ReplicationJob
+from peerckpt.replication.restore import obtain_committed
+from peerckpt.replication.store import SlotStore
+from peerckpt.replication.transfer import DataServer
+from peerckpt.replication.wire import Connection, connect_tcp
+
+from peerckpt.errors import PeerckptError, RecoveryFailed
+
+log = logging.getLogger("peerckpt.agent")
+
+
+class Agent:
+    """A node's agent. ``start`` it, then ``wait``; ``close`` always (it removes the arena)."""
+
+    def __init__(
+        self,
+        job: str,
+        node: int,
+        secret: bytes,
+        coordinator: str,
+        socket_path: str,
+        spare_node: bool = False,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.job, self.node, self._secret = job, node, secret
+        self.spare_node = spare_node
+        self.arena = Arena(job, node)
+        self.store = SlotStore(self.arena)
+        self.rpc = RpcClient(coordinator, secret, job)
+        self.epoch: int = -1
+        self.data = DataServer(self.store, secret, job, lambda: self.epoch, host)
+        self.control = ControlServer(socket_path, secret, job, self._on_message, self._on_lost)
+        self.membership: Membership | None = None
+        self.committed_step: int | None = None
+        self.stopping = threading.Event()
+        self._ending = threading.Event()  # the job ended: process exits are expected now
+        self._lock = threading.RLock()
+        self._senders: dict[int, BuddySender] = {}
+        self._restore_info: dict[tuple[int, int], dict[str, Any]] = {}
+        self._watch_call: Any = None
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        self.data.start()
+        self.control.start()
+        config = self.rpc.call(
+            "RegisterAgent", node=self.node, data_addr=self.data.address, spare_node=self.spare_node
+        )
+        self.heartbeat_interval = max(0.05, min(0.5, config["heartbeat_timeout"] / 5))
+        for target, name in ((self._watch, "watch"), (self._heartbeat, "heartbeat")):
+            thread = threading.Thread(target=target, name=f"peerckpt-agent-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def wait(self) -> None:
+        parent = os.getppid()
+        while not self.stopping.wait(0.2):
+            if os.getppid() != parent:
+                log.warning("launcher is gone; agent of node %d stops", self.node)
+                self.stopping.set()
+
+    def close(self) -> None:
+        self.stopping.set()
+        self._ending.set()
+        if self._watch_call is not None:
+            self._watch_call.cancel()
+        self.control.shutdown_links(
+            {"type": "shutdown", "state": "stopped", "reason": "agent exit"}
+        )
+        for sender in list(self._senders.values()):
+            sender.stop()
+        self.control.stop()
+        self.data.stop()
+        for thread in self._threads:
+            thread.join(timeout=2.0)
+        self.rpc.close()
+        self.arena.destroy()
+
+    # -- coordinator ----------------------------------------------------------------------
+    def _watch(self) -> None:
+        try:
+            self._watch_call = self.rpc.stream("Watch", node=self.node)
+            for event in self._watch_call:
+                kind = event["type"]
+                if kind == "membership":
+                    self._on_membership(Membership.from_msg(event))
+                elif kind == "commit":
+                    self._on_commit(event["epoch"], event["step"])
+                elif kind == "shutdown":
+                    self._on_shutdown(event)
+                    return
+        except Exception as exc:
+            if not self.stopping.is_set():
+                level = logging.WARNING if is_stream_closed(exc) else logging.ERROR
+                log.log(level, "lost the coordinator's event stream: %s", exc)
+        self.stopping.set()
+
+    def _heartbeat(self) -> None:
+        while not self.stopping.wait(self.heartbeat_interval):
+            try:
+                self.rpc.call("Heartbeat", timeout=2.0, node=self.node, epoch=self.epoch)
+            except PeerckptError as exc:
+                log.debug("heartbeat failed: %s", exc)
+
+    def _report(self, method: str, **args: Any) -> None:
+        try:
+            self.rpc.call(method, node=self.node, **args)
+        except PeerckptError as exc:
+            log.warning("coordinator refused %s: %s", method, exc)
+        except ValueError as exc:  # grpc: the channel was closed because the agent is exiting
+            log.debug("could not report %s: %s", method, exc)
+
+    def _on_shutdown(self, event: dict[str, Any]) -> None:
+        log.info("job ends (%s); stopping local processes", event["state"])
+        self._ending.set()
+        self.control.shutdown_links(event, wait_s=10.0)
+        self.stopping.set()
+
+    # -- rank processes -------------------------------------------------------------------
+    def _on_lost(self, link: ProcLink) -> None:
+        if not self.stopping.is_set() and not self._ending.is_set():
+            log.warning("%s pid %d on node %d exited", link.role, link.pid, self.node)
+            self._report("ProcLost", pid=link.pid, reason=f"process {link.pid} exited")
+
+    def _on_message(self, link: ProcLink, msg: dict[str, Any]) -> dict[str, Any] | None:
+        kind = msg["type"]
+        if kind == "hello":
+            self._report(
+                "ProcJoined", pid=link.pid, role=link.role, rank=link.rank, replicas=link.replicas
+            )
+            return None
+        if kind == "alloc":
+            return self._alloc(msg)
+        if kind == "snapshot":
+            self._replicate(msg)
+            return None
+        if kind == "resumed":
+            info = self._restore_info.pop((msg["epoch"], msg["rank"]), None)
+            self._report("Resumed", epoch=msg["epoch"], rank=msg["rank"], restore=info)
+            return None
+        if kind == "done":
+            self._report("Done", epoch=msg["epoch"], rank=msg["rank"])
+            return None
+        if kind == "error":
+            self._report("Error", epoch=msg["epoch"], rank=msg["rank"], message=msg["message"])
+            return None
+        raise PeerckptError(f"unknown request {kind!r} from pid {link.pid}")
+
+    def _alloc(self, msg: dict[str, Any]) -> dict[str, Any]:
+        rank, index = msg["rank"], msg["slot"]
+        slot = self.store.get("own", rank, index)
+        if slot is not None and slot.step is not None and slot.step == self.committed_step:
+            raise PeerckptError(
+                f"rank {rank} asked to rewrite slot {index}, which holds committed step "
+                f"{slot.step}; a snapshot must go to the other slot"
+            )
+        slot = self.store.ensure("own", rank, index, msg["nbytes"])
+        slot.invalidate()
+        return {"path": slot.segment.path, "size": slot.segment.size}
+
+    def _replicate(self, msg: dict[str, Any]) -> None:
+        if msg["epoch"] != self.epoch or self.membership is None:
+            return  # a snapshot of an ended epoch: never replicated, never committed
+        rank = msg["rank"]
+        slot = self.store.get("own", rank, msg["slot"])
+        if slot is None:
+            return
+        manifest = SnapshotManifest.from_msg(msg["body"])
+        manifest.validate_bounds(slot.segment.size)
+        with slot.lock:
+            slot.manifest = manifest.with_checksums(slot.segment.view)
+        buddies = self.membership.placement.get(rank, [])
+        job = ReplicationJob(self.epoch, slot, slot.manifest, buddies)
+        if not buddies:
+            self._replicated(job)
+            return
+        for buddy in buddies:
+            self._sender(buddy).submit(job)
+
+    def _sender(self, node: int) -> BuddySender:
+        with self._lock:
+            sender = self._senders.get(node)
+            addr = self.membership.node_addrs[node] if self.membership else ""
+            if sender is None or sender.address != addr:
+                if sender is not None:
+                    sender.stop()
+                sender = BuddySender(
+                    node, addr, self._secret, self.job, lambda: self.epoch, self._sent
+                )
+                self._senders[node] = sender
+            return sender
+
+    def _sent(self, job: ReplicationJob, node: int, error: BaseException | None) -> None:
+        with job.lock:
+            if job.failed:
+                return
+            if error is not None:
+                job.failed = True
+                return
+            job.acked.append(node)
+            if len(job.acked) < len(job.buddies):
+                return
+        self._replicated(job)
+
+    def _replicated(self, job: ReplicationJob) -> None:
+        self._report(
+            "Replicated",
+            epoch=job.epoch,
+            rank=job.slot.rank,
+            step=job.manifest.step,
+            holders=[self.node, *job.acked],
+            nbytes=job.manifest.used_bytes,
+        )
+
+    def _on_commit(self, epoch: int, step: int) -> None:
+        if epoch != self.epoch or self.membership is None:
+            return
+        self.committed_step = step
+        members = self.membership
+        for rank in members.local_ranks(self.node):
+            link = self.control.link_of(members.ranks[rank].pid)
+            if link is not None:
+                link.send({"type": "commit", "epoch": epoch, "step": step})
+        self._collect_garbage(members)
+
+    def _collect_garbage(self, members: Membership) -> None:
+        """Free slots this node no longer needs once a step of the current epoch committed."""
+        local = set(members.local_ranks(self.node))
+        mirrored = {r for r, buddies in members.placement.items() if self.node in buddies}
+        freed = self.store.release_where(
+            lambda s: (
+                (s.kind == "own" and s.rank not in local)
+                or (s.kind == "replica" and s.rank not in mirrored)
+            )
+        )
+        if freed:
+            log.info("freed %d slot(s) no longer in this node's placement", len(freed))
+
+    # -- epochs and recovery --------------------------------------------------------------
+    def _on_membership(self, members: Membership) -> None:
+        with self._lock:
+            if members.epoch <= self.epoch:
+                return
+            self.epoch, self.membership = members.epoch, members
+            self.committed_step = members.restore_step
+        self.control.broadcast({"type": "abort", "epoch": members.epoch})
+        for sender in list(self._senders.values()):
+            sender.cancel_inflight()
+        for rank in members.local_ranks(self.node):
+            threading.Thread(
+                target=self._prepare_rank,
+                args=(members, rank),
+                name=f"peerckpt-prepare-r{rank}",
+                daemon=True,
+            ).start()
+
+    def _prepare_rank(self, members: Membership, rank: int) -> None:
+        pid = members.ranks[rank].pid
+        link = self.control.wait_link(pid, timeout=10.0)
+        if link is None:
+            log.error("process %d for rank %d never connected to this agent", pid, rank)
+            self._report("ProcLost", pid=pid, reason="never connected to its agent")
+            return
+        restore, manifest = None, None
+        try:
+            if members.restore_step is not None:
+                restore, manifest = self._obtain(members, rank)
+        except RecoveryFailed as exc:
+            self._report("Error", epoch=members.epoch, rank=rank, message=str(exc))
+            return
+        if self.epoch != members.epoch:
+            return  # a newer epoch superseded this one while we were pulling
+        local = members.local_ranks(self.node)
+        link.send(
+            {
+                "type": "epoch",
+                "epoch": members.epoch,
+                "rank": rank,
+                "world_size": members.world_size,
+                "local_rank": local.index(rank),
+                "node": self.node,
+                "store_addr": members.store_addr,
+                "restore": restore,
+            },
+            body=manifest.to_msg() if manifest is not None else None,
+        )
+
+    def _obtain(
+        self, members: Membership, rank: int
+    ) -> tuple[dict[str, Any], SnapshotManifest]:
+        """Make the committed snapshot of ``rank`` available in one of its own local slots."""
+        assert members.restore_step is not None
+
+        def connect(source: int) -> Connection:
+            return connect_tcp(members.node_addrs[source], self._secret, self.job)
+
+        got = obtain_committed(
+            self.store, self.node, members.epoch, rank, members.restore_step,
+            members.sources.get(rank, []), connect,
+        )
+        info = {
+            "step": members.restore_step, "slot": got.slot.index, "path": got.slot.segment.path,
+            "source": got.source, "node": self.node, "bytes": got.nbytes, "seconds": got.seconds,
+        }
+        self._restore_info[(members.epoch, rank)] = info
+        return info, got.manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one node's agent; print one READY line with its data address on stdout."""
+    parser = argparse.ArgumentParser(prog="python -m peerckpt.replication.agent")
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--node", type=int, required=True)
+    parser.add_argument("--coordinator", required=True)
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--spare-node", action="store_true")
+    parser.add_argument("--host", default="127.0.0.1")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("PEERCKPT_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s peerckpt[agent node={args.node}] %(levelname)s %(message)s",
+    )
+    secret = bytes.fromhex(os.environ["PEERCKPT_SECRET"])
+    agent = Agent(
+        args.job, args.node, secret, args.coordinator, args.socket, args.spare_node, args.host
+    )
+
+    def _terminate(signum: int, frame: Any) -> None:
+        agent.stopping.set()
+
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _terminate)
+    try:
+        agent.start()
+        print("READY " + json.dumps({"data_addr": agent.data.address}), flush=True)
+        agent.wait()
+    finally:
+        agent.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

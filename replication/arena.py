@@ -1,0 +1,170 @@
+"""The shared-memory arena: named segments in /dev/shm that hold snapshot slots and replicas.
+
+An agent owns its node's arena. Every segment is a file ``/dev/shm/peerckpt-<job>-n<node>-…``
+created, touched once (so the first snapshot copy does not pay page faults) and, on exit,
+unlinked by the agent — also on error. The launcher removes whatever a killed agent could not
+(``sweep``). Ranks map their own slots with ``map_segment``; they never create or unlink.
+
+Nothing here imports torch: the agent stays a small process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import mmap
+import os
+import shutil
+import threading
+
+import psutil
+
+from peerckpt.errors import InsufficientMemory
+
+SHM_DIR = "/dev/shm"
+_TOUCH_BLOCK = 64 << 20
+log = logging.getLogger("peerckpt.arena")
+
+
+def segment_prefix(job: str, node: int | None = None) -> str:
+    """File-name prefix of a job's segments (of one node when ``node`` is given)."""
+    base = f"peerckpt-{job}-"
+    return base if node is None else f"{base}n{node}-"
+
+
+def human(nbytes: float) -> str:
+    """Format a byte count for people."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
+        nbytes /= 1024
+    return f"{nbytes:.1f} TiB"
+
+
+def check_memory(nbytes: int, what: str) -> None:
+    """Raise InsufficientMemory unless ``nbytes`` fit in /dev/shm and in available RAM."""
+    shm_free = shutil.disk_usage(SHM_DIR).free
+    ram_free = psutil.virtual_memory().available
+    limit = min(shm_free, ram_free)
+    if nbytes > limit:
+        raise InsufficientMemory(
+            f"{what} needs {human(nbytes)} of shared memory, but only {human(shm_free)} is free "
+            f"in {SHM_DIR} and {human(ram_free)} of RAM is available (short by "
+            f"{human(nbytes - limit)}). Free host memory, lower --replicas, snapshot less state, "
+            f"or enlarge {SHM_DIR} (mount -o remount,size=… {SHM_DIR})."
+        )
+
+
+class Segment:
+    """One mapped shared-memory file. ``view`` is a writable memoryview of all of it."""
+
+    def __init__(self, path: str, size: int, mm: mmap.mmap) -> None:
+        self.path = path
+        self.name = os.path.basename(path)
+        self.size = size
+        self._mm = mm
+        self.view = memoryview(mm)
+
+    def close(self) -> None:
+        """Unmap (the file stays until ``unlink``)."""
+        self.view.release()
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+
+    def unlink(self) -> None:
+        """Remove the file; mappings elsewhere stay valid until unmapped."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+class Arena:
+    """The segments one agent created. Thread-safe; ``destroy`` removes all of them."""
+
+    def __init__(self, job: str, node: int) -> None:
+        self.job = job
+        self.node = node
+        self._segments: dict[str, Segment] = {}
+        self._lock = threading.Lock()
+        self._counter = 0
+
+    @property
+    def prefix(self) -> str:
+        return segment_prefix(self.job, self.node)
+
+    def create(self, tag: str, size: int, what: str) -> Segment:
+        """Create, map and touch a new segment of ``size`` bytes named after ``tag``."""
+        size = max(size, 1)
+        check_memory(size, what)
+        with self._lock:
+            self._counter += 1
+            name = f"{self.prefix}{tag}-{self._counter}"
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        segment = Segment(path, size, mm)
+        with self._lock:
+            self._segments[name] = segment
+        try:
+            _touch(segment.view)
+        except BaseException:
+            self.release(segment)
+            raise
+        log.debug("created %s (%s) for %s", name, human(size), what)
+        return segment
+
+    def release(self, segment: Segment) -> None:
+        """Unmap and unlink one segment."""
+        with self._lock:
+            self._segments.pop(segment.name, None)
+        segment.close()
+        segment.unlink()
+
+    def destroy(self) -> None:
+        """Unmap and unlink every segment of this arena, and any stray file with its prefix."""
+        with self._lock:
+            segments = list(self._segments.values())
+            self._segments.clear()
+        for segment in segments:
+            segment.close()
+            segment.unlink()
+        sweep(self.job, self.node)
+
+    def total_bytes(self) -> int:
+        with self._lock:
+            return sum(s.size for s in self._segments.values())
+
+
+def _touch(view: memoryview) -> None:
+    zeros = bytes(min(_TOUCH_BLOCK, len(view)))
+    for start in range(0, len(view), _TOUCH_BLOCK):
+        end = min(start + _TOUCH_BLOCK, len(view))
+        view[start:end] = zeros[: end - start]
+
+
+def map_segment(path: str) -> mmap.mmap:
+    """Map an existing segment read-write, pre-faulting its pages (used by ranks)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        return mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def sweep(job: str, node: int | None = None) -> list[str]:
+    """Remove every segment file of ``job`` (of one node if given); return what was removed."""
+    removed = []
+    for path in glob.glob(os.path.join(SHM_DIR, segment_prefix(job, node) + "*")):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
+    return removed

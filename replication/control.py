@@ -1,0 +1,174 @@
+"""The agent's control socket: one authenticated Unix-socket link per local rank process.
+
+A rank (or spare) connects once, proves the job secret and says who it is (role, pid, rank).
+Requests that carry ``req`` get a ``reply`` with the same id; everything else is a notice.
+The agent pushes events (``abort``, ``epoch``, ``commit``, ``shutdown``) down the same link.
+A link that closes means its process is gone: the agent sees a rank exit at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from peerckpt.replication.wire import Connection, pack, server_handshake, unpack
+
+from peerckpt.errors import PeerckptError, PeerUnavailable
+
+log = logging.getLogger("peerckpt.control")
+
+
+class ProcLink:
+    """The agent's end of one rank process's control connection."""
+
+    def __init__(self, conn: Connection, hello: dict[str, Any]) -> None:
+        self.conn = conn
+        self.pid: int = hello["pid"]
+        self.role: str = hello["role"]
+        self.rank: int | None = hello.get("rank")
+        self.replicas: int | None = hello.get("replicas")
+
+    def send(self, msg: dict[str, Any], body: Any = None) -> bool:
+        """Send an event (``body`` travels msgpack-encoded as payload); False if gone."""
+        try:
+            self.conn.send(msg, pack(body) if body is not None else None)
+            return True
+        except PeerUnavailable:
+            return False
+
+
+OnMessage = Callable[[ProcLink, dict[str, Any]], "dict[str, Any] | None"]
+
+
+class ControlServer:
+    """Accepts rank processes on a Unix socket and dispatches their messages."""
+
+    def __init__(
+        self,
+        path: str,
+        secret: bytes,
+        job: str,
+        on_message: OnMessage,
+        on_lost: Callable[[ProcLink], None],
+    ) -> None:
+        self.path = path
+        self._secret = secret
+        self._job = job
+        self._on_message = on_message
+        self._on_lost = on_lost
+        self._links: dict[int, ProcLink] = {}
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        self._sock.bind(path)
+        os.chmod(path, 0o600)
+        self._sock.listen(64)
+        self._thread = threading.Thread(target=self._accept, name="peerckpt-control", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        with self._cond:
+            links = list(self._links.values())
+        for link in links:
+            link.conn.close()
+        self._thread.join(timeout=2.0)
+
+    def link_of(self, pid: int) -> ProcLink | None:
+        with self._cond:
+            return self._links.get(pid)
+
+    def wait_link(self, pid: int, timeout: float) -> ProcLink | None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while pid not in self._links and not self._stop.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            return self._links.get(pid)
+
+    def broadcast(self, msg: dict[str, Any]) -> None:
+        with self._cond:
+            links = list(self._links.values())
+        for link in links:
+            link.send(msg)
+
+    def shutdown_links(self, msg: dict[str, Any], wait_s: float = 0.0) -> None:
+        """Tell every process to exit and wait (bounded) for their links to close."""
+        self.broadcast({"type": "shutdown", "state": msg.get("state"), "reason": msg.get("reason")})
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while self._links and time.monotonic() < deadline:
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(
+                target=self._serve,
+                args=(Connection(sock, "local process"),),
+                name="peerckpt-control-link",
+                daemon=True,
+            ).start()
+
+    def _serve(self, conn: Connection) -> None:
+        link = None
+        try:
+            hello = server_handshake(conn, self._secret, self._job)
+            link = ProcLink(conn, hello)
+            conn.peer = f"{link.role} pid {link.pid}"
+            with self._cond:
+                self._links[link.pid] = link
+                self._cond.notify_all()
+            self._on_message(link, {"type": "hello"})
+            while not self._stop.is_set():
+                header, payload = conn.recv_message()
+                if payload:
+                    header["body"] = unpack(payload)
+                self._dispatch(link, header)
+        except PeerUnavailable:
+            pass
+        except PeerckptError as exc:
+            log.warning("control link %s closed: %s", conn.peer, exc)
+        except Exception:
+            log.exception("control link %s failed", conn.peer)
+        finally:
+            conn.close()
+            if link is not None:
+                with self._cond:
+                    if self._links.get(link.pid) is link:
+                        del self._links[link.pid]
+                    self._cond.notify_all()
+                self._on_lost(link)
+
+    def _dispatch(self, link: ProcLink, msg: dict[str, Any]) -> None:
+        req = msg.get("req")
+        try:
+            reply = self._on_message(link, msg)
+        except PeerckptError as exc:
+            if req is None:
+                log.warning("notice %s from %s refused: %s", msg["type"], link.conn.peer, exc)
+                return
+            link.send({"type": "reply", "req": req, "error": f"{type(exc).__name__}: {exc}"})
+            return
+        if req is not None:
+            link.send({"type": "reply", "req": req, **(reply or {})})

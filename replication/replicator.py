@@ -1,0 +1,123 @@
+"""Replication sends: one sender thread per buddy node, one queue of snapshots each.
+
+A snapshot of rank r is pushed to each of its k buddies in parallel (one sender per buddy);
+when every buddy has acknowledged, ``on_replicated`` is called with the nodes that now hold a
+copy. Jobs of an ended epoch are dropped; an epoch change cancels the transfer in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from peerckpt.persist.manifest import SnapshotManifest
+from peerckpt.replication.store import Slot
+from peerckpt.replication.transfer import Cancelled, push
+from peerckpt.replication.wire import Connection, connect_tcp
+
+from peerckpt.errors import PeerckptError
+
+log = logging.getLogger("peerckpt.replicator")
+
+
+@dataclass
+class ReplicationJob:
+    """One snapshot to be mirrored to ``buddies``."""
+
+    epoch: int
+    slot: Slot
+    manifest: SnapshotManifest
+    buddies: list[int]
+    acked: list[int] = field(default_factory=list)
+    failed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class BuddySender:
+    """Pushes snapshots to one buddy node over one reused connection."""
+
+    def __init__(
+        self,
+        node: int,
+        address: str,
+        secret: bytes,
+        job: str,
+        current_epoch: Callable[[], int],
+        done: Callable[[ReplicationJob, int, BaseException | None], None],
+    ) -> None:
+        self.node = node
+        self.address = address
+        self._secret = secret
+        self._job = job
+        self._current_epoch = current_epoch
+        self._done = done
+        self._queue: queue.Queue[ReplicationJob | None] = queue.Queue()
+        self._conn: Connection | None = None
+        self.cancel = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"peerckpt-send-n{node}", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, job: ReplicationJob) -> None:
+        self._queue.put(job)
+
+    def cancel_inflight(self) -> None:
+        """Abandon the transfer in flight (its epoch ended); later jobs still run."""
+        self.cancel.set()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self.cancel.set()
+        self._thread.join(timeout=5.0)
+        self._close()
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if job.epoch != self._current_epoch():
+                continue
+            self.cancel.clear()
+            error: BaseException | None = None
+            try:
+                self._send(job)
+            except Cancelled as exc:
+                error = exc
+                self._close()
+            except (PeerckptError, OSError) as exc:
+                error = exc
+                self._close()
+                log.warning(
+                    "replicating rank %d step %d to node %d failed: %s",
+                    job.slot.rank,
+                    job.manifest.step,
+                    self.node,
+                    exc,
+                )
+            self._done(job, self.node, error)
+
+    def _send(self, job: ReplicationJob) -> None:
+        if self._conn is None or self._conn.closed:
+            self._conn = connect_tcp(self.address, self._secret, self._job)
+        with job.slot.lock:
+            if job.slot.manifest is not job.manifest:
+                raise Cancelled("slot was rewritten before it could be sent")
+            push(
+                self._conn,
+                job.epoch,
+                job.slot.rank,
+                job.slot.index,
+                job.manifest,
+                job.slot.segment.view,
+                self.cancel,
+            )

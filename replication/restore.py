@@ -1,0 +1,106 @@
+"""Obtaining a verified copy of a rank's committed snapshot for a recovery.
+
+The coordinator's plan gives, per rank, source nodes best first. ``obtain_committed`` tries
+them in order and returns the first copy whose every chunk matches its crc32c: the agent's
+own slot or a local replica (no network), else a fetch from a peer straight into one of the
+rank's own slots. A copy that fails verification is marked invalid and never restored from;
+the next source is tried. Only when every source failed does it raise RecoveryFailed, naming
+each source and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from peerckpt.persist.manifest import SnapshotManifest
+from peerckpt.replication.store import Slot, SlotStore
+from peerckpt.replication.transfer import fetch
+from peerckpt.replication.wire import Connection
+
+from peerckpt.errors import ChecksumMismatch, PeerckptError, PeerUnavailable, RecoveryFailed
+
+log = logging.getLogger("peerckpt.restore")
+
+
+@dataclass(frozen=True)
+class Obtained:
+    """Where a rank's committed snapshot now is, and where it came from."""
+
+    slot: Slot
+    manifest: SnapshotManifest
+    source: int
+    nbytes: int
+    seconds: float
+
+
+def obtain_committed(
+    store: SlotStore,
+    node: int,
+    epoch: int,
+    rank: int,
+    step: int,
+    sources: list[int],
+    connect: Callable[[int], Connection],
+) -> Obtained:
+    """Make ``rank``'s snapshot of ``step`` available, verified, in one of its own slots."""
+    failures = []
+    for source in sources:
+        start = time.monotonic()
+        try:
+            if source == node:
+                slot, nbytes = _local_copy(store, rank, step), 0
+            else:
+                slot = _pull(store, epoch, rank, step, connect(source))
+                nbytes = slot.manifest.used_bytes if slot.manifest else 0
+        except PeerckptError as exc:
+            log.error("cannot restore rank %d step %d from node %d: %s", rank, step, source, exc)
+            failures.append(f"node {source}: {exc}")
+            continue
+        assert slot.manifest is not None
+        return Obtained(slot, slot.manifest, source, nbytes, time.monotonic() - start)
+    raise RecoveryFailed(
+        f"no valid copy of rank {rank} step {step} could be read: " + "; ".join(failures)
+    )
+
+
+def _local_copy(store: SlotStore, rank: int, step: int) -> Slot:
+    slot = store.find(rank, step)
+    if slot is None or slot.manifest is None:
+        raise PeerUnavailable(f"this node holds no copy of rank {rank} step {step}")
+    with slot.lock:
+        bad = slot.manifest.bad_chunks(slot.segment.view)
+        if bad:
+            slot.invalidate()
+            raise ChecksumMismatch(
+                f"the local copy of rank {rank} step {step} fails its checksum in {bad[:3]}; "
+                "it is not restored from"
+            )
+    if slot.kind == "replica":
+        slot = store.adopt(slot, slot.index)
+    return slot
+
+
+def _pull(store: SlotStore, epoch: int, rank: int, step: int, conn: Connection) -> Slot:
+    # Pull into a slot that holds nothing of value: not one with a copy of this step.
+    own0 = store.get("own", rank, 0)
+    index = 1 if own0 is not None and own0.manifest is not None else 0
+    holder: list[Slot] = []
+
+    def allocate(manifest: SnapshotManifest) -> memoryview:
+        slot = store.ensure("own", rank, index, manifest.used_bytes)
+        slot.lock.acquire()
+        slot.invalidate()
+        holder.append(slot)
+        return slot.segment.view
+
+    try:
+        manifest = fetch(conn, epoch, rank, step, allocate)
+        holder[0].manifest = manifest
+        return holder[0]
+    finally:
+        if holder:
+            holder[0].lock.release()
+        conn.close()

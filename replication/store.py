@@ -1,0 +1,110 @@
+"""The agent's slots: ping-pong snapshot slots of its own ranks and the replicas it keeps.
+
+Every rank has two *own* slots (index 0 and 1) on its node; the rank alternates between them
+so the last committed snapshot is never overwritten before a newer one is committed. A buddy
+keeps *replica* slots under the same (rank, index) keys. A slot is readable (sent, restored
+from) only while its ``manifest`` is set: the bytes are complete and their checksums known.
+
+Each slot has a lock, held while its bytes are being sent or received, so an epoch change can
+wait for in-flight transfers before handing a slot back to a rank.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from peerckpt.persist.manifest import SnapshotManifest
+from peerckpt.replication.arena import Arena, Segment
+
+
+@dataclass
+class Slot:
+    """One snapshot slot (own) or replica slot, with what it currently holds."""
+
+    rank: int
+    index: int
+    kind: str  # "own" or "replica"
+    segment: Segment
+    manifest: SnapshotManifest | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def step(self) -> int | None:
+        return self.manifest.step if self.manifest is not None else None
+
+    def invalidate(self) -> None:
+        """Forget what the slot held (its bytes are about to change)."""
+        self.manifest = None
+
+
+class SlotStore:
+    """All slots of one agent, keyed by (kind, rank, index)."""
+
+    def __init__(self, arena: Arena) -> None:
+        self.arena = arena
+        self._slots: dict[tuple[str, int, int], Slot] = {}
+        self._lock = threading.Lock()
+
+    def get(self, kind: str, rank: int, index: int) -> Slot | None:
+        with self._lock:
+            return self._slots.get((kind, rank, index))
+
+    def ensure(self, kind: str, rank: int, index: int, nbytes: int) -> Slot:
+        """Return the slot, (re)allocated so that it holds at least ``nbytes``.
+
+        A reallocated slot is a new segment (new file name); the old one is unlinked.
+        """
+        with self._lock:
+            slot = self._slots.get((kind, rank, index))
+        if slot is not None and slot.segment.size >= nbytes:
+            return slot
+        what = f"{kind} slot {index} of rank {rank}"
+        segment = self.arena.create(f"{kind[0]}{rank}-{index}", nbytes, what)
+        new = Slot(rank, index, kind, segment)
+        with self._lock:
+            old = self._slots.get((kind, rank, index))
+            self._slots[(kind, rank, index)] = new
+        if old is not None:
+            with old.lock:
+                old.invalidate()
+                self.arena.release(old.segment)
+        return new
+
+    def find(self, rank: int, step: int) -> Slot | None:
+        """A complete copy of ``rank``'s snapshot of ``step``: own slots first, then replicas."""
+        with self._lock:
+            slots = sorted(self._slots.values(), key=lambda s: (s.kind != "own", s.index))
+        for slot in slots:
+            if slot.rank == rank and slot.step == step:
+                return slot
+        return None
+
+    def adopt(self, slot: Slot, index: int) -> Slot:
+        """Turn a replica slot into own slot ``index`` of its rank (a local restore source)."""
+        with self._lock:
+            self._slots.pop((slot.kind, slot.rank, slot.index), None)
+            old = self._slots.pop(("own", slot.rank, index), None)
+            adopted = Slot(slot.rank, index, "own", slot.segment, slot.manifest)
+            self._slots[("own", slot.rank, index)] = adopted
+        if old is not None:
+            with old.lock:
+                self.arena.release(old.segment)
+        return adopted
+
+    def release_where(self, doomed: Callable[[Slot], bool]) -> list[Slot]:
+        """Release every slot for which ``doomed`` is true; return them."""
+        with self._lock:
+            victims = [s for s in self._slots.values() if doomed(s)]
+            for s in victims:
+                del self._slots[(s.kind, s.rank, s.index)]
+        for s in victims:
+            with s.lock:
+                s.invalidate()
+                self.arena.release(s.segment)
+        return victims
+
+    def all(self) -> list[Slot]:
+        with self._lock:
+            return list(self._slots.values())

@@ -1,0 +1,91 @@
+"""The public API inside a training script: ``@peerckpt.resilient`` and ``Context``.
+
+    @peerckpt.resilient()
+    def train(ctx: peerckpt.Context) -> None:
+        model = DDP(build_model())
+        optim = torch.optim.AdamW(model.parameters())
+        ctx.track(model=model, optim=optim, data=loader)   # restores here after a failure
+        for step in ctx.steps(1000):                       # resumes after the restored step
+            ...
+
+The decorated function must be re-executable: after a failure the runtime calls it again in
+the same process with a fresh ``Context`` for the new epoch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from peerckpt.runtime.env import LaunchEnv
+from peerckpt.runtime.rank import Assignment, RankRuntime, configure_logging
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Context:
+    """What the decorated function gets: its place in the current epoch, and the state hooks."""
+
+    def __init__(self, runtime: RankRuntime, assignment: Assignment) -> None:
+        self._runtime = runtime
+        self.rank = assignment.rank
+        self.world_size = assignment.world_size
+        self.local_rank = assignment.local_rank
+        self.node = assignment.node
+        self.epoch = assignment.epoch
+        #: The step being executed (inside ``steps``), or the restored step before it.
+        self.step: int | None = assignment.restore_step
+        #: The committed step this epoch restored, or None on a fresh start.
+        self.restored_step = assignment.restore_step
+
+    def track(self, **state: Any) -> None:
+        """Register training state; after a failure, restore it here from peer memory.
+
+        Accepts ``nn.Module`` (also DDP-wrapped), ``torch.optim.Optimizer`` (its state is keyed
+        by parameter name, so the model must be tracked too), tensors, and any object with
+        ``state_dict()``/``load_state_dict()`` (LR schedulers, data loaders). RNG states of
+        torch, random and numpy are tracked without being asked. Call it once per name,
+        before ``steps``.
+        """
+        self._runtime.track(state)
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield step numbers up to ``total - 1``, starting after the restored step.
+
+        After each iteration the runtime snapshots the tracked state (in the background).
+        """
+        for step in self._runtime.steps(total):
+            self.step = step
+            yield step
+
+
+def resilient(
+    fn: F | None = None,
+    *,
+    replicas: int | None = None,
+    pg_timeout_s: float = 1800.0,
+    suspect_s: float = 15.0,
+) -> Any:
+    """Make a training function survive the loss of ranks and nodes.
+
+    ``replicas`` is how many buddies (on other nodes) mirror each rank's snapshot (default 1;
+    ``peerckpt run --replicas K`` overrides it). ``pg_timeout_s`` is the process groups'
+    timeout (a failure is normally acted on long before it); ``suspect_s`` is how long a rank
+    whose collective failed waits for the coordinator's verdict before treating the error as
+    its own. Spares are set on the launcher (``peerckpt run --spares S``).
+    """
+
+    def decorate(func: F) -> F:
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            env = LaunchEnv.from_environ()
+            configure_logging()
+            runtime = RankRuntime(
+                env, replicas=replicas, pg_timeout_s=pg_timeout_s, suspect_s=suspect_s
+            )
+            return runtime.run(func, args, kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate(fn) if fn is not None else decorate

@@ -1,0 +1,70 @@
+"""What a launcher tells a rank process, through its environment.
+
+``peerckpt run`` sets, for every rank and spare process it starts::
+
+    PEERCKPT_JOB, PEERCKPT_SECRET (hex), PEERCKPT_AGENT (the node agent's Unix socket),
+    PEERCKPT_NODE, PEERCKPT_ROLE ("rank" or "spare"), and torchrun's RANK, LOCAL_RANK,
+    WORLD_SIZE for the first epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from peerckpt.errors import ConfigurationError
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    job: str
+    secret: bytes
+    agent_socket: str
+    node: int
+    role: str
+    rank: int | None
+    world_size: int | None
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> LaunchEnv:
+        env = os.environ if environ is None else environ
+        missing = [k for k in ("PEERCKPT_JOB", "PEERCKPT_SECRET", "PEERCKPT_AGENT") if k not in env]
+        if missing:
+            raise ConfigurationError(
+                f"this process was not started by a peerckpt launcher ({', '.join(missing)} "
+                "unset). A function decorated with @peerckpt.resilient runs inside a job: start "
+                "the script with `peerckpt run --nodes N --nproc-per-node P script.py`."
+            )
+        role = env.get("PEERCKPT_ROLE", "rank")
+        if role not in ("rank", "spare"):
+            raise ConfigurationError(f"PEERCKPT_ROLE must be 'rank' or 'spare', not {role!r}")
+        try:
+            secret = bytes.fromhex(env["PEERCKPT_SECRET"])
+        except ValueError:
+            raise ConfigurationError("PEERCKPT_SECRET must be hex; the launcher sets it") from None
+        return cls(
+            job=env["PEERCKPT_JOB"],
+            secret=secret,
+            agent_socket=env["PEERCKPT_AGENT"],
+            node=int(env.get("PEERCKPT_NODE", "0")),
+            role=role,
+            rank=int(env["RANK"]) if role == "rank" and "RANK" in env else None,
+            world_size=int(env["WORLD_SIZE"]) if "WORLD_SIZE" in env else None,
+        )
+
+
+class RankFilter(logging.Filter):
+    """Adds ``rank``, ``epoch`` and ``step`` of this process to every log record."""
+
+    runtime: ClassVar[Any] = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rt = RankFilter.runtime
+        a = getattr(rt, "assignment", None)
+        record.rank = a.rank if a is not None else "-"
+        record.epoch = a.epoch if a is not None else "-"
+        step = getattr(rt, "step", None)
+        record.step = step if step is not None else "-"
+        return True

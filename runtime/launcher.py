@@ -1,0 +1,347 @@
+"""``peerckpt run``: a whole job on this machine — coordinator, agents, ranks, spares.
+
+Each simulated node is a failure domain: one agent process and its rank processes. Spares
+live on an extra *spare node* with its own agent, as hot-spare machines do on a cluster, so a
+lost node's ranks are replaced on a machine that survived. The launcher starts everything,
+lets the coordinator run the job, injects chaos if asked, and on the way out — success,
+failure, Ctrl-C — stops every process it started and removes every shared-memory file and
+socket of the job. Its exit status is the job's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from peerckpt.chaos.monkey import ChaosMonkey
+from peerckpt.chaos.spec import parse_chaos
+from peerckpt.recovery.rpc import RpcClient
+from peerckpt.replication.arena import sweep
+
+from peerckpt.errors import ConfigurationError, PeerckptError
+
+log = logging.getLogger("peerckpt.launcher")
+_JOB_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
+_READY_TIMEOUT_S = 60.0
+
+
+@dataclass
+class JobSpec:
+    """What ``peerckpt run`` was asked to do."""
+
+    script: str
+    args: list[str] = field(default_factory=list)
+    nodes: int = 2
+    nproc_per_node: int = 2
+    spares: int = 0
+    replicas: int | None = None
+    chaos: str = ""
+    heartbeat_timeout: float = 5.0
+    report: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    job: str | None = None
+
+
+@dataclass
+class Node:
+    index: int
+    agent: subprocess.Popen[bytes]
+    socket: str
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    alive: bool = True
+
+
+@dataclass
+class JobResult:
+    job: str
+    exit_code: int
+    state: str
+    reason: str
+    events: list[dict[str, Any]]
+    chaos: list[dict[str, Any]]
+    wall_s: float
+
+
+class LocalLauncher:
+    """Runs one job of ``JobSpec`` on this machine. ``run`` always cleans up."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        if spec.nodes < 1 or spec.nproc_per_node < 1 or spec.spares < 0:
+            raise ConfigurationError("--nodes and --nproc-per-node must be ≥ 1, --spares ≥ 0")
+        if not os.path.exists(spec.script):
+            raise ConfigurationError(f"training script {spec.script!r} does not exist")
+        self.spec = spec
+        self.actions = parse_chaos(spec.chaos) if spec.chaos else []
+        if spec.job is not None and not _JOB_NAME.fullmatch(spec.job):
+            raise ConfigurationError(
+                f"job name {spec.job!r} must be 1-40 characters of a-z, 0-9 and '-'"
+            )
+        self.job = spec.job or secrets.token_hex(4)
+        self._secret = secrets.token_bytes(32)
+        self.rundir = tempfile.mkdtemp(prefix=f"peerckpt-{self.job}-")
+        self.coordinator: subprocess.Popen[bytes] | None = None
+        self.nodes: dict[int, Node] = {}
+        self._lock = threading.Lock()
+        self._interrupted = threading.Event()
+        self.rpc: RpcClient | None = None
+
+    # -- starting -------------------------------------------------------------------------
+    def _env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.spec.env)
+        env.setdefault("OMP_NUM_THREADS", "1")  # one intra-op thread per rank unless told
+        env.update(PEERCKPT_JOB=self.job, PEERCKPT_SECRET=self._secret.hex(), **extra)
+        return env
+
+    def _spawn(self, argv: list[str], env: dict[str, str], ready: bool) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if ready else None,
+            start_new_session=True,
+        )
+
+    def _await_ready(self, proc: subprocess.Popen[bytes], what: str) -> dict[str, Any]:
+        assert proc.stdout is not None
+        result: dict[str, Any] = {}
+
+        def read(stream: IO[bytes]) -> None:
+            line = stream.readline().decode()
+            if line.startswith("READY "):
+                result.update(json.loads(line[6:]))
+
+        reader = threading.Thread(target=read, args=(proc.stdout,), daemon=True)
+        reader.start()
+        reader.join(_READY_TIMEOUT_S)
+        if not result:
+            raise PeerckptError(
+                f"the {what} did not start (exit status {proc.poll()}); see its log above"
+            )
+        return result
+
+    def start(self) -> None:
+        spec, py = self.spec, sys.executable
+        world = spec.nodes * spec.nproc_per_node
+        argv = [
+            py,
+            "-m",
+            "peerckpt.recovery.coordinator",
+            "--job",
+            self.job,
+            "--world-size",
+            str(world),
+            "--heartbeat-timeout",
+            str(spec.heartbeat_timeout),
+        ]
+        if spec.replicas is not None:
+            argv += ["--replicas", str(spec.replicas)]
+        self.coordinator = self._spawn(argv, self._env(), ready=True)
+        address = self._await_ready(self.coordinator, "coordinator")["address"]
+        self.rpc = RpcClient(address, self._secret, self.job)
+        total_nodes = spec.nodes + (1 if spec.spares else 0)
+        for n in range(total_nodes):
+            sock = os.path.join(self.rundir, f"node{n}.sock")
+            argv = [
+                py,
+                "-m",
+                "peerckpt.replication.agent",
+                "--job",
+                self.job,
+                "--node",
+                str(n),
+                "--coordinator",
+                address,
+                "--socket",
+                sock,
+            ]
+            if n >= spec.nodes:
+                argv.append("--spare-node")
+            self.nodes[n] = Node(n, self._spawn(argv, self._env(), ready=True), sock)
+        for node in self.nodes.values():
+            self._await_ready(node.agent, f"agent of node {node.index}")
+        script = [py, spec.script, *spec.args]
+        for n in range(spec.nodes):
+            for local in range(spec.nproc_per_node):
+                rank = n * spec.nproc_per_node + local
+                env = self._env(
+                    PEERCKPT_AGENT=self.nodes[n].socket,
+                    PEERCKPT_NODE=str(n),
+                    PEERCKPT_ROLE="rank",
+                    RANK=str(rank),
+                    LOCAL_RANK=str(local),
+                    WORLD_SIZE=str(world),
+                )
+                self.nodes[n].procs.append(self._spawn(script, env, ready=False))
+        if spec.spares:
+            spare_node = self.nodes[spec.nodes]
+            for _ in range(spec.spares):
+                env = self._env(
+                    PEERCKPT_AGENT=spare_node.socket,
+                    PEERCKPT_NODE=str(spec.nodes),
+                    PEERCKPT_ROLE="spare",
+                    WORLD_SIZE=str(world),
+                )
+                spare_node.procs.append(self._spawn(script, env, ready=False))
+        log.info(
+            "job %s: %d node(s) × %d rank(s), %d spare(s); coordinator %s",
+            self.job,
+            spec.nodes,
+            spec.nproc_per_node,
+            spec.spares,
+            address,
+        )
+
+    # -- faults (the chaos monkey's target) -----------------------------------------------
+    def kill_pid(self, pid: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def kill_node(self, node: int) -> None:
+        with self._lock:
+            target = self.nodes[node]
+            target.alive = False
+            for proc in [target.agent, *target.procs]:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGKILL)
+            for proc in [target.agent, *target.procs]:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5.0)
+        sweep(self.job, node)  # the node's memory is gone with it
+
+    # -- running --------------------------------------------------------------------------
+    def run(self) -> JobResult:
+        start = time.time()
+        monkey: ChaosMonkey | None = None
+        state, reason = "failed", ""
+        events: list[dict[str, Any]] = []
+        previous = (
+            {
+                sig: signal.signal(sig, lambda s, f: self._interrupted.set())
+                for sig in (signal.SIGINT, signal.SIGTERM)
+            }
+            if threading.current_thread() is threading.main_thread()
+            else {}
+        )
+        try:
+            self.start()
+            assert self.rpc is not None
+            monkey = ChaosMonkey(self.actions, self.rpc, self)
+            monkey.start()
+            state, reason, events = self._watch()
+        except PeerckptError as exc:
+            reason = str(exc)
+            log.error("%s", exc)
+        finally:
+            if monkey is not None:
+                monkey.stop()
+            self.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if self._interrupted.is_set():
+            state, reason = "interrupted", "stopped by a signal (Ctrl-C)"
+        code = {"succeeded": 0, "interrupted": 130}.get(state, 1)
+        result = JobResult(
+            self.job,
+            code, state, reason, events, monkey.fired if monkey else [], time.time() - start
+        )
+        if self.spec.report:
+            with open(self.spec.report, "w") as f:
+                json.dump(result.__dict__, f, indent=2, default=str)
+        return result
+
+    def _watch(self) -> tuple[str, str, list[dict[str, Any]]]:
+        assert self.rpc is not None and self.coordinator is not None
+        status: dict[str, Any] = {"state": "starting", "reason": "", "events": []}
+        while not self._interrupted.wait(0.05):
+            if self.coordinator.poll() is not None:
+                return "failed", "the coordinator exited unexpectedly", status.get("events", [])
+            try:
+                status = self.rpc.call("Status", timeout=5.0)
+            except PeerckptError as exc:
+                log.warning("coordinator status: %s", exc)
+                continue
+            if status["state"] in ("succeeded", "failed", "stopped"):
+                return status["state"], status["reason"], status["events"]
+        return "interrupted", "stopped by a signal", status.get("events", [])
+
+    def stop(self) -> None:
+        """Stop every process of the job and remove its files. Idempotent."""
+        if self.rpc is not None:
+            with contextlib.suppress(PeerckptError):
+                self.rpc.call("Stop", timeout=2.0, reason="the launcher is stopping the job")
+        procs = [p for node in self.nodes.values() for p in node.procs]
+        agents = [node.agent for node in self.nodes.values()]
+        _wait_all(procs, 20.0)
+        _wait_all(agents, 10.0)
+        if self.coordinator is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.coordinator.terminate()
+            _wait_all([self.coordinator], 5.0)
+        for proc in [*procs, *agents, *([self.coordinator] if self.coordinator else [])]:
+            if proc.poll() is None:
+                log.warning("pid %d did not stop in time; killing it", proc.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5.0)
+            if proc.stdout is not None:
+                proc.stdout.close()
+        if self.rpc is not None:
+            self.rpc.close()
+            self.rpc = None
+        removed = sweep(self.job)
+        if removed:
+            log.info("removed %d shared-memory file(s) left by killed processes", len(removed))
+        shutil.rmtree(self.rundir, ignore_errors=True)
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def format_report(result: JobResult) -> str:
+    """A short human report: the job's end and, per failure, detection and recovery."""
+    lines = [
+        f"job {result.state} in {result.wall_s:.1f} s"
+        + (f": {result.reason}" if result.reason else "")
+    ]
+    fired = [f for f in result.chaos if f.get("fired_at")]
+    for i, event in enumerate(result.events):
+        cause = fired[i] if i < len(fired) else None
+        t0 = cause["fired_at"] if cause else event["detected_at"]
+        what = cause["action"] if cause else f"{event['kind']} failure ({event['reason']})"
+        detect = event["detected_at"] - t0
+        resumed = event.get("resumed_at")
+        recover = f"{resumed - t0:.2f} s" if resumed else "not completed"
+        lines.append(
+            f"- {what}: detected after {detect * 1000:.0f} ms, every rank stepping again after "
+            f"{recover}; restored step {event.get('restore_step')}"
+        )
+        for pull in sorted(event.get("pulls", []), key=lambda p: p["rank"]):
+            src = (
+                "its own node (no network)"
+                if pull["source"] == pull["node"]
+                else f"node {pull['source']}"
+            )
+            lines.append(
+                f"    rank {pull['rank']} on node {pull['node']}: {pull['bytes']} bytes from {src} "
+                f"in {pull['seconds'] * 1000:.1f} ms"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,476 @@
+"""The rank runtime: one per training process, driving the decorated function through epochs.
+
+State machine (``RankState``; every change goes through ``_become``)::
+
+    SPARE ──assigned──▶ JOINING ◀──epoch── WAITING
+                          │ process group up
+                          ▼
+    ABORTING ◀──notice── RUNNING ──function returned──▶ FINISHED ──shutdown──▶ EXITED
+       │                   ▲  │                            │
+       └──next epoch──▶ JOINING  └──error──▶ FAILED        └──notice──▶ ABORTING
+
+An *abort notice* (a new epoch from the coordinator, relayed by the agent) cuts this rank's
+process-group connections at once, so a collective blocked on a dead peer raises within
+milliseconds. The function's frame unwinds, the group is destroyed, and the function is
+called again in the same process for the new epoch; ``ctx.track`` restores the committed
+step from the rank's own slot (or from what the agent pulled from a peer).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
+from peerckpt.runtime import capture, ddp
+from peerckpt.runtime.channel import AgentChannel
+from peerckpt.runtime.env import LaunchEnv, RankFilter
+from peerckpt.runtime.pg import ProcessGroupLifecycle
+from peerckpt.runtime.snapshot import SnapshotEngine
+
+from peerckpt.errors import MembershipChanged, PeerckptError, StateMismatch
+
+log = logging.getLogger("peerckpt.rank")
+
+
+class RankState(enum.Enum):
+    SPARE = "spare"
+    WAITING = "waiting"
+    JOINING = "joining"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTING = "aborting"
+    FAILED = "failed"
+    EXITED = "exited"
+
+
+_ALLOWED = {
+    RankState.SPARE: {RankState.JOINING, RankState.EXITED},
+    RankState.WAITING: {RankState.JOINING, RankState.EXITED, RankState.FAILED},
+    RankState.JOINING: {RankState.RUNNING, RankState.ABORTING, RankState.FAILED, RankState.EXITED},
+    RankState.RUNNING: {RankState.FINISHED, RankState.ABORTING, RankState.FAILED, RankState.EXITED},
+    RankState.FINISHED: {RankState.ABORTING, RankState.EXITED, RankState.FAILED},
+    RankState.ABORTING: {RankState.JOINING, RankState.ABORTING, RankState.EXITED, RankState.FAILED},
+    RankState.FAILED: {RankState.EXITED},
+    RankState.EXITED: set(),
+}
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What this process is in one epoch, and what it restores."""
+
+    epoch: int
+    rank: int
+    world_size: int
+    local_rank: int
+    node: int
+    store_addr: str
+    restore_step: int | None
+    restore_slot: int | None
+    restore_path: str | None
+    chunks: list[ChunkRecord]
+    pulled: dict[str, Any] | None
+
+
+class Shutdown(Exception):
+    """The job ended while this process waited."""
+
+
+class RankRuntime:
+    """Runs a resilient function in this process, epoch after epoch."""
+
+    def __init__(
+        self,
+        env: LaunchEnv,
+        replicas: int | None = None,
+        pg_timeout_s: float = 1800.0,
+        suspect_s: float = 15.0,
+    ) -> None:
+        self.env = env
+        self.suspect_s = suspect_s
+        self.state = RankState.SPARE if env.role == "spare" else RankState.WAITING
+        self._cond = threading.Condition()
+        self._latest_epoch = -1
+        self._assignments: dict[int, Assignment] = {}
+        self._shutdown: dict[str, Any] | None = None
+        self.assignment: Assignment | None = None
+        self.tracked: dict[str, Any] = {}
+        self._restored: dict[str, Any] | None = None
+        self._hooks: list[Any] = []
+        self._resumed_sent = False
+        self._initial_rng = capture.capture_rng()
+        self.step: int | None = None
+        RankFilter.runtime = self
+        self.channel = AgentChannel(
+            env.agent_socket, env.secret, env.job, env.role, env.rank, self._on_event, replicas
+        )
+        self.pg = ProcessGroupLifecycle(env.job, pg_timeout_s)
+        self.engine = SnapshotEngine(self.channel)
+        self._stop = threading.Event()
+        self._watchdog = threading.Thread(
+            target=self._watch_parent, name="peerckpt-watchdog", daemon=True
+        )
+        self._watchdog.start()
+
+    # -- events from the agent (reader thread) ---------------------------------------------
+    def _on_event(self, event: dict[str, Any]) -> None:
+        kind = event["type"]
+        if kind == "abort":
+            self._abort(event["epoch"])
+        elif kind == "epoch":
+            with self._cond:
+                self._assignments[event["epoch"]] = _assignment(event)
+                self._latest_epoch = max(self._latest_epoch, event["epoch"])
+                self._cond.notify_all()
+        elif kind == "commit":
+            self.engine.on_commit(event["epoch"], event["step"])
+        elif kind == "shutdown":
+            self.channel.expect_close()
+            with self._cond:
+                self._shutdown = event
+                self._cond.notify_all()
+            self.engine.abort()
+            if self.state in (RankState.RUNNING, RankState.JOINING):
+                self.pg.abort()
+        elif kind == "agent_lost":
+            with self._cond:
+                if self._shutdown is not None:
+                    return
+            log.error("the node agent is gone (node lost); this rank process exits")
+            os._exit(70)
+
+    def _abort(self, epoch: int) -> None:
+        with self._cond:
+            self._latest_epoch = max(self._latest_epoch, epoch)
+            current = self.assignment.epoch if self.assignment else -1
+            if epoch <= current or self.state not in (
+                RankState.JOINING,
+                RankState.RUNNING,
+                RankState.FINISHED,
+            ):
+                self._cond.notify_all()
+                return
+            self._become(RankState.ABORTING)
+            self._cond.notify_all()
+        self.engine.abort()
+        self.pg.abort()
+
+    def _become(self, state: RankState) -> None:
+        if state not in _ALLOWED[self.state]:
+            raise RuntimeError(f"rank runtime cannot go from {self.state.name} to {state.name}")
+        log.debug("state %s → %s", self.state.name, state.name)
+        self.state = state
+
+    def _watch_parent(self) -> None:
+        parent = os.getppid()
+        while not self._stop.wait(0.5):
+            if os.getppid() != parent:
+                log.error("the launcher is gone; this rank process exits")
+                os._exit(71)
+
+    # -- the epoch loop ---------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        from peerckpt.runtime.api import Context
+
+        result = None
+        if self.state is RankState.SPARE:
+            self._warm_up()
+        try:
+            while True:
+                try:
+                    assignment = self._next_assignment()
+                except Shutdown:
+                    break
+                try:
+                    self._join(assignment)
+                    result = fn(Context(self, assignment), *args, **kwargs)
+                    self._finish()
+                except BaseException as exc:
+                    if self._superseded(exc):
+                        log.warning(
+                            "epoch %d ended by a membership change (%s)",
+                            assignment.epoch,
+                            _short(exc),
+                        )
+                        self._leave()
+                        continue
+                    if self._shutdown is not None and isinstance(exc, Exception):
+                        log.error("the job was stopped: %s", self._shutdown.get("reason") or "-")
+                        raise SystemExit(1) from None
+                    self._fail(exc)
+                    raise
+                if self._await_end():
+                    break
+                self._leave()
+        finally:
+            self.close()
+        if self.assignment is None:
+            raise SystemExit(0)  # a spare that was never needed: nothing of the script runs
+        return result
+
+    def _warm_up(self) -> None:
+        """A spare pays, while it waits, the one-time costs a replacement would otherwise add
+        to the recovery: DDP's first construction imports torch._dynamo (1.7 s measured here),
+        and the first backward pass starts autograd's worker."""
+        import importlib
+
+        started = time.perf_counter()
+        for module in ("torch._dynamo", "torch.nn.parallel", "torch.distributed.algorithms"):
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                pass
+        x = torch.ones(2, requires_grad=True)
+        (x * 2).sum().backward()
+        log.info("spare warmed up in %.2f s", time.perf_counter() - started)
+
+    def _next_assignment(self) -> Assignment:
+        with self._cond:
+            while True:
+                if self._shutdown is not None:
+                    raise Shutdown()
+                current = self.assignment.epoch if self.assignment else -1
+                if self._latest_epoch > current and self._latest_epoch in self._assignments:
+                    return self._assignments.pop(self._latest_epoch)
+                self._cond.wait()
+
+    def _join(self, assignment: Assignment) -> None:
+        with self._cond:
+            self._become(RankState.JOINING)
+            self.assignment = assignment
+            self.tracked, self._restored, self._resumed_sent = {}, None, False
+        os.environ.update(
+            RANK=str(assignment.rank),
+            WORLD_SIZE=str(assignment.world_size),
+            LOCAL_RANK=str(assignment.local_rank),
+        )
+        self.engine.begin_epoch(
+            assignment.epoch,
+            assignment.rank,
+            assignment.restore_slot,
+            assignment.restore_step,
+            assignment.restore_path,
+        )
+        if assignment.restore_step is None:
+            capture.restore_rng(self._initial_rng)  # a fresh start begins where the first did
+        log.info(
+            "joining epoch %d as rank %d of %d (restore step %s)",
+            assignment.epoch,
+            assignment.rank,
+            assignment.world_size,
+            assignment.restore_step,
+        )
+        self.pg.join(
+            assignment.epoch,
+            assignment.store_addr,
+            assignment.rank,
+            assignment.world_size,
+            hosts=set(),
+        )
+        with self._cond:
+            if self.state is RankState.JOINING and self._latest_epoch <= assignment.epoch:
+                self._become(RankState.RUNNING)
+                return
+        raise MembershipChanged(f"epoch {assignment.epoch} ended while its group formed")
+
+    def _superseded(self, exc: BaseException) -> bool:
+        """Was ``exc`` caused by a membership change (now or within the suspect window)?"""
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            return False
+        deadline = time.monotonic() + (self.suspect_s if _looks_like_comm_error(exc) else 0.0)
+        with self._cond:
+            while True:
+                current = self.assignment.epoch if self.assignment else -1
+                if self._latest_epoch > current or self.state is RankState.ABORTING:
+                    return True
+                if self._shutdown is not None:
+                    return False
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+
+    def _leave(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self.tracked = {}
+        self.pg.leave()
+        with self._cond:
+            if self.state is not RankState.ABORTING:
+                self._become(RankState.ABORTING)
+
+    def _finish(self) -> None:
+        assert self.assignment is not None
+        self.engine.wait_copy()
+        if self.step is not None:
+            self.engine.wait_committed(self.step, timeout=self.suspect_s * 4)
+        with self._cond:
+            if self.state is not RankState.RUNNING:
+                raise MembershipChanged("membership changed as the function returned")
+            self._become(RankState.FINISHED)
+        self.channel.notify("done", epoch=self.assignment.epoch, rank=self.assignment.rank)
+
+    def _await_end(self) -> bool:
+        """After the function returned: True when the job ended, False for a new epoch."""
+        with self._cond:
+            while True:
+                if self._shutdown is not None:
+                    return True
+                if self.state is RankState.ABORTING:
+                    return False
+                self._cond.wait()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            if self.state not in (RankState.FAILED, RankState.EXITED):
+                self._become(RankState.FAILED)
+        if self.assignment is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            try:
+                self.channel.notify(
+                    "error",
+                    epoch=self.assignment.epoch,
+                    rank=self.assignment.rank,
+                    message=f"{type(exc).__name__}: {exc}"[:2000],
+                )
+            except PeerckptError:
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self.engine.close()
+        self.pg.leave()
+        with self._cond:
+            if self.state is not RankState.EXITED:
+                self.state = RankState.EXITED
+        self.channel.close()
+        self._watchdog.join(timeout=1.0)
+
+    # -- what Context calls ----------------------------------------------------------------
+    def check(self) -> None:
+        """Raise MembershipChanged if this epoch has ended (called at step boundaries)."""
+        with self._cond:
+            if self.state is RankState.ABORTING or self._shutdown is not None:
+                raise MembershipChanged("the job's membership changed")
+
+    def track(self, state: dict[str, Any]) -> None:
+        assert self.assignment is not None
+        clash = sorted(set(state) & set(self.tracked))
+        if clash:
+            raise StateMismatch(f"ctx.track got {clash} twice in one epoch; track each name once")
+        self.check()
+        self.tracked.update(state)
+        for obj in state.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                self._hooks.append(obj.register_step_pre_hook(self._before_optimizer_step))
+            elif isinstance(obj, torch.nn.Module) and any(True for _ in obj.buffers()):
+                self._hooks.append(obj.register_forward_pre_hook(self._before_forward))
+        a = self.assignment
+        if a.restore_step is None or a.restore_slot is None:
+            return
+        meta = capture.restore(
+            state, self.engine.slot_tensor(a.restore_slot), a.chunks, self.tracked
+        )
+        ddp.apply_layouts(state, meta.get("ddp", {}))
+        self._restored = meta
+        log.info("restored %s from step %d", sorted(state), meta["step"])
+
+    def _before_optimizer_step(self, *args: Any) -> None:
+        self.engine.wait_copy()
+
+    def _before_forward(self, *args: Any) -> None:
+        self.engine.wait_copy()
+
+    def steps(self, total: int) -> Iterator[int]:
+        assert self.assignment is not None
+        a = self.assignment
+        start = 0
+        if a.restore_step is not None:
+            if self._restored is None:
+                raise StateMismatch(
+                    f"epoch {a.epoch} restores step {a.restore_step}, but nothing was tracked: "
+                    "call ctx.track(model=…, optim=…) before ctx.steps()"
+                )
+            capture.restore_rng(self._restored["rng"])
+            start = a.restore_step + 1
+        self._resumed(start)
+        for step in range(start, total):
+            self.check()
+            self.step = step
+            yield step
+            self.check()
+            extra = {"ddp": ddp.layouts_of(self.tracked)}
+            self.engine.take(step, capture.capture(self.tracked, step, extra))
+
+    def _resumed(self, start: int) -> None:
+        if self._resumed_sent or self.assignment is None:
+            return
+        self._resumed_sent = True
+        self.channel.notify(
+            "resumed", epoch=self.assignment.epoch, rank=self.assignment.rank, step=start
+        )
+
+
+def _assignment(event: dict[str, Any]) -> Assignment:
+    restore = event.get("restore") or {}
+    chunks = []
+    if restore and "body" in event:
+        chunks = list(SnapshotManifest.from_msg(event["body"]).chunks)
+    return Assignment(
+        epoch=event["epoch"],
+        rank=event["rank"],
+        world_size=event["world_size"],
+        local_rank=event["local_rank"],
+        node=event["node"],
+        store_addr=event["store_addr"],
+        restore_step=restore.get("step"),
+        restore_slot=restore.get("slot"),
+        restore_path=restore.get("path"),
+        chunks=chunks,
+        pulled=restore or None,
+    )
+
+
+def _looks_like_comm_error(exc: BaseException) -> bool:
+    if isinstance(exc, MembershipChanged):
+        return True
+    text = f"{type(exc).__name__} {exc}".lower()
+    return any(
+        s in text
+        for s in ("gloo", "connection", "timed out", "distbackenderror", "nccl", "peer", "socket")
+    )
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) < 160 else text[:157] + "..."
+
+
+def configure_logging(level: str | None = None) -> None:
+    """Give peerckpt's records rank, epoch and step; keep the user's handlers alone."""
+    logger = logging.getLogger("peerckpt")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(RankFilter())
+    handler.setFormatter(
+        logging.Formatter(
+            "%(asctime)s peerckpt[rank=%(rank)s epoch=%(epoch)s step=%(step)s] "
+            "%(levelname)s %(message)s"
+        )
+    )
+    logger.addHandler(handler)
+    logger.setLevel(level or os.environ.get("PEERCKPT_LOG_LEVEL", "INFO"))
+    logger.propagate = False

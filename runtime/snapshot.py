@@ -1,0 +1,232 @@
+"""The snapshot copy engine: captured state → the rank's free slot, in the background.
+
+Each rank has two slots (ping-pong). The slot holding the last committed step is never
+written; a snapshot goes to the other one, and only once the previous snapshot has been
+committed, so at most one snapshot per rank is in flight. The copy runs on a named thread
+(torch's copy releases the GIL); the training loop blocks only in ``wait_copy``, which the
+runtime calls from an optimizer step pre-hook: the optimizer must not change state that is
+still being copied.
+
+When the copy is done the engine tells the agent, which checksums and replicates the slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
+from peerckpt.replication.arena import map_segment
+from peerckpt.runtime.capture import Captured, layout, write_slot
+from peerckpt.runtime.channel import AgentChannel
+
+from peerckpt.errors import MembershipChanged
+
+log = logging.getLogger("peerckpt.snapshot")
+
+
+class MappedSlot:
+    """A slot segment mapped into this process, as a uint8 tensor (no copy)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._mm = map_segment(path)
+        self.size = len(self._mm)
+        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    def close(self) -> None:
+        del self.tensor
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the mapping goes with it
+
+
+@dataclass
+class _Job:
+    epoch: int
+    step: int
+    captured: Captured
+
+
+class SnapshotEngine:
+    """Owns the rank's mapped slots and the copy thread."""
+
+    def __init__(self, channel: AgentChannel) -> None:
+        self._channel = channel
+        self._cond = threading.Condition()
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._slots: dict[int, MappedSlot] = {}
+        self._layout_key: tuple[object, ...] | None = None
+        self._layout: tuple[list[ChunkRecord], int] | None = None
+        self.epoch = -1
+        self.rank = -1
+        self.committed_index: int | None = None
+        self.committed_step: int | None = None
+        self._awaiting: tuple[int, int] | None = None  # (slot, step) written, not committed
+        self._busy = False
+        self._aborted = False
+        self._error: BaseException | None = None
+        self.stall_s = 0.0
+        self._thread = threading.Thread(
+            target=self._run, name="peerckpt-snapshot-copy", daemon=True
+        )
+        self._thread.start()
+
+    # -- epochs ---------------------------------------------------------------------------
+    def begin_epoch(
+        self,
+        epoch: int,
+        rank: int,
+        committed_index: int | None,
+        committed_step: int | None,
+        committed_path: str | None,
+    ) -> None:
+        with self._cond:
+            while self._busy:
+                self._cond.wait(0.1)
+            self.epoch, self.rank = epoch, rank
+            self.committed_index, self.committed_step = committed_index, committed_step
+            self._awaiting, self._aborted, self._error = None, False, None
+            if committed_index is not None and committed_path is not None:
+                current = self._slots.get(committed_index)
+                if current is None or current.path != committed_path:
+                    self._remap(committed_index, committed_path)
+            elif committed_index is None:
+                # Fresh start: the agent may have dropped our slots; ask again on first use.
+                for index in list(self._slots):
+                    self._slots.pop(index).close()
+
+    def slot_tensor(self, index: int) -> torch.Tensor:
+        return self._slots[index].tensor
+
+    def abort(self) -> None:
+        """The epoch ended: drop queued work and wake every waiter."""
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+
+    def on_commit(self, epoch: int, step: int) -> None:
+        with self._cond:
+            if epoch == self.epoch and self._awaiting is not None and self._awaiting[1] == step:
+                self.committed_index, self.committed_step = self._awaiting
+                self._awaiting = None
+                self._cond.notify_all()
+
+    # -- the training loop's side ---------------------------------------------------------
+    def take(self, step: int, captured: Captured) -> None:
+        """Queue a snapshot of ``step``; returns at once unless the previous copy still runs."""
+        self.wait_copy()
+        with self._cond:
+            self._busy = True
+        self._queue.put(_Job(self.epoch, step, captured))
+
+    def wait_copy(self) -> None:
+        """Block until no copy is in flight. Raise if the epoch ended or the copy failed."""
+        with self._cond:
+            if self._busy:
+                start = time.perf_counter()
+                while self._busy and not self._aborted:
+                    self._cond.wait()
+                self.stall_s += time.perf_counter() - start
+            self._raise_pending()
+
+    def wait_committed(self, step: int, timeout: float) -> bool:
+        """Wait until ``step`` (or a later one) is committed."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.committed_step is None or self.committed_step < step:
+                self._raise_pending()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        if self._aborted:
+            raise MembershipChanged(f"epoch {self.epoch} ended")
+
+    def close(self) -> None:
+        self.abort()
+        self._queue.put(None)
+        self._thread.join(timeout=5.0)
+        for slot in self._slots.values():
+            slot.close()
+        self._slots.clear()
+
+    # -- the copy thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._write(job)
+            except MembershipChanged:
+                pass
+            except BaseException as exc:  # handed to the training loop at its next wait
+                log.exception("snapshot of step %d failed", job.step)
+                with self._cond:
+                    self._error = exc
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _write(self, job: _Job) -> None:
+        with self._cond:
+            while self._awaiting is not None and not self._aborted and job.epoch == self.epoch:
+                self._cond.wait()
+            if self._aborted or job.epoch != self.epoch:
+                raise MembershipChanged("epoch ended before the snapshot could be written")
+            target = 0 if self.committed_index is None else 1 - self.committed_index
+        chunks, used = self._chunks(job.captured)
+        slot = self._ensure_slot(target, used)
+        write_slot(slot.tensor, chunks, job.captured)
+        manifest = SnapshotManifest(self.rank, job.step, job.epoch, tuple(chunks), used)
+        with self._cond:
+            if self._aborted or job.epoch != self.epoch:
+                raise MembershipChanged("epoch ended during the snapshot copy")
+            self._awaiting = (target, job.step)
+        self._channel.notify(
+            "snapshot",
+            body=manifest.to_msg(),
+            epoch=job.epoch,
+            rank=self.rank,
+            step=job.step,
+            slot=target,
+        )
+
+    def _chunks(self, captured: Captured) -> tuple[list[ChunkRecord], int]:
+        key = (*((k, t.dtype, tuple(t.shape)) for k, t in captured.tensors), len(captured.blob))
+        if key != self._layout_key:
+            self._layout = layout(captured.tensors, len(captured.blob))
+            self._layout_key = key
+        assert self._layout is not None
+        return self._layout
+
+    def _ensure_slot(self, index: int, used: int) -> MappedSlot:
+        slot = self._slots.get(index)
+        if slot is None or slot.size < used:
+            capacity = used + (64 << 10) + used // 64
+            reply = self._channel.request(
+                "alloc", epoch=self.epoch, rank=self.rank, slot=index, nbytes=capacity
+            )
+            slot = self._remap(index, reply["path"])
+        return slot
+
+    def _remap(self, index: int, path: str) -> MappedSlot:
+        old = self._slots.pop(index, None)
+        if old is not None:
+            old.close()
+        slot = MappedSlot(path)
+        self._slots[index] = slot
+        return slot

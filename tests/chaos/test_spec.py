@@ -1,0 +1,32 @@
+"""Parsing chaos specs."""
+
+from __future__ import annotations
+
+import pytest
+
+from peerckpt.chaos.spec import ChaosAction, parse_chaos
+from peerckpt.errors import ConfigurationError
+
+
+def test_rank_and_node_kills_parse_in_order() -> None:
+    actions = parse_chaos("kill rank=2 at=30; kill node=1 at=60;")
+    assert actions == [
+        ChaosAction("kill_rank", 2, 30, "kill rank=2 at=30"),
+        ChaosAction("kill_node", 1, 60, "kill node=1 at=60"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("explode rank=1 at=2", "unknown action"),
+        ("kill rank=1", "exactly one of rank= or node=, and at="),
+        ("kill rank=1 node=2 at=3", "exactly one of"),
+        ("kill rank=x at=3", "rank must be an integer"),
+        ("kill rank=1 at=3 at=4", "bad field 'at=4'"),
+        ("kill rank=-1 at=3", "must be ≥ 0"),
+    ],
+)
+def test_bad_clauses_are_named_with_the_grammar(spec: str, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        parse_chaos(spec)

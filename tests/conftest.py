@@ -1,0 +1,146 @@
+"""Shared test helpers: leak checks around every test and a runner for local jobs.
+
+Every test ends with no peerckpt process and no /dev/shm/peerckpt-* file left behind. The
+autouse fixture asserts it (the test fails if something leaked) and then removes whatever is
+there, so that one broken test cannot poison the next.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import itertools
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+JOBS = REPO / "tests" / "jobs"
+# Every job and arena a test creates is named with this session's prefix, so the leak check
+# sees exactly what this test session started (and not, say, a demo running beside it).
+PREFIX = "pt" + secrets.token_hex(3)
+SHM_GLOB = f"/dev/shm/peerckpt-{PREFIX}*"
+_names = itertools.count()
+
+
+def job_name() -> str:
+    """A fresh job name inside this session's prefix."""
+    return f"{PREFIX}-{next(_names)}"
+
+
+def _job_processes() -> list[psutil.Process]:
+    """Every live process of a job this session started (PEERCKPT_JOB has our prefix)."""
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        try:
+            job = proc.environ().get("PEERCKPT_JOB", "")
+            if job.startswith(PREFIX) and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Any:
+    """Fail a test that leaves a job process or a shared-memory file behind."""
+    yield
+    deadline = time.monotonic() + 5.0  # processes told to exit may take a moment
+    procs, files = _job_processes(), glob.glob(SHM_GLOB)
+    while (procs or files) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        procs, files = _job_processes(), glob.glob(SHM_GLOB)
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    for path in files:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    assert not procs, f"leaked processes: {[p.pid for p in procs]}"
+    assert not files, f"leaked shared-memory files: {files}"
+
+
+@dataclass
+class JobRun:
+    """A finished ``peerckpt run``: exit code, its JSON report, output dir and log."""
+
+    returncode: int
+    report: dict[str, Any]
+    out: Path
+    log: str
+
+    def digests(self) -> dict[tuple[int, int], set[str]]:
+        """(rank, step) → every digest any process recorded for it (re-executions included)."""
+        found: dict[tuple[int, int], set[str]] = {}
+        for path in sorted(self.out.glob("rank*.jsonl")):
+            rank = int(path.stem[4:])
+            for line in path.read_text().splitlines():
+                entry = json.loads(line)
+                found.setdefault((rank, entry["step"]), set()).add(entry["digest"])
+        return found
+
+    def final(self) -> dict[str, Any]:
+        result: dict[str, Any] = json.loads((self.out / "final.json").read_text())
+        return result
+
+
+def launch(
+    out: Path,
+    script: str = "ddp_job.py",
+    script_args: list[str] | None = None,
+    *,
+    nodes: int = 2,
+    nproc: int = 2,
+    spares: int = 0,
+    chaos: str = "",
+    extra: list[str] | None = None,
+) -> subprocess.Popen[str]:
+    """Start ``peerckpt run`` on a job script in ``tests/jobs``; the caller waits for it."""
+    out.mkdir(parents=True, exist_ok=True)
+    argv = [
+        sys.executable, "-m", "peerckpt", "run", "--nodes", str(nodes),
+        "--nproc-per-node", str(nproc), "--spares", str(spares),
+        "--report", str(out / "report.json"), "--job", job_name(), *(extra or []),
+    ]
+    if chaos:
+        argv += ["--chaos", chaos]
+    argv += [str(JOBS / script), str(out), *(script_args or [])]
+    env = dict(os.environ, PEERCKPT_LOG_LEVEL=os.environ.get("PEERCKPT_LOG_LEVEL", "INFO"))
+    return subprocess.Popen(
+        argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+
+
+def run_job(out: Path, *args: Any, timeout: float = 240.0, **kwargs: Any) -> JobRun:
+    """Run a job to completion (bounded by ``timeout``) and collect what it left."""
+    proc = launch(out, *args, **kwargs)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGINT)  # the launcher cleans up on Ctrl-C
+        log, _ = proc.communicate(timeout=60)
+        pytest.fail(f"job did not finish in {timeout} s; log tail:\n{log[-4000:]}")
+    report_path = out / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else {}
+    return JobRun(proc.returncode, report, out, log)
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
+    """One fault-free run of the DDP job, shared by every chaos test that compares bits."""
+    run = run_job(tmp_path_factory.mktemp("reference"), script_args=["--steps", "30"])
+    assert run.returncode == 0, run.log[-4000:]
+    return run

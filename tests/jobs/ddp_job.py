@@ -1,0 +1,105 @@
+"""A small DDP job for the multi-process tests: a tiny transformer LM with dropout, AdamW,
+a resumable data loader, and a record of the model+optimizer digest after every step.
+
+usage: ddp_job.py OUT_DIR [--steps N] [--sleep S] [--slow-rank R --slow-s S]
+                 [--raise-rank R --raise-at STEP] [--pg-timeout S]
+Each rank appends ``{"step", "epoch", "digest", "loss"}`` lines to OUT_DIR/rank<r>.jsonl and
+rank 0 writes OUT_DIR/final.json at the end.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import time
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+import peerckpt
+
+
+class Tokens:
+    """Random tokens from a fixed seed, read in order; resumable through state_dict."""
+
+    def __init__(self, rank: int, batch: int = 4, seq: int = 16) -> None:
+        g = torch.Generator().manual_seed(1234 + rank)
+        self.data = torch.randint(0, 64, (4096,), generator=g)
+        self.batch, self.seq, self.pos = batch, seq, 0
+
+    def next(self) -> torch.Tensor:
+        n = self.batch * (self.seq + 1)
+        if self.pos + n > len(self.data):
+            self.pos = 0
+        x = self.data[self.pos : self.pos + n].view(self.batch, self.seq + 1)
+        self.pos += n
+        return x
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = state["pos"]
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.1, batch_first=True)
+    return nn.Sequential(nn.Embedding(64, 32), nn.TransformerEncoder(layer, 2), nn.Linear(32, 64))
+
+
+def digest(model: nn.Module, optim: torch.optim.Optimizer) -> str:
+    h = hashlib.sha256()
+    for t in model.state_dict().values():
+        h.update(t.numpy().tobytes())
+    for state in optim.state_dict()["state"].values():
+        for v in state.values():
+            h.update(v.numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
+    return h.hexdigest()
+
+
+def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
+    model = DistributedDataParallel(build())
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = Tokens(ctx.rank)
+    ctx.track(model=model, optim=optim, data=data)
+    with open(os.path.join(args.out, f"rank{ctx.rank}.jsonl"), "a") as log:
+        run_steps(ctx, model, optim, data, log, args)
+    return digest(model, optim)
+
+
+def run_steps(ctx, model, optim, data, log, args) -> None:
+    for step in ctx.steps(args.steps):
+        x = data.next()
+        logits = model(x[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, 64), x[:, 1:].reshape(-1))
+        if ctx.rank == args.slow_rank:
+            time.sleep(args.slow_s)  # the other ranks wait for us inside the all-reduce
+        if ctx.rank == args.raise_rank and step == args.raise_at:
+            raise ValueError(f"injected failure at step {step}")
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        log.write(json.dumps({"step": step, "epoch": ctx.epoch, "digest": digest(model, optim),
+                              "loss": loss.item()}) + "\n")
+        log.flush()
+        if args.sleep:
+            time.sleep(args.sleep)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--slow-rank", type=int, default=-1)
+    parser.add_argument("--slow-s", type=float, default=0.0)
+    parser.add_argument("--raise-rank", type=int, default=-1)
+    parser.add_argument("--raise-at", type=int, default=-1)
+    parser.add_argument("--pg-timeout", type=float, default=1800.0)
+    args = parser.parse_args()
+    final = peerckpt.resilient(pg_timeout_s=args.pg_timeout)(train)(args)
+    if int(os.environ["RANK"]) == 0:
+        with open(os.path.join(args.out, "final.json"), "w") as f:
+            json.dump({"digest": final}, f)

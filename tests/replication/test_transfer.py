@@ -1,0 +1,96 @@
+"""Pushing replicas and pulling snapshots: checksums decide what may be restored from."""
+
+from __future__ import annotations
+
+import pytest
+
+from peerckpt.errors import ChecksumMismatch, RecoveryFailed, StaleEpoch
+from peerckpt.replication.restore import obtain_committed
+from peerckpt.replication.transfer import push
+from peerckpt.replication.wire import connect_tcp
+
+from .conftest import write_snapshot
+
+
+def _connect(peers, job):
+    name, secret = job
+    return lambda node: connect_tcp(peers[node].server.address, secret, name)
+
+
+def test_push_stores_a_verified_replica_byte_for_byte(peers, job) -> None:
+    slot = write_snapshot(peers[0].store, rank=5, step=7)
+    conn = _connect(peers, job)(1)
+    push(conn, 0, 5, slot.index, slot.manifest, slot.segment.view)
+    conn.close()
+    replica = peers[1].store.find(5, 7)
+    assert replica is not None and replica.kind == "replica"
+    used = slot.manifest.used_bytes
+    assert bytes(replica.segment.view[:used]) == bytes(slot.segment.view[:used])
+
+
+def test_a_replica_that_arrives_corrupted_is_refused_and_never_readable(peers, job) -> None:
+    slot = write_snapshot(peers[0].store, rank=5, step=7)
+    manifest = slot.manifest
+    slot.segment.view[10] ^= 0xFF  # the bytes no longer match the manifest's checksum
+    conn = _connect(peers, job)(1)
+    with pytest.raises(ChecksumMismatch, match="fails verification"):
+        push(conn, 0, 5, slot.index, manifest, slot.segment.view)
+    conn.close()
+    assert peers[1].store.find(5, 7) is None
+
+
+def test_a_push_from_an_older_epoch_is_fenced_off(peers, job) -> None:
+    slot = write_snapshot(peers[0].store, rank=1, step=2)
+    peers[1].epoch = 3
+    conn = _connect(peers, job)(1)
+    with pytest.raises(StaleEpoch, match="epoch 0 after epoch 3"):
+        push(conn, 0, 1, slot.index, slot.manifest, slot.segment.view)
+    conn.close()
+    assert peers[1].store.find(1, 2) is None
+
+
+def test_recovery_pulls_from_a_peer_and_verifies(peers, job) -> None:
+    original = write_snapshot(peers[0].store, rank=2, step=9)
+    got = obtain_committed(peers[2].store, 2, 1, rank=2, step=9, sources=[0], connect=_connect(peers, job))
+    assert got.source == 0 and got.nbytes == original.manifest.used_bytes
+    used = original.manifest.used_bytes
+    assert bytes(got.slot.segment.view[:used]) == bytes(original.segment.view[:used])
+    assert peers[2].store.find(2, 9) is got.slot
+
+
+def test_a_corrupted_replica_is_never_restored_from_another_copy_is_used(peers, job) -> None:
+    source = write_snapshot(peers[0].store, rank=3, step=4)
+    conn = _connect(peers, job)(1)
+    push(conn, 0, 3, source.index, source.manifest, source.segment.view)
+    conn.close()
+    peers[1].store.find(3, 4).segment.view[12345] ^= 0x01  # bit rot in node 1's replica
+    got = obtain_committed(
+        peers[2].store, 2, 1, rank=3, step=4, sources=[1, 0], connect=_connect(peers, job)
+    )
+    assert got.source == 0  # node 1 was tried first and refused
+    used = source.manifest.used_bytes
+    assert bytes(got.slot.segment.view[:used]) == bytes(source.segment.view[:used])
+
+
+def test_a_corrupted_local_slot_falls_back_to_a_peer(peers, job) -> None:
+    local = write_snapshot(peers[0].store, rank=0, step=6)
+    conn = _connect(peers, job)(1)
+    push(conn, 0, 0, local.index, local.manifest, local.segment.view)
+    conn.close()
+    expected = bytes(local.segment.view[: local.manifest.used_bytes])
+    local.segment.view[0] ^= 0x80
+    got = obtain_committed(peers[0].store, 0, 1, rank=0, step=6, sources=[0, 1], connect=_connect(peers, job))
+    assert got.source == 1
+    assert bytes(got.slot.segment.view[: got.manifest.used_bytes]) == expected
+    assert got.manifest.bad_chunks(got.slot.segment.view) == []  # repaired from the peer
+
+
+def test_when_every_copy_is_bad_recovery_fails_naming_each_source(peers, job) -> None:
+    local = write_snapshot(peers[0].store, rank=0, step=6)
+    conn = _connect(peers, job)(1)
+    push(conn, 0, 0, local.index, local.manifest, local.segment.view)
+    conn.close()
+    local.segment.view[0] ^= 0x80
+    peers[1].store.find(0, 6).segment.view[0] ^= 0x80
+    with pytest.raises(RecoveryFailed, match="node 0: .*fails verification.*node 1: .*fails verification"):
+        obtain_committed(peers[2].store, 2, 1, rank=0, step=6, sources=[0, 1], connect=_connect(peers, job))

@@ -1,0 +1,111 @@
+"""The wire protocol: authenticated handshakes and frames checked before they are read."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+import pytest
+
+from peerckpt.errors import AuthenticationError, FrameTooLarge, ProtocolError
+from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
+from peerckpt.replication.wire import (
+    MAGIC,
+    Connection,
+    client_handshake,
+    connect_tcp,
+    pack,
+    server_handshake,
+)
+
+
+def _pair() -> tuple[Connection, Connection]:
+    a, b = socket.socketpair()
+    return Connection(a, "server side"), Connection(b, "client side")
+
+
+def _serve(conn: Connection, secret: bytes, job: str, out: dict) -> None:
+    try:
+        out["hello"] = server_handshake(conn, secret, job)
+    except AuthenticationError as exc:
+        out["error"] = exc
+
+
+def test_handshake_with_the_right_secret_passes_the_client_fields() -> None:
+    server, client = _pair()
+    out: dict = {}
+    t = threading.Thread(target=_serve, args=(server, b"s" * 32, "job1", out))
+    t.start()
+    client_handshake(client, b"s" * 32, "job1", role="rank", pid=42)
+    t.join(5)
+    assert out["hello"]["role"] == "rank" and out["hello"]["pid"] == 42
+    server.close(), client.close()
+
+
+def test_wrong_secret_is_refused_on_both_sides_with_a_clear_error() -> None:
+    server, client = _pair()
+    out: dict = {}
+    t = threading.Thread(target=_serve, args=(server, b"right" * 8, "job1", out))
+    t.start()
+    with pytest.raises(AuthenticationError, match="job secret does not match.*PEERCKPT_SECRET"):
+        client_handshake(client, b"wrong" * 8, "job1")
+    t.join(5)
+    assert isinstance(out["error"], AuthenticationError)
+    assert "hello" not in out
+    server.close(), client.close()
+
+
+def test_another_jobs_client_is_refused() -> None:
+    server, client = _pair()
+    out: dict = {}
+    t = threading.Thread(target=_serve, args=(server, b"k" * 32, "job1", out))
+    t.start()
+    with pytest.raises(AuthenticationError, match="another job|job 'job1'"):
+        client_handshake(client, b"k" * 32, "job2")
+    t.join(5)
+    server.close(), client.close()
+
+
+def test_wrong_secret_against_a_real_data_server(peers, job) -> None:
+    name, _ = job
+    with pytest.raises(AuthenticationError, match="job secret does not match"):
+        connect_tcp(peers[0].server.address, b"not the secret" * 3, name)
+
+
+def test_bytes_that_are_not_a_frame_are_a_protocol_error() -> None:
+    server, client = _pair()
+    client.sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
+    with pytest.raises(ProtocolError, match="not a peerckpt process"):
+        server.recv_header()
+    server.close(), client.close()
+
+
+def test_oversized_header_is_rejected_before_reading_it() -> None:
+    server, client = _pair()
+    client.sock.sendall(struct.pack("!4sI", MAGIC, 1 << 30))
+    with pytest.raises(FrameTooLarge):
+        server.recv_header()
+    server.close(), client.close()
+
+
+def test_frame_larger_than_its_destination_is_rejected_before_any_payload(peers, job) -> None:
+    """A data frame that declares more bytes than the replica slot holds is refused at once.
+
+    The client sends only the header and no payload at all: if the server tried to read the
+    payload it would block, and the reply below would never come.
+    """
+    name, secret = job
+    conn = connect_tcp(peers[1].server.address, secret, name)
+    chunks = (ChunkRecord("__meta__", "uint8", (4096,), (0,), (4096,), 0, 4096, 0),)
+    manifest = SnapshotManifest(rank=0, step=3, epoch=0, chunks=chunks, used_bytes=4096)
+    conn.sock.settimeout(10)
+    reply = conn.request({"type": "push", "epoch": 0, "rank": 0, "slot": 0, "manifest": manifest.to_msg()})
+    assert reply["type"] == "ready"
+    header = pack({"type": "data", "off": 0, "len": 1 << 30})
+    conn.sock.sendall(struct.pack("!4sI", MAGIC, len(header)) + header)
+    error, _ = conn.recv_message()
+    assert error["type"] == "error" and error["code"] == "frame_too_large"
+    assert "destination holds" in error["message"]
+    assert peers[1].store.find(0, 3) is None  # nothing half-written is ever readable
+    conn.close()

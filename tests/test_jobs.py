@@ -1,0 +1,105 @@
+"""Whole local jobs, killed on purpose: recovery from peer memory, bit for bit.
+
+Each test runs ``peerckpt run`` on the DDP job of ``tests/jobs/ddp_job.py`` (2 nodes × 2 ranks)
+and compares the model and optimizer digest every rank recorded after every step — the steps
+re-executed after a restore included — with a fault-free run of the same job.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from .conftest import JOBS, REPO, JobRun, launch, run_job
+
+
+def _assert_bit_exact(run: JobRun, reference: JobRun, steps: int = 30) -> None:
+    expected, got = reference.digests(), run.digests()
+    assert set(got) == {(r, s) for r in range(4) for s in range(steps)}, "a step is missing"
+    for key, digests in got.items():
+        assert digests == expected[key], f"rank {key[0]} step {key[1]} differs from the fault-free run"
+    if steps == 30:
+        assert run.final() == reference.final()
+
+
+def test_fault_free_job_runs_every_step_with_identical_replicas(reference_run: JobRun) -> None:
+    digests = reference_run.digests()
+    assert len(digests) == 4 * 30
+    for step in range(30):  # DDP keeps every rank's model and optimizer identical
+        assert len({d for r in range(4) for d in digests[(r, step)]}) == 1
+    assert reference_run.report["state"] == "succeeded" and reference_run.report["events"] == []
+
+
+def test_a_killed_rank_is_replaced_by_a_spare_from_peer_memory(tmp_path, reference_run) -> None:
+    run = run_job(tmp_path, script_args=["--steps", "30"], spares=1, chaos="kill rank=2 at=10")
+    assert run.returncode == 0, run.log[-4000:]
+    _assert_bit_exact(run, reference_run)
+    [event] = run.report["events"]
+    assert event["kind"] == "rank" and event["ranks"] == [2]
+    assert event["resumed_at"] is not None
+    pulls = {p["rank"]: p for p in event["pulls"]}
+    assert pulls[2]["node"] == 2 and pulls[2]["source"] in (0, 1) and pulls[2]["bytes"] > 0
+    for rank in (0, 1, 3):  # survivors restore from their own slot: no network
+        assert pulls[rank]["source"] == pulls[rank]["node"] and pulls[rank]["bytes"] == 0
+
+
+def test_a_lost_node_is_replaced_by_two_spares_from_peer_memory(tmp_path, reference_run) -> None:
+    run = run_job(tmp_path, script_args=["--steps", "30"], spares=2, chaos="kill node=1 at=12")
+    assert run.returncode == 0, run.log[-4000:]
+    _assert_bit_exact(run, reference_run)
+    [event] = run.report["events"]
+    assert event["kind"] == "node" and event["ranks"] == [2, 3] and event["nodes"] == [1]
+    pulls = {p["rank"]: p for p in event["pulls"]}
+    for rank in (2, 3):  # node 1's memory is gone: both come from node 0, over TCP
+        assert pulls[rank]["node"] == 2 and pulls[rank]["source"] == 0 and pulls[rank]["bytes"] > 0
+
+
+def test_ranks_blocked_in_a_collective_are_released_when_a_peer_dies(tmp_path, reference_run) -> None:
+    """Rank 2 is slow, so ranks 0, 1 and 3 sit inside DDP's all-reduce when it is killed.
+
+    Their process groups have a 600 s timeout and the test allows 240 s: the job finishes only
+    if the failure notice releases them.
+    """
+    args = ["--steps", "12", "--slow-rank", "2", "--slow-s", "0.5", "--pg-timeout", "600"]
+    run = run_job(tmp_path, script_args=args, spares=1, chaos="kill rank=2 at=6")
+    assert run.returncode == 0, run.log[-4000:]
+    _assert_bit_exact(run, reference_run, steps=12)
+    for rank in (0, 1, 3):
+        assert f"rank={rank} epoch=0" in run.log and "epoch 0 ended by a membership change" in run.log
+    [event] = run.report["events"]
+    assert event["resumed_at"] is not None
+
+
+def test_an_error_in_the_script_fails_the_job_and_stops_everything(tmp_path) -> None:
+    run = run_job(tmp_path, script_args=["--steps", "20", "--raise-rank", "1", "--raise-at", "3"], spares=1)
+    assert run.returncode == 1
+    assert run.report["state"] == "failed"
+    assert "rank 1 raised: ValueError: injected failure at step 3" in run.report["reason"]
+
+
+def test_ctrl_c_stops_the_job_and_removes_everything(tmp_path) -> None:
+    proc = launch(tmp_path, script_args=["--steps", "100000", "--sleep", "0.05"], spares=1)
+    deadline = time.monotonic() + 120
+    progress = tmp_path / "rank0.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if progress.exists() and len(progress.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the job ended before it could be interrupted"
+    os.killpg(proc.pid, signal.SIGINT)
+    log, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 130, log[-3000:]
+    assert "stopped by a signal" in log
+
+
+def test_a_script_started_without_the_launcher_says_how_to_start_it(tmp_path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(JOBS / "ddp_job.py"), str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if not k.startswith("PEERCKPT_")},
+    )
+    assert result.returncode != 0
+    assert "peerckpt run --nodes N --nproc-per-node P script.py" in result.stderr
