@@ -312,14 +312,13 @@ class Agent:
                 "local_rank": local.index(rank),
                 "node": self.node,
                 "store_addr": members.store_addr,
+                "hosts": sorted({a.rpartition(":")[0] for a in members.node_addrs.values()}),
                 "restore": restore,
             },
             body=manifest.to_msg() if manifest is not None else None,
         )
 
-    def _obtain(
-        self, members: Membership, rank: int
-    ) -> tuple[dict[str, Any], SnapshotManifest]:
+    def _obtain(self, members: Membership, rank: int) -> tuple[dict[str, Any], SnapshotManifest]:
         """Make the committed snapshot of ``rank`` available in one of its own local slots."""
         assert members.restore_step is not None
 
@@ -327,12 +326,22 @@ class Agent:
             return connect_tcp(members.node_addrs[source], self._secret, self.job)
 
         got = obtain_committed(
-            self.store, self.node, members.epoch, rank, members.restore_step,
-            members.sources.get(rank, []), connect,
+            self.store,
+            self.node,
+            members.epoch,
+            rank,
+            members.restore_step,
+            members.sources.get(rank, []),
+            connect,
         )
         info = {
-            "step": members.restore_step, "slot": got.slot.index, "path": got.slot.segment.path,
-            "source": got.source, "node": self.node, "bytes": got.nbytes, "seconds": got.seconds,
+            "step": members.restore_step,
+            "slot": got.slot.index,
+            "path": got.slot.segment.path,
+            "source": got.source,
+            "node": self.node,
+            "bytes": got.nbytes,
+            "seconds": got.seconds,
         }
         self._restore_info[(members.epoch, rank)] = info
         return info, got.manifest

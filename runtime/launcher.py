@@ -50,6 +50,7 @@ class JobSpec:
     replicas: int | None = None
     chaos: str = ""
     heartbeat_timeout: float = 5.0
+    start_timeout: float = 300.0
     report: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     job: str | None = None
@@ -94,6 +95,7 @@ class LocalLauncher:
         self.rundir = tempfile.mkdtemp(prefix=f"peerckpt-{self.job}-")
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.nodes: dict[int, Node] = {}
+        self._ranks: dict[int, subprocess.Popen[bytes]] = {}  # the first epoch's rank processes
         self._lock = threading.Lock()
         self._interrupted = threading.Event()
         self.rpc: RpcClient | None = None
@@ -139,7 +141,7 @@ class LocalLauncher:
         argv = [
             py,
             "-m",
-            "peerckpt.recovery.coordinator",
+            "peerckpt.recovery.server",
             "--job",
             self.job,
             "--world-size",
@@ -185,7 +187,8 @@ class LocalLauncher:
                     LOCAL_RANK=str(local),
                     WORLD_SIZE=str(world),
                 )
-                self.nodes[n].procs.append(self._spawn(script, env, ready=False))
+                self._ranks[rank] = self._spawn(script, env, ready=False)
+                self.nodes[n].procs.append(self._ranks[rank])
         if spec.spares:
             spare_node = self.nodes[spec.nodes]
             for _ in range(spec.spares):
@@ -256,7 +259,12 @@ class LocalLauncher:
         code = {"succeeded": 0, "interrupted": 130}.get(state, 1)
         result = JobResult(
             self.job,
-            code, state, reason, events, monkey.fired if monkey else [], time.time() - start
+            code,
+            state,
+            reason,
+            events,
+            monkey.fired if monkey else [],
+            time.time() - start,
         )
         if self.spec.report:
             with open(self.spec.report, "w") as f:
@@ -266,6 +274,7 @@ class LocalLauncher:
     def _watch(self) -> tuple[str, str, list[dict[str, Any]]]:
         assert self.rpc is not None and self.coordinator is not None
         status: dict[str, Any] = {"state": "starting", "reason": "", "events": []}
+        started = time.monotonic()
         while not self._interrupted.wait(0.05):
             if self.coordinator.poll() is not None:
                 return "failed", "the coordinator exited unexpectedly", status.get("events", [])
@@ -276,7 +285,25 @@ class LocalLauncher:
                 continue
             if status["state"] in ("succeeded", "failed", "stopped"):
                 return status["state"], status["reason"], status["events"]
+            if status["state"] == "starting":
+                problem = self._start_problem(time.monotonic() - started)
+                if problem:
+                    return "failed", problem, []
         return "interrupted", "stopped by a signal", status.get("events", [])
+
+    def _start_problem(self, waited: float) -> str:
+        """Why the first epoch cannot open, if it cannot (a rank died or never connected)."""
+        dead = {r: p.returncode for r, p in self._ranks.items() if p.poll() is not None}
+        if dead:
+            ranks = ", ".join(f"rank {r} (exit status {c})" for r, c in sorted(dead.items()))
+            return f"{ranks} exited before the job started; see the script's output above"
+        if waited > self.spec.start_timeout:
+            return (
+                f"the rank processes did not all connect to their agents within "
+                f"{self.spec.start_timeout:.0f} s; is the script calling a @peerckpt.resilient "
+                "function?"
+            )
+        return ""
 
     def stop(self) -> None:
         """Stop every process of the job and remove its files. Idempotent."""

@@ -18,67 +18,25 @@ step from the rank's own slot (or from what the agent pulled from a peer).
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.runtime import capture, ddp
 from peerckpt.runtime.channel import AgentChannel
 from peerckpt.runtime.env import LaunchEnv, RankFilter
 from peerckpt.runtime.pg import ProcessGroupLifecycle
 from peerckpt.runtime.snapshot import SnapshotEngine
+from peerckpt.runtime.state import Assignment, RankState, check_transition
 
 from peerckpt.errors import MembershipChanged, PeerckptError, StateMismatch
 
 log = logging.getLogger("peerckpt.rank")
-
-
-class RankState(enum.Enum):
-    SPARE = "spare"
-    WAITING = "waiting"
-    JOINING = "joining"
-    RUNNING = "running"
-    FINISHED = "finished"
-    ABORTING = "aborting"
-    FAILED = "failed"
-    EXITED = "exited"
-
-
-_ALLOWED = {
-    RankState.SPARE: {RankState.JOINING, RankState.EXITED},
-    RankState.WAITING: {RankState.JOINING, RankState.EXITED, RankState.FAILED},
-    RankState.JOINING: {RankState.RUNNING, RankState.ABORTING, RankState.FAILED, RankState.EXITED},
-    RankState.RUNNING: {RankState.FINISHED, RankState.ABORTING, RankState.FAILED, RankState.EXITED},
-    RankState.FINISHED: {RankState.ABORTING, RankState.EXITED, RankState.FAILED},
-    RankState.ABORTING: {RankState.JOINING, RankState.ABORTING, RankState.EXITED, RankState.FAILED},
-    RankState.FAILED: {RankState.EXITED},
-    RankState.EXITED: set(),
-}
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """What this process is in one epoch, and what it restores."""
-
-    epoch: int
-    rank: int
-    world_size: int
-    local_rank: int
-    node: int
-    store_addr: str
-    restore_step: int | None
-    restore_slot: int | None
-    restore_path: str | None
-    chunks: list[ChunkRecord]
-    pulled: dict[str, Any] | None
 
 
 class Shutdown(Exception):
@@ -128,7 +86,7 @@ class RankRuntime:
             self._abort(event["epoch"])
         elif kind == "epoch":
             with self._cond:
-                self._assignments[event["epoch"]] = _assignment(event)
+                self._assignments[event["epoch"]] = Assignment.from_event(event)
                 self._latest_epoch = max(self._latest_epoch, event["epoch"])
                 self._cond.notify_all()
         elif kind == "commit":
@@ -165,8 +123,7 @@ class RankRuntime:
         self.pg.abort()
 
     def _become(self, state: RankState) -> None:
-        if state not in _ALLOWED[self.state]:
-            raise RuntimeError(f"rank runtime cannot go from {self.state.name} to {state.name}")
+        check_transition(self.state, state)
         log.debug("state %s → %s", self.state.name, state.name)
         self.state = state
 
@@ -274,7 +231,7 @@ class RankRuntime:
             assignment.store_addr,
             assignment.rank,
             assignment.world_size,
-            hosts=set(),
+            hosts=set(assignment.hosts),
         )
         with self._cond:
             if self.state is RankState.JOINING and self._latest_epoch <= assignment.epoch:
@@ -421,26 +378,6 @@ class RankRuntime:
         self.channel.notify(
             "resumed", epoch=self.assignment.epoch, rank=self.assignment.rank, step=start
         )
-
-
-def _assignment(event: dict[str, Any]) -> Assignment:
-    restore = event.get("restore") or {}
-    chunks = []
-    if restore and "body" in event:
-        chunks = list(SnapshotManifest.from_msg(event["body"]).chunks)
-    return Assignment(
-        epoch=event["epoch"],
-        rank=event["rank"],
-        world_size=event["world_size"],
-        local_rank=event["local_rank"],
-        node=event["node"],
-        store_addr=event["store_addr"],
-        restore_step=restore.get("step"),
-        restore_slot=restore.get("slot"),
-        restore_path=restore.get("path"),
-        chunks=chunks,
-        pulled=restore or None,
-    )
 
 
 def _looks_like_comm_error(exc: BaseException) -> bool:

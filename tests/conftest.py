@@ -110,16 +110,33 @@ def launch(
     """Start ``peerckpt run`` on a job script in ``tests/jobs``; the caller waits for it."""
     out.mkdir(parents=True, exist_ok=True)
     argv = [
-        sys.executable, "-m", "peerckpt", "run", "--nodes", str(nodes),
-        "--nproc-per-node", str(nproc), "--spares", str(spares),
-        "--report", str(out / "report.json"), "--job", job_name(), *(extra or []),
+        sys.executable,
+        "-m",
+        "peerckpt",
+        "run",
+        "--nodes",
+        str(nodes),
+        "--nproc-per-node",
+        str(nproc),
+        "--spares",
+        str(spares),
+        "--report",
+        str(out / "report.json"),
+        "--job",
+        job_name(),
+        *(extra or []),
     ]
     if chaos:
         argv += ["--chaos", chaos]
     argv += [str(JOBS / script), str(out), *(script_args or [])]
     env = dict(os.environ, PEERCKPT_LOG_LEVEL=os.environ.get("PEERCKPT_LOG_LEVEL", "INFO"))
     return subprocess.Popen(
-        argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        argv,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
     )
 

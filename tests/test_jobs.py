@@ -20,7 +20,9 @@ def _assert_bit_exact(run: JobRun, reference: JobRun, steps: int = 30) -> None:
     expected, got = reference.digests(), run.digests()
     assert set(got) == {(r, s) for r in range(4) for s in range(steps)}, "a step is missing"
     for key, digests in got.items():
-        assert digests == expected[key], f"rank {key[0]} step {key[1]} differs from the fault-free run"
+        assert digests == expected[key], (
+            f"rank {key[0]} step {key[1]} differs from the fault-free run"
+        )
     if steps == 30:
         assert run.final() == reference.final()
 
@@ -57,7 +59,9 @@ def test_a_lost_node_is_replaced_by_two_spares_from_peer_memory(tmp_path, refere
         assert pulls[rank]["node"] == 2 and pulls[rank]["source"] == 0 and pulls[rank]["bytes"] > 0
 
 
-def test_ranks_blocked_in_a_collective_are_released_when_a_peer_dies(tmp_path, reference_run) -> None:
+def test_ranks_blocked_in_a_collective_are_released_when_a_peer_dies(
+    tmp_path, reference_run
+) -> None:
     """Rank 2 is slow, so ranks 0, 1 and 3 sit inside DDP's all-reduce when it is killed.
 
     Their process groups have a 600 s timeout and the test allows 240 s: the job finishes only
@@ -68,13 +72,17 @@ def test_ranks_blocked_in_a_collective_are_released_when_a_peer_dies(tmp_path, r
     assert run.returncode == 0, run.log[-4000:]
     _assert_bit_exact(run, reference_run, steps=12)
     for rank in (0, 1, 3):
-        assert f"rank={rank} epoch=0" in run.log and "epoch 0 ended by a membership change" in run.log
+        assert (
+            f"rank={rank} epoch=0" in run.log and "epoch 0 ended by a membership change" in run.log
+        )
     [event] = run.report["events"]
     assert event["resumed_at"] is not None
 
 
 def test_an_error_in_the_script_fails_the_job_and_stops_everything(tmp_path) -> None:
-    run = run_job(tmp_path, script_args=["--steps", "20", "--raise-rank", "1", "--raise-at", "3"], spares=1)
+    run = run_job(
+        tmp_path, script_args=["--steps", "20", "--raise-rank", "1", "--raise-at", "3"], spares=1
+    )
     assert run.returncode == 1
     assert run.report["state"] == "failed"
     assert "rank 1 raised: ValueError: injected failure at step 3" in run.report["reason"]
@@ -98,8 +106,19 @@ def test_ctrl_c_stops_the_job_and_removes_everything(tmp_path) -> None:
 def test_a_script_started_without_the_launcher_says_how_to_start_it(tmp_path) -> None:
     result = subprocess.run(
         [sys.executable, str(JOBS / "ddp_job.py"), str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={k: v for k, v in os.environ.items() if not k.startswith("PEERCKPT_")},
     )
     assert result.returncode != 0
     assert "peerckpt run --nodes N --nproc-per-node P script.py" in result.stderr
+
+
+def test_a_script_that_dies_before_joining_fails_the_job_at_once(tmp_path) -> None:
+    run = run_job(tmp_path, script="crash_at_import.py", spares=1, timeout=120)
+    assert run.returncode == 1
+    assert run.report["state"] == "failed"
+    assert "rank 0 (exit status 1)" in run.report["reason"]
+    assert "exited before the job started" in run.report["reason"]

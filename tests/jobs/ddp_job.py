@@ -81,8 +81,17 @@ def run_steps(ctx, model, optim, data, log, args) -> None:
         loss.backward()
         optim.step()
         optim.zero_grad()
-        log.write(json.dumps({"step": step, "epoch": ctx.epoch, "digest": digest(model, optim),
-                              "loss": loss.item()}) + "\n")
+        log.write(
+            json.dumps(
+                {
+                    "step": step,
+                    "epoch": ctx.epoch,
+                    "digest": digest(model, optim),
+                    "loss": loss.item(),
+                }
+            )
+            + "\n"
+        )
         log.flush()
         if args.sleep:
             time.sleep(args.sleep)

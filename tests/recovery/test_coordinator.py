@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
-from peerckpt.errors import AuthenticationError
 from peerckpt.recovery.coordinator import Coordinator
 from peerckpt.recovery.rpc import RpcClient, RpcServer
+
+from peerckpt.errors import AuthenticationError
 
 
 def _job(spares: int = 1) -> Coordinator:
@@ -31,8 +31,15 @@ def _events(c: Coordinator, node: int) -> list[dict]:
 
 def _commit(c: Coordinator, epoch: int, step: int) -> None:
     for rank in range(4):
-        c.replicated({"epoch": epoch, "rank": rank, "step": step, "nbytes": 10,
-                      "holders": [rank // 2, 1 - rank // 2]})
+        c.replicated(
+            {
+                "epoch": epoch,
+                "rank": rank,
+                "step": step,
+                "nbytes": 10,
+                "holders": [rank // 2, 1 - rank // 2],
+            }
+        )
 
 
 def test_epoch_zero_opens_when_every_rank_joined_and_commits_follow() -> None:
@@ -102,3 +109,18 @@ def test_rpc_with_the_wrong_secret_is_refused() -> None:
         good.close(), bad.close()
     finally:
         server.stop()
+
+
+def test_a_node_whose_heartbeats_stop_is_declared_lost() -> None:
+    c = _job(spares=2)
+    _commit(c, 0, 3)
+    c.heartbeat_timeout = 1.0
+    for node in (0, 2):
+        c.heartbeat({"node": node, "epoch": 0})
+    c.agents[1].last_heartbeat -= 5.0  # node 1 has been silent for 5 s
+    c.check_heartbeats()
+    assert not c.agents[1].alive and c.agents[0].alive
+    event = c.events[-1]
+    assert event["kind"] == "node" and event["nodes"] == [1]
+    assert "no heartbeat for" in event["reason"]
+    assert _events(c, 0)[-1]["restore_step"] == 3

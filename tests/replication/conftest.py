@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-
 from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.replication.arena import Arena
 from peerckpt.replication.store import Slot, SlotStore
@@ -48,7 +47,9 @@ def peers(job: tuple[str, bytes]) -> Iterator[list[Peer]]:
         peer.arena.destroy()
 
 
-def write_snapshot(store: SlotStore, rank: int, step: int, index: int = 0, size: int = 3 << 20) -> Slot:
+def write_snapshot(
+    store: SlotStore, rank: int, step: int, index: int = 0, size: int = 3 << 20
+) -> Slot:
     """Fill own slot ``index`` of ``rank`` with recognisable bytes and a checksummed manifest."""
     payload = bytes((i * 7 + step) % 251 for i in range(size))
     chunks = (

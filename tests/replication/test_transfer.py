@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-
-from peerckpt.errors import ChecksumMismatch, RecoveryFailed, StaleEpoch
 from peerckpt.replication.restore import obtain_committed
 from peerckpt.replication.transfer import push
 from peerckpt.replication.wire import connect_tcp
+
+from peerckpt.errors import ChecksumMismatch, RecoveryFailed, StaleEpoch
 
 from .conftest import write_snapshot
 
@@ -51,7 +51,9 @@ def test_a_push_from_an_older_epoch_is_fenced_off(peers, job) -> None:
 
 def test_recovery_pulls_from_a_peer_and_verifies(peers, job) -> None:
     original = write_snapshot(peers[0].store, rank=2, step=9)
-    got = obtain_committed(peers[2].store, 2, 1, rank=2, step=9, sources=[0], connect=_connect(peers, job))
+    got = obtain_committed(
+        peers[2].store, 2, 1, rank=2, step=9, sources=[0], connect=_connect(peers, job)
+    )
     assert got.source == 0 and got.nbytes == original.manifest.used_bytes
     used = original.manifest.used_bytes
     assert bytes(got.slot.segment.view[:used]) == bytes(original.segment.view[:used])
@@ -79,7 +81,9 @@ def test_a_corrupted_local_slot_falls_back_to_a_peer(peers, job) -> None:
     conn.close()
     expected = bytes(local.segment.view[: local.manifest.used_bytes])
     local.segment.view[0] ^= 0x80
-    got = obtain_committed(peers[0].store, 0, 1, rank=0, step=6, sources=[0, 1], connect=_connect(peers, job))
+    got = obtain_committed(
+        peers[0].store, 0, 1, rank=0, step=6, sources=[0, 1], connect=_connect(peers, job)
+    )
     assert got.source == 1
     assert bytes(got.slot.segment.view[: got.manifest.used_bytes]) == expected
     assert got.manifest.bad_chunks(got.slot.segment.view) == []  # repaired from the peer
@@ -92,5 +96,9 @@ def test_when_every_copy_is_bad_recovery_fails_naming_each_source(peers, job) ->
     conn.close()
     local.segment.view[0] ^= 0x80
     peers[1].store.find(0, 6).segment.view[0] ^= 0x80
-    with pytest.raises(RecoveryFailed, match="node 0: .*fails verification.*node 1: .*fails verification"):
-        obtain_committed(peers[2].store, 2, 1, rank=0, step=6, sources=[0, 1], connect=_connect(peers, job))
+    with pytest.raises(
+        RecoveryFailed, match=r"node 0: .*fails verification.*node 1: .*fails verification"
+    ):
+        obtain_committed(
+            peers[2].store, 2, 1, rank=0, step=6, sources=[0, 1], connect=_connect(peers, job)
+        )

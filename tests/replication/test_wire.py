@@ -7,8 +7,6 @@ import struct
 import threading
 
 import pytest
-
-from peerckpt.errors import AuthenticationError, FrameTooLarge, ProtocolError
 from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.replication.wire import (
     MAGIC,
@@ -18,6 +16,8 @@ from peerckpt.replication.wire import (
     pack,
     server_handshake,
 )
+
+from peerckpt.errors import AuthenticationError, FrameTooLarge, ProtocolError
 
 
 def _pair() -> tuple[Connection, Connection]:
@@ -48,7 +48,7 @@ def test_wrong_secret_is_refused_on_both_sides_with_a_clear_error() -> None:
     out: dict = {}
     t = threading.Thread(target=_serve, args=(server, b"right" * 8, "job1", out))
     t.start()
-    with pytest.raises(AuthenticationError, match="job secret does not match.*PEERCKPT_SECRET"):
+    with pytest.raises(AuthenticationError, match=r"job secret does not match.*PEERCKPT_SECRET"):
         client_handshake(client, b"wrong" * 8, "job1")
     t.join(5)
     assert isinstance(out["error"], AuthenticationError)
@@ -61,7 +61,7 @@ def test_another_jobs_client_is_refused() -> None:
     out: dict = {}
     t = threading.Thread(target=_serve, args=(server, b"k" * 32, "job1", out))
     t.start()
-    with pytest.raises(AuthenticationError, match="another job|job 'job1'"):
+    with pytest.raises(AuthenticationError, match=r"another job|job 'job1'"):
         client_handshake(client, b"k" * 32, "job2")
     t.join(5)
     server.close(), client.close()
@@ -100,7 +100,9 @@ def test_frame_larger_than_its_destination_is_rejected_before_any_payload(peers,
     chunks = (ChunkRecord("__meta__", "uint8", (4096,), (0,), (4096,), 0, 4096, 0),)
     manifest = SnapshotManifest(rank=0, step=3, epoch=0, chunks=chunks, used_bytes=4096)
     conn.sock.settimeout(10)
-    reply = conn.request({"type": "push", "epoch": 0, "rank": 0, "slot": 0, "manifest": manifest.to_msg()})
+    reply = conn.request(
+        {"type": "push", "epoch": 0, "rank": 0, "slot": 0, "manifest": manifest.to_msg()}
+    )
     assert reply["type"] == "ready"
     header = pack({"type": "data", "off": 0, "len": 1 << 30})
     conn.sock.sendall(struct.pack("!4sI", MAGIC, len(header)) + header)

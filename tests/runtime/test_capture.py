@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from peerckpt.runtime import capture
 
 from peerckpt.errors import StateMismatch
-from peerckpt.runtime import capture
 
 
 class Loader:
@@ -55,7 +55,9 @@ def _snapshot(objs: dict, step: int) -> tuple[torch.Tensor, list]:
 
 
 def _same(a: dict, b: dict) -> None:
-    for (ka, ta), (kb, tb) in zip(a["model"].state_dict().items(), b["model"].state_dict().items(), strict=True):
+    for (ka, ta), (kb, tb) in zip(
+        a["model"].state_dict().items(), b["model"].state_dict().items(), strict=True
+    ):
         assert ka == kb and ta.dtype == tb.dtype and torch.equal(ta, tb)
     sa, sb = a["optim"].state_dict(), b["optim"].state_dict()
     assert sa["param_groups"] == sb["param_groups"]
@@ -119,12 +121,12 @@ def test_optimizer_state_is_keyed_by_parameter_name() -> None:
 def test_an_optimizer_without_its_model_is_refused_with_the_fix() -> None:
     objs = _objects(seed=0)
     _train(objs, 1)
-    with pytest.raises(StateMismatch, match="ctx.track\\(model=model, optim=optim\\)"):
+    with pytest.raises(StateMismatch, match=r"ctx.track\(model=model, optim=optim\)"):
         capture.capture({"optim": objs["optim"]}, 0, {})
 
 
 def test_untrackable_objects_are_refused_by_name() -> None:
-    with pytest.raises(StateMismatch, match="ctx.track\\(thing=…\\) got a object"):
+    with pytest.raises(StateMismatch, match=r"ctx.track\(thing=…\) got a object"):
         capture.capture({"thing": object()}, 0, {})
 
     class Bad:

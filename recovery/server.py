@@ -1,0 +1,75 @@
+"""The coordinator process: hosts the job's TCPStore and serves the Coordinator over gRPC.
+
+Started by a launcher as ``python -m peerckpt.recovery.server``; prints one ``READY {json}``
+line with its address on stdout once it serves, and runs until SIGTERM or until its launcher
+is gone. The job's secret comes from ``PEERCKPT_SECRET``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from peerckpt.recovery.coordinator import Coordinator
+from peerckpt.recovery.rpc import RpcServer
+
+log = logging.getLogger("peerckpt.coordinator")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a coordinator process; print one READY line with its addresses on stdout."""
+    parser = argparse.ArgumentParser(prog="python -m peerckpt.recovery.server")
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--replicas", type=int, default=None)
+    parser.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    parser.add_argument("--host", default="127.0.0.1")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("PEERCKPT_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s peerckpt[coordinator job={args.job}] %(levelname)s %(message)s",
+    )
+    secret = bytes.fromhex(os.environ["PEERCKPT_SECRET"])
+    from torch.distributed import TCPStore  # the rendezvous store of every epoch
+
+    store = TCPStore(args.host, 0, is_master=True, wait_for_workers=False)
+    coordinator = Coordinator(
+        args.job,
+        args.world_size,
+        args.replicas,
+        args.heartbeat_timeout,
+        f"{args.host}:{store.port}",
+    )
+    unary, streams = coordinator.handlers()
+    server = RpcServer(secret, args.job, unary, streams, host=args.host)
+    server.start()
+    parent = os.getppid()
+
+    def _terminate(signum: int, frame: Any) -> None:
+        coordinator.stopped.set()
+
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _terminate)
+    print("READY " + json.dumps({"address": server.address}), flush=True)
+    try:
+        while not coordinator.stopped.wait(0.2):
+            coordinator.check_heartbeats()
+            if os.getppid() != parent:
+                log.warning("launcher is gone; stopping")
+                break
+    finally:
+        with coordinator._lock:
+            for agent in coordinator.agents.values():
+                agent.events.put(None)
+        server.stop()
+        del store
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
