@@ -9,6 +9,13 @@ the blocked collective raise within a millisecond on every survivor. So ``abort`
 down the connected TCP sockets that this rank opened while joining the epoch (the store
 client and gloo's pairs, never listeners), recognised by their inode and restricted to the
 job's own hosts. ``leave`` then destroys the group; the next epoch builds a fresh one.
+
+An aborted group is not freed at once. Its gloo worker threads finish the failed collectives
+and, destroying each one, take the GIL. ``~ProcessGroupGloo`` joins those threads while the
+thread that dropped the last reference holds the GIL (the last reference is often the user's
+DDP module, freed with the exception's traceback): a deadlock, seen once in the demo. So
+``leave`` keeps the epoch's groups alive, and ``release_retired`` frees them later, once the
+next epoch has committed a step and their workers are long idle.
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ class ProcessGroupLifecycle:
         self._hosts: set[str] = set()
         self._lock = threading.Lock()
         self._aborted = False
+        self._retired: list[object] = []
 
     def backend(self) -> str:
         return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
@@ -112,8 +120,18 @@ class ProcessGroupLifecycle:
         return cut
 
     def leave(self) -> None:
-        """Destroy the epoch's process group (after ``abort`` or at the end of the job)."""
+        """Destroy the epoch's process groups (after ``abort`` or at the end of the job).
+
+        The group objects themselves stay referenced until ``release_retired``.
+        """
         if dist.is_initialized():
+            self._retired.extend(dist.distributed_c10d._world.pg_map.keys())
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
         self.epoch = None
+
+    def release_retired(self) -> None:
+        """Free the groups of ended epochs. Call only when their workers are idle."""
+        if self._retired:
+            log.debug("releasing %d process group(s) of ended epochs", len(self._retired))
+            self._retired.clear()

@@ -370,6 +370,8 @@ class RankRuntime:
             self.check()
             extra = {"ddp": ddp.layouts_of(self.tracked)}
             self.engine.take(step, capture.capture(self.tracked, step, extra))
+            if self.engine.committed_step is not None and self.engine.committed_step >= start:
+                self.pg.release_retired()  # this epoch committed: the old groups are idle
 
     def _resumed(self, start: int) -> None:
         if self._resumed_sent or self.assignment is None:

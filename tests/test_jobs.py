@@ -59,6 +59,19 @@ def test_a_lost_node_is_replaced_by_two_spares_from_peer_memory(tmp_path, refere
         assert pulls[rank]["node"] == 2 and pulls[rank]["source"] == 0 and pulls[rank]["bytes"] > 0
 
 
+def test_a_rank_then_a_whole_node_lost_in_one_run(tmp_path, reference_run) -> None:
+    """Two failures, three epochs: the second recovery starts from state the first rebuilt."""
+    chaos = "kill rank=1 at=8; kill node=1 at=16"
+    run = run_job(tmp_path, script_args=["--steps", "30"], spares=3, chaos=chaos)
+    assert run.returncode == 0, run.log[-4000:]
+    _assert_bit_exact(run, reference_run)
+    first, second = run.report["events"]
+    assert (first["kind"], first["epoch"]) == ("rank", 1)
+    assert (second["kind"], second["epoch"], second["ranks"]) == ("node", 2, [2, 3])
+    assert first["restore_step"] < second["restore_step"]
+    assert second["resumed_at"] is not None
+
+
 def test_ranks_blocked_in_a_collective_are_released_when_a_peer_dies(
     tmp_path, reference_run
 ) -> None:
