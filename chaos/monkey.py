@@ -97,13 +97,14 @@ class ChaosMonkey:
                 return {**record, "fired_at": None, "skipped": "no such rank"}
             record["pid"] = assignment[1]
             record["node"] = assignment[0]
+            log.warning("chaos: %s (committed step %s)", action.text, status["committed_step"])
             record["fired_at"] = time.time()
             self._target.kill_pid(assignment[1])
         else:
             if not status["nodes"].get(action.target, False):
                 log.error("chaos: node %d is not alive; action skipped", action.target)
                 return {**record, "fired_at": None, "skipped": "no such live node"}
+            log.warning("chaos: %s (committed step %s)", action.text, status["committed_step"])
             record["fired_at"] = time.time()
             self._target.kill_node(action.target)
-        log.warning("chaos: %s (committed step %s)", action.text, status["committed_step"])
         return record

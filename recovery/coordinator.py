@@ -200,6 +200,7 @@ class Coordinator:
             "ranks": sorted(ranks),
             "nodes": sorted(nodes),
             "reason": reason,
+            "lost": {r: old.ranks[r].node for r in sorted(ranks)},
             "detected_at": now,
             "from_epoch": old.epoch,
             "pulls": [],

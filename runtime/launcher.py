@@ -30,6 +30,7 @@ from peerckpt.chaos.monkey import ChaosMonkey
 from peerckpt.chaos.spec import parse_chaos
 from peerckpt.recovery.rpc import RpcClient
 from peerckpt.replication.arena import sweep
+from peerckpt.runtime.report import format_failures
 
 from peerckpt.errors import ConfigurationError, PeerckptError
 
@@ -344,31 +345,8 @@ def _wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
 
 
 def format_report(result: JobResult) -> str:
-    """A short human report: the job's end and, per failure, detection and recovery."""
-    lines = [
-        f"job {result.state} in {result.wall_s:.1f} s"
-        + (f": {result.reason}" if result.reason else "")
-    ]
-    fired = [f for f in result.chaos if f.get("fired_at")]
-    for i, event in enumerate(result.events):
-        cause = fired[i] if i < len(fired) else None
-        t0 = cause["fired_at"] if cause else event["detected_at"]
-        what = cause["action"] if cause else f"{event['kind']} failure ({event['reason']})"
-        detect = event["detected_at"] - t0
-        resumed = event.get("resumed_at")
-        recover = f"{resumed - t0:.2f} s" if resumed else "not completed"
-        lines.append(
-            f"- {what}: detected after {detect * 1000:.0f} ms, every rank stepping again after "
-            f"{recover}; restored step {event.get('restore_step')}"
-        )
-        for pull in sorted(event.get("pulls", []), key=lambda p: p["rank"]):
-            src = (
-                "its own node (no network)"
-                if pull["source"] == pull["node"]
-                else f"node {pull['source']}"
-            )
-            lines.append(
-                f"    rank {pull['rank']} on node {pull['node']}: {pull['bytes']} bytes from {src} "
-                f"in {pull['seconds'] * 1000:.1f} ms"
-            )
-    return "\n".join(lines)
+    """A short human report: how the job ended and, per failure, detection and recovery."""
+    head = f"job {result.state} in {result.wall_s:.1f} s"
+    if result.reason:
+        head += f": {result.reason}"
+    return "\n".join([head, *format_failures(result.events, result.chaos)])

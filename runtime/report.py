@@ -1,0 +1,88 @@
+"""The report of a finished job: each failure, what caused it, how fast it was repaired.
+
+Failure events come from the coordinator (``detected_at``, ``resumed_at``, the lost ranks and
+where they were, the restore step and every rank's restore source); chaos records come from
+the launcher's chaos monkey (``fired_at``). A failure is attributed to the chaos action whose
+target it lost and that fired before it was detected; failures nobody injected are reported
+with the coordinator's reason and timed from their detection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class FailureRow:
+    """One failure and its recovery, timed from the fault when it was injected."""
+
+    cause: str
+    lost: dict[int, int]  # rank → node it was on
+    detected_s: float | None  # after the kill; None when nobody injected it
+    recovered_s: float | None  # kill (or detection) → every rank stepping again
+    restore_step: int | None
+    pulls: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _matches(action: dict[str, Any], event: dict[str, Any]) -> bool:
+    if action["kind"] == "kill_rank":
+        return event["kind"] == "rank" and action["target"] in event["ranks"]
+    return event["kind"] == "node" and action["target"] in event["nodes"]
+
+
+def failure_rows(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -> list[FailureRow]:
+    """Pair every failure event with the chaos action that caused it, if any."""
+    unmatched = [c for c in chaos if c.get("fired_at")]
+    rows = []
+    for event in events:
+        cause = next(
+            (c for c in unmatched if c["fired_at"] <= event["detected_at"] and _matches(c, event)),
+            None,
+        )
+        if cause is not None:
+            unmatched.remove(cause)
+        t0 = cause["fired_at"] if cause else event["detected_at"]
+        resumed = event.get("resumed_at")
+        rows.append(
+            FailureRow(
+                cause=cause["action"] if cause else f"{event['kind']} lost ({event['reason']})",
+                lost={int(r): n for r, n in event.get("lost", {}).items()},
+                detected_s=event["detected_at"] - t0 if cause else None,
+                recovered_s=resumed - t0 if resumed else None,
+                restore_step=event.get("restore_step"),
+                pulls=sorted(event.get("pulls", []), key=lambda p: p["rank"]),
+            )
+        )
+    return rows
+
+
+def format_failures(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -> list[str]:
+    """Human lines: per failure, detection, recovery and where every rank's state came from."""
+    lines = []
+    for row in failure_rows(events, chaos):
+        where = ", ".join(f"rank {r} on node {n}" for r, n in sorted(row.lost.items()))
+        lines.append(f"- {row.cause}: lost {where or 'no rank'}")
+        if row.detected_s is not None:
+            lines.append(f"    detected {row.detected_s * 1000:.0f} ms after the kill")
+        if row.recovered_s is None:
+            lines.append("    NOT RECOVERED")
+        else:
+            since = "the kill" if row.detected_s is not None else "detection"
+            lines.append(
+                f"    every rank stepping again {row.recovered_s * 1000:.0f} ms after {since}, "
+                f"from step {(row.restore_step if row.restore_step is not None else -1) + 1}"
+            )
+        for pull in row.pulls:
+            ms = pull["seconds"] * 1000
+            if pull["source"] == pull["node"]:
+                lines.append(
+                    f"    rank {pull['rank']} on node {pull['node']}: its node's own memory, "
+                    f"no network ({ms:.1f} ms)"
+                )
+            else:
+                lines.append(
+                    f"    rank {pull['rank']} on node {pull['node']}: pulled {pull['bytes']:,} bytes "
+                    f"from node {pull['source']} over TCP in {ms:.1f} ms"
+                )
+    return lines
