@@ -377,6 +377,12 @@ class Coordinator:
                         f"(timeout {self.heartbeat_timeout} s)",
                     )
 
+    def close(self) -> None:
+        """End every agent's event stream (the process is stopping)."""
+        with self._lock:
+            for agent in self.agents.values():
+                agent.events.put(None)
+
     def handlers(self) -> tuple[dict[str, Any], dict[str, Any]]:
         unary = {
             "RegisterAgent": self.register_agent,

@@ -11,12 +11,11 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
-from typing import Any
 
 from peerckpt.recovery.coordinator import Coordinator
 from peerckpt.recovery.rpc import RpcServer
+from peerckpt.runtime.env import service_process, stop_on_signals
 
 log = logging.getLogger("peerckpt.coordinator")
 
@@ -30,11 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0)
     parser.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get("PEERCKPT_LOG_LEVEL", "INFO"),
-        format=f"%(asctime)s peerckpt[coordinator job={args.job}] %(levelname)s %(message)s",
-    )
-    secret = bytes.fromhex(os.environ["PEERCKPT_SECRET"])
+    secret = service_process(f"coordinator job={args.job}")
     from torch.distributed import TCPStore  # the rendezvous store of every epoch
 
     store = TCPStore(args.host, 0, is_master=True, wait_for_workers=False)
@@ -50,11 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     server.start()
     parent = os.getppid()
 
-    def _terminate(signum: int, frame: Any) -> None:
-        coordinator.stopped.set()
-
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGINT, _terminate)
+    stop_on_signals(coordinator.stopped.set)
     print("READY " + json.dumps({"address": server.address}), flush=True)
     try:
         while not coordinator.stopped.wait(0.2):
@@ -63,9 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                 log.warning("launcher is gone; stopping")
                 break
     finally:
-        with coordinator._lock:
-            for agent in coordinator.agents.values():
-                agent.events.put(None)
+        coordinator.close()
         server.stop()
         del store
     return 0

@@ -19,7 +19,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 from typing import Any
@@ -34,6 +33,7 @@ from peerckpt.replication.restore import obtain_committed
 from peerckpt.replication.store import SlotStore
 from peerckpt.replication.transfer import DataServer
 from peerckpt.replication.wire import Connection, connect_tcp
+from peerckpt.runtime.env import service_process, stop_on_signals
 
 from peerckpt.errors import PeerckptError, RecoveryFailed
 
@@ -357,20 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spare-node", action="store_true")
     parser.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get("PEERCKPT_LOG_LEVEL", "INFO"),
-        format=f"%(asctime)s peerckpt[agent node={args.node}] %(levelname)s %(message)s",
-    )
-    secret = bytes.fromhex(os.environ["PEERCKPT_SECRET"])
+    secret = service_process(f"agent node={args.node}")
     agent = Agent(
         args.job, args.node, secret, args.coordinator, args.socket, args.spare_node, args.host
     )
-
-    def _terminate(signum: int, frame: Any) -> None:
-        agent.stopping.set()
-
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGINT, _terminate)
+    stop_on_signals(agent.stopping.set)
     try:
         agent.start()
         print("READY " + json.dumps({"data_addr": agent.data.address}), flush=True)
