@@ -8,6 +8,7 @@ re-executed after a restore included — with a fault-free run of the same job.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,10 +85,8 @@ def test_ranks_blocked_in_a_collective_are_released_when_a_peer_dies(
     run = run_job(tmp_path, script_args=args, spares=1, chaos="kill rank=2 at=6")
     assert run.returncode == 0, run.log[-4000:]
     _assert_bit_exact(run, reference_run, steps=12)
-    for rank in (0, 1, 3):
-        assert (
-            f"rank={rank} epoch=0" in run.log and "epoch 0 ended by a membership change" in run.log
-        )
+    for rank in (0, 1, 3):  # each survivor left epoch 0 through the membership change
+        assert re.search(rf"rank={rank} epoch=0 .*epoch 0 ended by a membership change", run.log)
     [event] = run.report["events"]
     assert event["resumed_at"] is not None
 
