@@ -14,7 +14,6 @@ import time
 from typing import Any, Protocol
 
 from peerckpt.chaos.spec import ChaosAction
-
 from peerckpt.errors import PeerckptError
 
 log = logging.getLogger("peerckpt.chaos")

@@ -15,6 +15,7 @@ and the launcher: ``peerckpt run --nodes N --nproc-per-node P [--spares S] scrip
 from peerckpt.errors import (
     AuthenticationError,
     ChecksumMismatch,
+    CommitTimeout,
     ConfigurationError,
     FrameTooLarge,
     InsufficientMemory,
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AuthenticationError",
     "ChecksumMismatch",
+    "CommitTimeout",
     "ConfigurationError",
     "Context",
     "FrameTooLarge",

@@ -51,6 +51,10 @@ class RecoveryFailed(PeerckptError):
     """No surviving copy of some state could be found; the job cannot continue from memory."""
 
 
+class CommitTimeout(PeerckptError):
+    """A snapshot was never committed: replication is stuck, and the job cannot go on safely."""
+
+
 class MembershipChanged(PeerckptError):
     """Raised inside a rank when the job's membership changed; the runtime restarts the function.
 

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+
+from peerckpt.errors import ConfigurationError, RecoveryFailed, StaleEpoch
 from peerckpt.recovery.membership import CommitTracker, Membership, RankAssignment
 from peerckpt.recovery.plan import plan_sources
 from peerckpt.replication.placement import RingPlacement
-
-from peerckpt.errors import ConfigurationError, RecoveryFailed, StaleEpoch
 
 log = logging.getLogger("peerckpt.coordinator")
 
@@ -80,6 +80,8 @@ class Coordinator:
         self.done: set[int] = set()
         self.resumed: set[int] = set()
         self.snapshot_bytes: dict[int, int] = {}
+        # Replication failures to a buddy that looked alive: (deadline, epoch, step, message).
+        self._stuck: list[tuple[float, int, int, str]] = []
         self.stopped = threading.Event()
 
     # -- registration ---------------------------------------------------------------------
@@ -336,7 +338,33 @@ class Coordinator:
 
     def rank_error(self, req: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
+            if self.membership is not None and req["epoch"] < self.membership.epoch:
+                log.info("ignoring an error of ended epoch %d: %s", req["epoch"], req["message"])
+                return {}
             self._fail(f"rank {req['rank']} raised: {req['message']}")
+            return {}
+
+    def replication_failed(self, req: dict[str, Any]) -> dict[str, Any]:
+        """A snapshot could not be mirrored to a buddy; the step cannot commit without it.
+
+        If the buddy refused it (out of memory, checksums), the job fails now with that
+        reason. If the buddy could not be reached, its node is probably gone and will be
+        declared lost; should it still look alive after one heartbeat timeout while the step
+        is still uncommitted, the job fails rather than wait forever.
+        """
+        with self._lock:
+            if self.membership is None or req["epoch"] != self.membership.epoch:
+                return {}
+            message = (
+                f"replicating rank {req['rank']}'s snapshot of step {req['step']} to node "
+                f"{req['buddy']} failed: {req['message']}"
+            )
+            log.warning("%s", message)
+            if req.get("fatal"):
+                self._fail(message)
+            else:
+                deadline = time.monotonic() + self.heartbeat_timeout
+                self._stuck.append((deadline, req["epoch"], req["step"], message))
             return {}
 
     def stop(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -369,6 +397,17 @@ class Coordinator:
     def check_heartbeats(self) -> None:
         with self._lock:
             now = time.monotonic()
+            for deadline, epoch, step, message in list(self._stuck):
+                if (
+                    self.membership is None
+                    or epoch != self.membership.epoch
+                    or (self.tracker is not None and (self.tracker.committed_step or -1) >= step)
+                ):
+                    self._stuck.remove((deadline, epoch, step, message))
+                elif now > deadline:
+                    self._fail(
+                        f"{message}; the buddy still looks alive, so the step can never commit"
+                    )
             for node, agent in list(self.agents.items()):
                 if agent.alive and now - agent.last_heartbeat > self.heartbeat_timeout:
                     self._lose_node(
@@ -393,6 +432,7 @@ class Coordinator:
             "Resumed": self.resumed_rank,
             "Done": self.rank_done,
             "Error": self.rank_error,
+            "ReplicationFailed": self.replication_failed,
             "Stop": self.stop,
             "Status": self.status,
         }

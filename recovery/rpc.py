@@ -19,9 +19,9 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-from peerckpt.replication.wire import pack, unpack
 
 from peerckpt import errors
+from peerckpt.replication.wire import pack, unpack
 
 SERVICE = "peerckpt.Coordinator"
 _AUTH_KEY = "peerckpt-auth"

@@ -23,6 +23,7 @@ import sys
 import threading
 from typing import Any
 
+from peerckpt.errors import PeerckptError, PeerUnavailable, RecoveryFailed, StaleEpoch
 from peerckpt.persist.manifest import SnapshotManifest
 from peerckpt.recovery.membership import Membership
 from peerckpt.recovery.rpc import RpcClient, is_stream_closed
@@ -31,11 +32,9 @@ from peerckpt.replication.control import ControlServer, ProcLink
 from peerckpt.replication.replicator import BuddySender, ReplicationJob
 from peerckpt.replication.restore import obtain_committed
 from peerckpt.replication.store import SlotStore
-from peerckpt.replication.transfer import DataServer
+from peerckpt.replication.transfer import IO_TIMEOUT_S, Cancelled, DataServer
 from peerckpt.replication.wire import Connection, connect_tcp
 from peerckpt.runtime.env import service_process, stop_on_signals
-
-from peerckpt.errors import PeerckptError, RecoveryFailed
 
 log = logging.getLogger("peerckpt.agent")
 
@@ -59,7 +58,9 @@ class Agent:
         self.store = SlotStore(self.arena)
         self.rpc = RpcClient(coordinator, secret, job)
         self.epoch: int = -1
-        self.data = DataServer(self.store, secret, job, lambda: self.epoch, host)
+        self.data = DataServer(
+            self.store, secret, job, lambda: self.epoch, lambda: self.committed_step, host
+        )
         self.control = ControlServer(socket_path, secret, job, self._on_message, self._on_lost)
         self.membership: Membership | None = None
         self.committed_step: int | None = None
@@ -92,21 +93,24 @@ class Agent:
                 self.stopping.set()
 
     def close(self) -> None:
+        """Stop everything this agent started and remove its arena, whatever state it is in."""
         self.stopping.set()
         self._ending.set()
-        if self._watch_call is not None:
-            self._watch_call.cancel()
-        self.control.shutdown_links(
-            {"type": "shutdown", "state": "stopped", "reason": "agent exit"}
-        )
-        for sender in list(self._senders.values()):
-            sender.stop()
-        self.control.stop()
-        self.data.stop()
-        for thread in self._threads:
-            thread.join(timeout=2.0)
-        self.rpc.close()
-        self.arena.destroy()
+        try:
+            if self._watch_call is not None:
+                self._watch_call.cancel()
+            self.control.shutdown_links(
+                {"type": "shutdown", "state": "stopped", "reason": "agent exit"}
+            )
+            for sender in list(self._senders.values()):
+                sender.stop()
+            self.control.stop()
+            self.data.stop()
+            for thread in self._threads:
+                thread.join(timeout=2.0)
+            self.rpc.close()
+        finally:
+            self.arena.destroy()
 
     # -- coordinator ----------------------------------------------------------------------
     def _watch(self) -> None:
@@ -191,9 +195,11 @@ class Agent:
         return {"path": slot.segment.path, "size": slot.segment.size}
 
     def _replicate(self, msg: dict[str, Any]) -> None:
-        if msg["epoch"] != self.epoch or self.membership is None:
-            return  # a snapshot of an ended epoch: never replicated, never committed
-        rank = msg["rank"]
+        epoch, rank = msg["epoch"], msg["rank"]
+        with self._lock:
+            members = self.membership
+            if members is None or epoch != self.epoch:
+                return  # a snapshot of an ended epoch: never replicated, never committed
         slot = self.store.get("own", rank, msg["slot"])
         if slot is None:
             return
@@ -201,8 +207,11 @@ class Agent:
         manifest.validate_bounds(slot.segment.size)
         with slot.lock:
             slot.manifest = manifest.with_checksums(slot.segment.view)
-        buddies = self.membership.placement.get(rank, [])
-        job = ReplicationJob(self.epoch, slot, slot.manifest, buddies)
+        with self._lock:
+            if epoch != self.epoch:
+                return  # the epoch ended while we checksummed; its snapshot must not count
+        buddies = members.placement.get(rank, [])
+        job = ReplicationJob(epoch, slot, slot.manifest, buddies)
         if not buddies:
             self._replicated(job)
             return
@@ -217,7 +226,13 @@ class Agent:
                 if sender is not None:
                     sender.stop()
                 sender = BuddySender(
-                    node, addr, self._secret, self.job, lambda: self.epoch, self._sent
+                    node,
+                    addr,
+                    self._secret,
+                    self.job,
+                    lambda: self.epoch,
+                    lambda: self.committed_step,
+                    self._sent,
                 )
                 self._senders[node] = sender
             return sender
@@ -228,7 +243,21 @@ class Agent:
                 return
             if error is not None:
                 job.failed = True
-                return
+        if error is not None:
+            if not isinstance(error, (Cancelled, StaleEpoch)) and job.epoch == self.epoch:
+                # The coordinator decides: a lost buddy opens a new epoch anyway; a live
+                # buddy that refuses (memory, checksums) fails the job with its reason.
+                self._report(
+                    "ReplicationFailed",
+                    epoch=job.epoch,
+                    rank=job.slot.rank,
+                    step=job.manifest.step,
+                    buddy=node,
+                    message=f"{type(error).__name__}: {error}",
+                    fatal=not isinstance(error, (PeerUnavailable, OSError)),
+                )
+            return
+        with job.lock:
             job.acked.append(node)
             if len(job.acked) < len(job.buddies):
                 return
@@ -297,8 +326,12 @@ class Agent:
         try:
             if members.restore_step is not None:
                 restore, manifest = self._obtain(members, rank)
-        except RecoveryFailed as exc:
-            self._report("Error", epoch=members.epoch, rank=rank, message=str(exc))
+        except Exception as exc:  # a rank left without its state would wait forever
+            if not isinstance(exc, RecoveryFailed):
+                log.exception("preparing rank %d for epoch %d failed", rank, members.epoch)
+            self._report(
+                "Error", epoch=members.epoch, rank=rank, message=f"{type(exc).__name__}: {exc}"
+            )
             return
         if self.epoch != members.epoch:
             return  # a newer epoch superseded this one while we were pulling
@@ -323,7 +356,9 @@ class Agent:
         assert members.restore_step is not None
 
         def connect(source: int) -> Connection:
-            return connect_tcp(members.node_addrs[source], self._secret, self.job)
+            return connect_tcp(
+                members.node_addrs[source], self._secret, self.job, io_timeout=IO_TIMEOUT_S
+            )
 
         got = obtain_committed(
             self.store,

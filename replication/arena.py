@@ -102,7 +102,15 @@ class Arena:
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # Reserve the pages now: on a full tmpfs this fails with ENOSPC, where touching
+            # a sparse mapping would kill the process with SIGBUS.
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                raise InsufficientMemory(
+                    f"{what}: {SHM_DIR} could not hold {human(size)} more ({exc.strerror}); "
+                    f"free memory there or enlarge it (mount -o remount,size=… {SHM_DIR})"
+                ) from None
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.unlink(path)

@@ -17,9 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from peerckpt.replication.wire import Connection, pack, server_handshake, unpack
-
 from peerckpt.errors import PeerckptError, PeerUnavailable
+from peerckpt.replication.wire import Connection, pack, server_handshake, unpack
 
 log = logging.getLogger("peerckpt.control")
 
@@ -87,7 +86,8 @@ class ControlServer:
             links = list(self._links.values())
         for link in links:
             link.conn.close()
-        self._thread.join(timeout=2.0)
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
 
     def link_of(self, pid: int) -> ProcLink | None:
         with self._cond:

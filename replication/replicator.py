@@ -1,8 +1,9 @@
 """Replication sends: one sender thread per buddy node, one queue of snapshots each.
 
 A snapshot of rank r is pushed to each of its k buddies in parallel (one sender per buddy);
-when every buddy has acknowledged, ``on_replicated`` is called with the nodes that now hold a
-copy. Jobs of an ended epoch are dropped; an epoch change cancels the transfer in flight.
+each push ends in a call of ``done(job, node, error)``. A failed push is retried once on a
+fresh connection; jobs of an ended epoch are dropped, and an epoch change cancels the transfer
+in flight.
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from peerckpt.errors import PeerckptError, StaleEpoch
 from peerckpt.persist.manifest import SnapshotManifest
 from peerckpt.replication.store import Slot
-from peerckpt.replication.transfer import Cancelled, push
+from peerckpt.replication.transfer import IO_TIMEOUT_S, Cancelled, push
 from peerckpt.replication.wire import Connection, connect_tcp
-
-from peerckpt.errors import PeerckptError
 
 log = logging.getLogger("peerckpt.replicator")
 
@@ -46,8 +46,10 @@ class BuddySender:
         secret: bytes,
         job: str,
         current_epoch: Callable[[], int],
+        committed_step: Callable[[], int | None],
         done: Callable[[ReplicationJob, int, BaseException | None], None],
     ) -> None:
+        self._committed_step = committed_step
         self.node = node
         self.address = address
         self._secret = secret
@@ -85,30 +87,38 @@ class BuddySender:
             job = self._queue.get()
             if job is None:
                 return
+            # Clear before the epoch check: a cancel that arrives after it is kept.
+            self.cancel.clear()
             if job.epoch != self._current_epoch():
                 continue
-            self.cancel.clear()
             error: BaseException | None = None
-            try:
-                self._send(job)
-            except Cancelled as exc:
-                error = exc
-                self._close()
-            except (PeerckptError, OSError) as exc:
-                error = exc
-                self._close()
-                log.warning(
-                    "replicating rank %d step %d to node %d failed: %s",
-                    job.slot.rank,
-                    job.manifest.step,
-                    self.node,
-                    exc,
-                )
+            for attempt in (1, 2):
+                try:
+                    self._send(job)
+                    error = None
+                    break
+                except (Cancelled, StaleEpoch) as exc:
+                    error = exc  # the epoch ended: nothing to retry
+                    self._close()
+                    break
+                except (PeerckptError, OSError) as exc:
+                    error = exc
+                    self._close()
+                    log.warning(
+                        "replicating rank %d step %d to node %d failed (attempt %d): %s",
+                        job.slot.rank,
+                        job.manifest.step,
+                        self.node,
+                        attempt,
+                        exc,
+                    )
+                    if job.epoch != self._current_epoch():
+                        break
             self._done(job, self.node, error)
 
     def _send(self, job: ReplicationJob) -> None:
         if self._conn is None or self._conn.closed:
-            self._conn = connect_tcp(self.address, self._secret, self._job)
+            self._conn = connect_tcp(self.address, self._secret, self._job, io_timeout=IO_TIMEOUT_S)
         with job.slot.lock:
             if job.slot.manifest is not job.manifest:
                 raise Cancelled("slot was rewritten before it could be sent")
@@ -116,7 +126,7 @@ class BuddySender:
                 self._conn,
                 job.epoch,
                 job.slot.rank,
-                job.slot.index,
+                self._committed_step(),
                 job.manifest,
                 job.slot.segment.view,
                 self.cancel,

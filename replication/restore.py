@@ -15,12 +15,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from peerckpt.errors import ChecksumMismatch, PeerckptError, PeerUnavailable, RecoveryFailed
 from peerckpt.persist.manifest import SnapshotManifest
 from peerckpt.replication.store import Slot, SlotStore
 from peerckpt.replication.transfer import fetch
 from peerckpt.replication.wire import Connection
-
-from peerckpt.errors import ChecksumMismatch, PeerckptError, PeerUnavailable, RecoveryFailed
 
 log = logging.getLogger("peerckpt.restore")
 
@@ -59,6 +58,10 @@ def obtain_committed(
             log.error("cannot restore rank %d step %d from node %d: %s", rank, step, source, exc)
             failures.append(f"node {source}: {exc}")
             continue
+        except Exception as exc:  # a bad manifest or a reset mid-frame: try the next source
+            log.exception("cannot restore rank %d step %d from node %d", rank, step, source)
+            failures.append(f"node {source}: {type(exc).__name__}: {exc}")
+            continue
         assert slot.manifest is not None
         return Obtained(slot, slot.manifest, source, nbytes, time.monotonic() - start)
     raise RecoveryFailed(
@@ -68,10 +71,13 @@ def obtain_committed(
 
 def _local_copy(store: SlotStore, rank: int, step: int) -> Slot:
     slot = store.find(rank, step)
-    if slot is None or slot.manifest is None:
+    if slot is None:
         raise PeerUnavailable(f"this node holds no copy of rank {rank} step {step}")
     with slot.lock:
-        bad = slot.manifest.bad_chunks(slot.segment.view)
+        manifest = slot.manifest
+        if manifest is None or manifest.step != step:
+            raise PeerUnavailable(f"the copy of rank {rank} step {step} was replaced meanwhile")
+        bad = manifest.bad_chunks(slot.segment.view)
         if bad:
             slot.invalidate()
             raise ChecksumMismatch(

@@ -72,6 +72,21 @@ class SlotStore:
                 self.arena.release(old.segment)
         return new
 
+    def replica_target(self, rank: int, keep_step: int | None) -> int:
+        """Which replica slot of ``rank`` a new push may overwrite.
+
+        Never the one holding ``keep_step`` (the committed step); else an empty slot, else the
+        older one. The receiver decides, not the sender: after a recovery the sender's slot
+        numbering restarts, and its index may name the buddy's only committed copy.
+        """
+        held = [self.get("replica", rank, i) for i in (0, 1)]
+        steps = [s.step if s is not None else None for s in held]
+        if keep_step is not None and keep_step in steps:
+            return 1 - steps.index(keep_step)
+        if None in steps:
+            return steps.index(None)
+        return 0 if steps[0] <= steps[1] else 1  # type: ignore[operator]
+
     def find(self, rank: int, step: int) -> Slot | None:
         """A complete copy of ``rank``'s snapshot of ``step``: own slots first, then replicas."""
         with self._lock:

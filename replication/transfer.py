@@ -4,12 +4,14 @@ Protocol on an authenticated connection (see ``wire``):
 
 * push — replicate a snapshot to a buddy::
 
-      → {type: push, epoch, rank, slot, manifest}   ← {type: ready} | error
+      → {type: push, epoch, rank, committed, manifest}   ← {type: ready} | error
       → {type: data, off} + bytes … → {type: end}    ← {type: ack} | error(checksum)
 
-  The buddy allocates its replica slot from the manifest's size before answering ``ready``,
-  receives every data frame straight into the slot after checking it fits, and acknowledges
-  only once every chunk's crc32c matches.
+  The buddy picks which of the rank's two replica slots to overwrite (never the one holding
+  the committed step: the newer of its own and the sender's ``committed``), allocates it from
+  the manifest's size before answering ``ready``, receives every data frame straight into the
+  slot after checking it fits, and acknowledges only once every chunk's crc32c matches and
+  the push's epoch is still current.
 
 * fetch — pull a snapshot during a recovery::
 
@@ -17,7 +19,9 @@ Protocol on an authenticated connection (see ``wire``):
 
   The puller verifies every checksum and refuses the copy (ChecksumMismatch) otherwise.
 
-Bytes of a slot are read or written only while its lock is held.
+Bytes of a slot are read or written only while its lock is held. Once a request has
+started, every socket operation has a timeout (``IO_TIMEOUT_S``), so a hung peer cannot hold
+a slot forever.
 """
 
 from __future__ import annotations
@@ -28,10 +32,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from peerckpt.persist.manifest import SnapshotManifest
-from peerckpt.replication.store import SlotStore
-from peerckpt.replication.wire import Connection, raise_if_error, server_handshake
-
 from peerckpt.errors import (
     ChecksumMismatch,
     InsufficientMemory,
@@ -39,8 +39,12 @@ from peerckpt.errors import (
     PeerUnavailable,
     ProtocolError,
 )
+from peerckpt.persist.manifest import SnapshotManifest
+from peerckpt.replication.store import SlotStore
+from peerckpt.replication.wire import Connection, raise_if_error, server_handshake
 
 PIECE_BYTES = 16 << 20
+IO_TIMEOUT_S = 30.0
 log = logging.getLogger("peerckpt.transfer")
 
 
@@ -80,14 +84,23 @@ def push(
     conn: Connection,
     epoch: int,
     rank: int,
-    index: int,
+    committed: int | None,
     manifest: SnapshotManifest,
     view: memoryview,
     cancel: threading.Event | None = None,
 ) -> None:
-    """Replicate a checksummed snapshot to the buddy at the other end of ``conn``."""
+    """Replicate a checksummed snapshot to the buddy at the other end of ``conn``.
+
+    ``committed`` is the last step the sender knows committed; the buddy keeps its copy.
+    """
     conn.request(
-        {"type": "push", "epoch": epoch, "rank": rank, "slot": index, "manifest": manifest.to_msg()}
+        {
+            "type": "push",
+            "epoch": epoch,
+            "rank": rank,
+            "committed": committed,
+            "manifest": manifest.to_msg(),
+        }
     )
     send_bytes(conn, view, manifest.used_bytes, cancel)
     reply, _ = conn.recv_message()
@@ -133,9 +146,11 @@ class DataServer:
         secret: bytes,
         job: str,
         current_epoch: Callable[[], int],
+        committed_step: Callable[[], int | None],
         host: str = "127.0.0.1",
     ) -> None:
         self.store = store
+        self._committed_step = committed_step
         self._secret = secret
         self._job = job
         self._current_epoch = current_epoch
@@ -163,7 +178,8 @@ class DataServer:
             conns = list(self._conns)
         for conn in conns:
             conn.close()
-        self._thread.join(timeout=2.0)
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
 
     def _accept(self) -> None:
         while not self._stop.is_set():
@@ -183,7 +199,9 @@ class DataServer:
         try:
             server_handshake(conn, self._secret, self._job)
             while not self._stop.is_set():
+                conn.sock.settimeout(None)  # idle between requests: wait as long as it takes
                 header = conn.recv_header()
+                conn.sock.settimeout(IO_TIMEOUT_S)
                 if header["type"] == "push":
                     self._on_push(conn, header)
                 elif header["type"] == "fetch":
@@ -210,8 +228,11 @@ class DataServer:
             )
             return
         manifest = SnapshotManifest.from_msg(header["manifest"])
+        rank = header["rank"]
+        keep = [s for s in (self._committed_step(), header.get("committed")) if s is not None]
+        index = self.store.replica_target(rank, max(keep) if keep else None)
         try:
-            slot = self.store.ensure("replica", header["rank"], header["slot"], manifest.used_bytes)
+            slot = self.store.ensure("replica", rank, index, manifest.used_bytes)
         except InsufficientMemory as exc:
             conn.send_error("memory", str(exc))
             return
@@ -220,6 +241,9 @@ class DataServer:
             manifest.validate_bounds(slot.segment.size)
             conn.send({"type": "ready"})
             recv_bytes(conn, slot.segment.view, manifest.used_bytes)
+            if epoch < self._current_epoch():
+                conn.send_error("stale_epoch", f"epoch {epoch} ended during the push")
+                return
             bad = manifest.bad_chunks(slot.segment.view)
             if bad:
                 log.error(
@@ -235,6 +259,12 @@ class DataServer:
         conn.send({"type": "ack"})
 
     def _on_fetch(self, conn: Connection, header: dict[str, Any]) -> None:
+        if header["epoch"] < self._current_epoch():
+            conn.send_error(
+                "stale_epoch",
+                f"fetch of epoch {header['epoch']} after epoch {self._current_epoch()} began",
+            )
+            return
         slot = self.store.find(header["rank"], header["step"])
         if slot is None:
             conn.send_error(

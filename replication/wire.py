@@ -25,7 +25,15 @@ from typing import Any
 
 import msgpack
 
-from peerckpt.errors import AuthenticationError, FrameTooLarge, PeerUnavailable, ProtocolError
+from peerckpt.errors import (
+    AuthenticationError,
+    ChecksumMismatch,
+    FrameTooLarge,
+    InsufficientMemory,
+    PeerUnavailable,
+    ProtocolError,
+    StaleEpoch,
+)
 
 MAGIC = b"PCK1"
 PROTOCOL_VERSION = 1
@@ -146,10 +154,10 @@ class Connection:
     def recv_message(self, max_payload: int = MAX_CONTROL_PAYLOAD) -> tuple[dict[str, Any], bytes]:
         """Receive a control frame and its (bounded) payload as bytes."""
         header = self.recv_header()
+        if header["len"] > max_payload:  # checked before a byte is allocated or read
+            self.recv_payload_into(header, memoryview(b""))  # raises FrameTooLarge
         buf = bytearray(header["len"])
         if header["len"]:
-            if header["len"] > max_payload:
-                self.recv_payload_into(header, memoryview(bytearray(0)))  # raises FrameTooLarge
             self.recv_payload_into(header, memoryview(buf))
         return header, bytes(buf)
 
@@ -182,12 +190,10 @@ def raise_if_error(header: dict[str, Any], peer: str) -> None:
     if code == "frame_too_large":
         raise FrameTooLarge(f"{peer} refused a frame: {message}")
     if code == "checksum":
-        from peerckpt.errors import ChecksumMismatch
-
         raise ChecksumMismatch(f"{peer}: {message}")
+    if code == "memory":
+        raise InsufficientMemory(f"{peer}: {message}")
     if code == "stale_epoch":
-        from peerckpt.errors import StaleEpoch
-
         raise StaleEpoch(f"{peer}: {message}")
     raise ProtocolError(f"{peer} answered with error {code!r}: {message}")
 
@@ -261,9 +267,17 @@ def client_handshake(conn: Connection, secret: bytes, job: str, **fields: Any) -
 
 
 def connect_tcp(
-    addr: str, secret: bytes, job: str, timeout: float = 5.0, **fields: Any
+    addr: str,
+    secret: bytes,
+    job: str,
+    timeout: float = 5.0,
+    io_timeout: float | None = None,
+    **fields: Any,
 ) -> Connection:
-    """Open an authenticated TCP connection to ``host:port``."""
+    """Open an authenticated TCP connection to ``host:port``.
+
+    ``io_timeout`` bounds every later send and receive (None: no bound).
+    """
     host, _, port = addr.rpartition(":")
     try:
         sock = socket.create_connection((host, int(port)), timeout=timeout)
@@ -276,6 +290,7 @@ def connect_tcp(
     except BaseException:
         conn.close()
         raise
+    sock.settimeout(io_timeout)
     return conn
 
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import msgpack
 import torch
-from peerckpt.persist.manifest import META_KEY, ChunkRecord, align
 
 from peerckpt.errors import StateMismatch
+from peerckpt.persist.manifest import META_KEY, ChunkRecord, align
 
 try:
     import numpy as np
@@ -53,14 +53,17 @@ class Captured:
 
 
 class _Flattener:
-    def __init__(self, clone: bool) -> None:
-        self.clone = clone
+    """Replaces tensors by chunk references. A tensor is kept by reference (copied later, in
+    the background) only if its data pointer is in ``live``; any other is cloned now."""
+
+    def __init__(self, live: set[int] | None) -> None:
+        self.live = live
         self.tensors: list[tuple[str, torch.Tensor]] = []
 
     def walk(self, obj: Any, path: str) -> Any:
         if isinstance(obj, torch.Tensor):
             tensor = obj.detach()
-            if self.clone:
+            if self.live is not None and tensor.data_ptr() not in self.live:
                 tensor = tensor.clone()
             self.tensors.append((path, tensor))
             return msgpack.ExtType(_TENSOR_EXT, path.encode())
@@ -185,21 +188,40 @@ def restore_rng(rng: dict[str, Any]) -> None:
         )
 
 
+def _stable_pointers(tracked: dict[str, Any]) -> set[int]:
+    """Data pointers of tensors that change only inside ``optimizer.step()``: parameters of a
+    tracked optimizer, and frozen parameters (``requires_grad=False``)."""
+    pointers: set[int] = set()
+    for obj in tracked.values():
+        if isinstance(obj, torch.optim.Optimizer):
+            pointers.update(p.data_ptr() for g in obj.param_groups for p in g["params"])
+        elif isinstance(obj, torch.nn.Module):
+            pointers.update(p.data_ptr() for p in obj.parameters() if not p.requires_grad)
+    return pointers
+
+
 def capture(tracked: dict[str, Any], step: int, extra: dict[str, Any]) -> Captured:
-    """Capture every tracked object; tensors of modules and optimizers are not copied here."""
-    live = _Flattener(clone=False)
-    cloned = _Flattener(clone=True)
+    """Capture every tracked object.
+
+    Optimizer state and the parameters it updates are referenced, not copied: the copy into
+    the slot runs in the background and ``optimizer.step()`` waits for it. Every other tensor
+    (buffers, parameters no tracked optimizer owns, plain tensors, Stateful state) may change
+    anywhere in the next iteration, so it is cloned here.
+    """
+    stable = _Flattener(live=_stable_pointers(tracked))
     fqns = param_fqns(tracked)
     objects: dict[str, Any] = {}
     for name, obj in tracked.items():
         if isinstance(obj, torch.nn.Module):
-            objects[name] = ["module", live.walk(dict(obj.state_dict()), name)]
+            objects[name] = ["module", stable.walk(dict(obj.state_dict()), name)]
         elif isinstance(obj, torch.optim.Optimizer):
-            objects[name] = ["optimizer", live.walk(_optimizer_state(obj, fqns), name)]
+            walker = _Flattener(live=None)  # all of it changes only in step()
+            objects[name] = ["optimizer", walker.walk(_optimizer_state(obj, fqns), name)]
+            stable.tensors.extend(walker.tensors)
         elif isinstance(obj, torch.Tensor):
-            objects[name] = ["tensor", live.walk(obj, name)]
+            objects[name] = ["tensor", stable.walk(obj, name)]
         elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
-            objects[name] = ["stateful", cloned.walk(obj.state_dict(), name)]
+            objects[name] = ["stateful", stable.walk(obj.state_dict(), name)]
         else:
             raise StateMismatch(
                 f"ctx.track({name}=…) got a {type(obj).__name__}, which has no state_dict() and "
@@ -207,7 +229,7 @@ def capture(tracked: dict[str, Any], step: int, extra: dict[str, Any]) -> Captur
             )
     meta = {"step": step, "rng": capture_rng(), "objects": objects, **extra}
     blob = msgpack.packb(meta, use_bin_type=True)
-    return Captured(live.tensors + cloned.tensors, blob)
+    return Captured(stable.tensors, blob)
 
 
 def layout(

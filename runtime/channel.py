@@ -16,10 +16,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from peerckpt.replication.wire import connect_unix, pack, unpack
-
 from peerckpt import errors
 from peerckpt.errors import PeerckptError, PeerUnavailable
+from peerckpt.replication.wire import connect_unix, pack, unpack
 
 log = logging.getLogger("peerckpt.channel")
 
@@ -99,6 +98,9 @@ class AgentChannel:
         except OSError as exc:
             if not self._closing:
                 log.warning("link to the node agent failed: %s", exc)
+        except Exception:  # a bad frame: the link is unusable, which is what agent_lost says
+            if not self._closing:
+                log.exception("link to the node agent broke on an unexpected message")
         with self._lock:
             pending = list(self._pending.values())
         for future in pending:

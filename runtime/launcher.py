@@ -28,14 +28,15 @@ from typing import IO, Any
 
 from peerckpt.chaos.monkey import ChaosMonkey
 from peerckpt.chaos.spec import parse_chaos
+from peerckpt.errors import ConfigurationError, PeerckptError
 from peerckpt.recovery.rpc import RpcClient
 from peerckpt.replication.arena import sweep
 from peerckpt.runtime.report import format_failures
 
-from peerckpt.errors import ConfigurationError, PeerckptError
-
 log = logging.getLogger("peerckpt.launcher")
-_JOB_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
+# No '-': it separates the job from the rest of a segment's name, so that cleaning up job
+# "exp" can never match the files of a job "exp-2".
+_JOB_NAME = re.compile(r"[a-z0-9][a-z0-9_]{0,39}")
 _READY_TIMEOUT_S = 60.0
 
 
@@ -89,7 +90,7 @@ class LocalLauncher:
         self.actions = parse_chaos(spec.chaos) if spec.chaos else []
         if spec.job is not None and not _JOB_NAME.fullmatch(spec.job):
             raise ConfigurationError(
-                f"job name {spec.job!r} must be 1-40 characters of a-z, 0-9 and '-'"
+                f"job name {spec.job!r} must be 1-40 characters of a-z, 0-9 and '_'"
             )
         self.job = spec.job or secrets.token_hex(4)
         self._secret = secrets.token_bytes(32)

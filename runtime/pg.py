@@ -6,9 +6,11 @@ as the failure is known, from another thread. Measured on torch 2.13 with gloo:
 ``ProcessGroup.abort()`` returns but does not wake a rank blocked in ``recv`` (it waited out
 the whole process-group timeout), whereas shutting down the group's TCP connections makes
 the blocked collective raise within a millisecond on every survivor. So ``abort`` shuts
-down the connected TCP sockets that this rank opened while joining the epoch (the store
-client and gloo's pairs, never listeners), recognised by their inode and restricted to the
-job's own hosts. ``leave`` then destroys the group; the next epoch builds a fresh one.
+down the connected TCP sockets that belong to the epoch's group, recognised by their inode,
+never listeners: while the group forms, every socket opened since ``begin`` (the store client
+first, so an abort at any point of the rendezvous makes it fail); once it has formed, exactly
+the sockets it opened while forming, so the user's own connections are left alone.
+``leave`` then destroys the group; the next epoch builds a fresh one.
 
 An aborted group is not freed at once. Its gloo worker threads finish the failed collectives
 and, destroying each one, take the GIL. ``~ProcessGroupGloo`` joins those threads while the
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
 import logging
 import os
 import socket
@@ -46,6 +49,21 @@ def _socket_inodes() -> dict[str, int]:
     return found
 
 
+def normalize_host(host: str) -> str:
+    """One spelling per address: IPv4-mapped IPv6 (``::ffff:127.0.0.1``, what torch's
+    TCPStore client reports as its peer) becomes plain IPv4; names resolve to addresses."""
+    try:
+        address = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        try:
+            return socket.gethostbyname(host)
+        except OSError:
+            return host
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(address)
+
+
 def _shutdown_socket(fd: int, inode: str, hosts: set[str]) -> bool:
     try:
         if os.readlink(f"/proc/self/fd/{fd}") != inode:
@@ -58,7 +76,7 @@ def _shutdown_socket(fd: int, inode: str, hosts: set[str]) -> bool:
             return False
         if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
             return False  # gloo aborts the process if its listener is shut down
-        peer = sock.getpeername()[0]
+        peer = normalize_host(sock.getpeername()[0])
         if hosts and peer not in hosts:
             return False
         sock.shutdown(socket.SHUT_RDWR)
@@ -77,6 +95,7 @@ class ProcessGroupLifecycle:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.epoch: int | None = None
         self._baseline: set[str] = set()
+        self._owned: set[str] | None = None  # None while the group forms
         self._hosts: set[str] = set()
         self._lock = threading.Lock()
         self._aborted = False
@@ -85,24 +104,36 @@ class ProcessGroupLifecycle:
     def backend(self) -> str:
         return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
-    def join(
-        self, epoch: int, store_addr: str, rank: int, world_size: int, hosts: set[str]
-    ) -> None:
-        """Create the default process group of ``epoch`` (blocks until every rank joins)."""
-        host, _, port = store_addr.rpartition(":")
+    def begin(self, epoch: int, store_addr: str, hosts: set[str]) -> None:
+        """Start forming ``epoch``'s group: from now on ``abort`` cuts what it opens."""
         with self._lock:
             self._baseline = set(_socket_inodes())
-            self._hosts = hosts | {host}
+            self._owned = None
+            self._hosts = {normalize_host(h) for h in hosts | {store_addr.rpartition(":")[0]}}
             self._aborted = False
             self.epoch = epoch
+
+    def join(self, store_addr: str, rank: int, world_size: int) -> None:
+        """Form the default process group begun with ``begin`` (blocks until all ranks join).
+
+        Raises if the epoch is aborted before or while the group forms.
+        """
+        host, _, port = store_addr.rpartition(":")
         store = dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
-        prefixed = dist.PrefixStore(f"peerckpt/{self.job}/epoch-{epoch}", store)
+        prefixed = dist.PrefixStore(f"peerckpt/{self.job}/epoch-{self.epoch}", store)
         with self._lock:
-            if self._aborted:
-                raise RuntimeError(f"epoch {epoch} was aborted while joining")
+            if self._aborted:  # an abort from here on cuts the store client: init fails
+                raise RuntimeError(f"epoch {self.epoch} was aborted while its group formed")
+        if not dist.is_initialized():
+            # torch names groups after a process-wide counter, which an init that failed half
+            # way (an aborted epoch) leaves raised; a fresh spare's is 0. Ranks that disagree
+            # wait forever for each other's rendezvous keys, so every epoch starts at 0.
+            dist.distributed_c10d._world.group_count = 0
         dist.init_process_group(
             self.backend(), store=prefixed, rank=rank, world_size=world_size, timeout=self.timeout
         )
+        with self._lock:
+            self._owned = set(_socket_inodes()) - self._baseline
 
     def abort(self) -> int:
         """Release any collective of this epoch blocked in this process; return sockets cut.
@@ -111,10 +142,11 @@ class ProcessGroupLifecycle:
         """
         with self._lock:
             self._aborted = True
-            baseline, hosts = self._baseline, self._hosts
+            baseline, owned, hosts = self._baseline, self._owned, self._hosts
         cut = 0
         for inode, fd in _socket_inodes().items():
-            if inode not in baseline and _shutdown_socket(fd, inode, hosts):
+            mine = inode in owned if owned is not None else inode not in baseline
+            if mine and _shutdown_socket(fd, inode, hosts):
                 cut += 1
         log.info("aborted the process group of epoch %s (%d connections cut)", self.epoch, cut)
         return cut

@@ -27,14 +27,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from peerckpt.errors import MembershipChanged, PeerckptError, StateMismatch
 from peerckpt.runtime import capture, ddp
 from peerckpt.runtime.channel import AgentChannel
 from peerckpt.runtime.env import LaunchEnv, RankFilter
 from peerckpt.runtime.pg import ProcessGroupLifecycle
 from peerckpt.runtime.snapshot import SnapshotEngine
 from peerckpt.runtime.state import Assignment, RankState, check_transition
-
-from peerckpt.errors import MembershipChanged, PeerckptError, StateMismatch
 
 log = logging.getLogger("peerckpt.rank")
 
@@ -202,9 +202,13 @@ class RankRuntime:
 
     def _join(self, assignment: Assignment) -> None:
         with self._cond:
+            if self._latest_epoch > assignment.epoch:
+                raise MembershipChanged(f"epoch {assignment.epoch} ended before it was joined")
             self._become(RankState.JOINING)
             self.assignment = assignment
             self.tracked, self._restored, self._resumed_sent = {}, None, False
+            # Under the lock: an abort notice is either seen above or cuts what this opens.
+            self.pg.begin(assignment.epoch, assignment.store_addr, set(assignment.hosts))
         os.environ.update(
             RANK=str(assignment.rank),
             WORLD_SIZE=str(assignment.world_size),
@@ -226,13 +230,7 @@ class RankRuntime:
             assignment.world_size,
             assignment.restore_step,
         )
-        self.pg.join(
-            assignment.epoch,
-            assignment.store_addr,
-            assignment.rank,
-            assignment.world_size,
-            hosts=set(assignment.hosts),
-        )
+        self.pg.join(assignment.store_addr, assignment.rank, assignment.world_size)
         with self._cond:
             if self.state is RankState.JOINING and self._latest_epoch <= assignment.epoch:
                 self._become(RankState.RUNNING)
@@ -269,8 +267,9 @@ class RankRuntime:
     def _finish(self) -> None:
         assert self.assignment is not None
         self.engine.wait_copy()
-        if self.step is not None:
-            self.engine.wait_committed(self.step, timeout=self.suspect_s * 4)
+        last = self.engine.last_taken
+        if last is not None and not self.engine.wait_committed(last, self.engine.commit_timeout_s):
+            log.warning("the last snapshot (step %d) was never committed", last)
         with self._cond:
             if self.state is not RankState.RUNNING:
                 raise MembershipChanged("membership changed as the function returned")
@@ -332,8 +331,6 @@ class RankRuntime:
         for obj in state.values():
             if isinstance(obj, torch.optim.Optimizer):
                 self._hooks.append(obj.register_step_pre_hook(self._before_optimizer_step))
-            elif isinstance(obj, torch.nn.Module) and any(True for _ in obj.buffers()):
-                self._hooks.append(obj.register_forward_pre_hook(self._before_forward))
         a = self.assignment
         if a.restore_step is None or a.restore_slot is None:
             return
@@ -345,9 +342,6 @@ class RankRuntime:
         log.info("restored %s from step %d", sorted(state), meta["step"])
 
     def _before_optimizer_step(self, *args: Any) -> None:
-        self.engine.wait_copy()
-
-    def _before_forward(self, *args: Any) -> None:
         self.engine.wait_copy()
 
     def steps(self, total: int) -> Iterator[int]:

@@ -23,6 +23,7 @@ class FailureRow:
     recovered_s: float | None  # kill (or detection) → every rank stepping again
     restore_step: int | None
     pulls: list[dict[str, Any]] = field(default_factory=list)
+    superseded: bool = False  # another failure opened a newer epoch before this one resumed
 
 
 def _matches(action: dict[str, Any], event: dict[str, Any]) -> bool:
@@ -52,6 +53,8 @@ def failure_rows(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -> l
                 recovered_s=resumed - t0 if resumed else None,
                 restore_step=event.get("restore_step"),
                 pulls=sorted(event.get("pulls", []), key=lambda p: p["rank"]),
+                superseded=resumed is None
+                and any(e.get("from_epoch") == event.get("epoch") for e in events),
             )
         )
     return rows
@@ -65,7 +68,11 @@ def format_failures(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -
         lines.append(f"- {row.cause}: lost {where or 'no rank'}")
         if row.detected_s is not None:
             lines.append(f"    detected {row.detected_s * 1000:.0f} ms after the kill")
-        if row.recovered_s is None:
+        if row.superseded:
+            lines.append(
+                "    repaired together with the next failure, which struck before this recovery ended"
+            )
+        elif row.recovered_s is None:
             lines.append("    NOT RECOVERED")
         else:
             since = "the kill" if row.detected_s is not None else "detection"

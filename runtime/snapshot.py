@@ -19,12 +19,12 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from peerckpt.errors import CommitTimeout, MembershipChanged
 from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.replication.arena import map_segment
 from peerckpt.runtime.capture import Captured, layout, write_slot
 from peerckpt.runtime.channel import AgentChannel
-
-from peerckpt.errors import MembershipChanged
 
 log = logging.getLogger("peerckpt.snapshot")
 
@@ -56,8 +56,10 @@ class _Job:
 class SnapshotEngine:
     """Owns the rank's mapped slots and the copy thread."""
 
-    def __init__(self, channel: AgentChannel) -> None:
+    def __init__(self, channel: AgentChannel, commit_timeout_s: float = 300.0) -> None:
         self._channel = channel
+        self.commit_timeout_s = commit_timeout_s
+        self.last_taken: int | None = None  # the last step handed to ``take`` in this epoch
         self._cond = threading.Condition()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._slots: dict[int, MappedSlot] = {}
@@ -92,6 +94,7 @@ class SnapshotEngine:
             self.epoch, self.rank = epoch, rank
             self.committed_index, self.committed_step = committed_index, committed_step
             self._awaiting, self._aborted, self._error = None, False, None
+            self.last_taken = None
             if committed_index is not None and committed_path is not None:
                 current = self._slots.get(committed_index)
                 if current is None or current.path != committed_path:
@@ -123,6 +126,7 @@ class SnapshotEngine:
         self.wait_copy()
         with self._cond:
             self._busy = True
+            self.last_taken = step
         self._queue.put(_Job(self.epoch, step, captured))
 
     def wait_copy(self) -> None:
@@ -182,9 +186,18 @@ class SnapshotEngine:
                     self._cond.notify_all()
 
     def _write(self, job: _Job) -> None:
+        deadline = time.monotonic() + self.commit_timeout_s
         with self._cond:
             while self._awaiting is not None and not self._aborted and job.epoch == self.epoch:
-                self._cond.wait()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CommitTimeout(
+                        f"step {self._awaiting[1]} was not committed within "
+                        f"{self.commit_timeout_s:.0f} s, so step {job.step} cannot be snapshotted "
+                        "without overwriting the last committed copy; replication is stuck "
+                        "(see the agents' and the coordinator's logs)"
+                    )
+                self._cond.wait(left)
             if self._aborted or job.epoch != self.epoch:
                 raise MembershipChanged("epoch ended before the snapshot could be written")
             target = 0 if self.committed_index is None else 1 - self.committed_index

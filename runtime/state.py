@@ -25,8 +25,15 @@ class RankState(enum.Enum):
 
 
 _ALLOWED = {
-    RankState.SPARE: {RankState.JOINING, RankState.EXITED},
-    RankState.WAITING: {RankState.JOINING, RankState.EXITED, RankState.FAILED},
+    # A spare or waiting rank whose assignment is superseded before it joins is between
+    # epochs, like an aborted one.
+    RankState.SPARE: {RankState.JOINING, RankState.ABORTING, RankState.EXITED},
+    RankState.WAITING: {
+        RankState.JOINING,
+        RankState.ABORTING,
+        RankState.EXITED,
+        RankState.FAILED,
+    },
     RankState.JOINING: {RankState.RUNNING, RankState.ABORTING, RankState.FAILED, RankState.EXITED},
     RankState.RUNNING: {RankState.FINISHED, RankState.ABORTING, RankState.FAILED, RankState.EXITED},
     RankState.FINISHED: {RankState.ABORTING, RankState.EXITED, RankState.FAILED},

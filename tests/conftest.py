@@ -13,9 +13,11 @@ import itertools
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +37,7 @@ _names = itertools.count()
 
 def job_name() -> str:
     """A fresh job name inside this session's prefix."""
-    return f"{PREFIX}-{next(_names)}"
+    return f"{PREFIX}_{next(_names)}"
 
 
 def _job_processes() -> list[psutil.Process]:
@@ -58,17 +60,21 @@ def no_leaks() -> Any:
     """Fail a test that leaves a job process or a shared-memory file behind."""
     yield
     deadline = time.monotonic() + 5.0  # processes told to exit may take a moment
-    procs, files = _job_processes(), glob.glob(SHM_GLOB)
-    while (procs or files) and time.monotonic() < deadline:
+    rundirs = os.path.join(tempfile.gettempdir(), f"peerckpt-{PREFIX}*")
+    procs, files, dirs = _job_processes(), glob.glob(SHM_GLOB), glob.glob(rundirs)
+    while (procs or files or dirs) and time.monotonic() < deadline:
         time.sleep(0.1)
-        procs, files = _job_processes(), glob.glob(SHM_GLOB)
+        procs, files, dirs = _job_processes(), glob.glob(SHM_GLOB), glob.glob(rundirs)
     for proc in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
     for path in files:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+    for path in dirs:
+        shutil.rmtree(path, ignore_errors=True)
     assert not procs, f"leaked processes: {[p.pid for p in procs]}"
+    assert not dirs, f"leaked run directories (sockets): {dirs}"
     assert not files, f"leaked shared-memory files: {files}"
 
 

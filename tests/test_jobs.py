@@ -28,7 +28,9 @@ def _assert_bit_exact(run: JobRun, reference: JobRun, steps: int = 30) -> None:
         assert run.final() == reference.final()
 
 
-def test_fault_free_job_runs_every_step_with_identical_replicas(reference_run: JobRun) -> None:
+def test_fault_free_job_runs_every_step_with_identical_models_on_every_rank(
+    reference_run: JobRun,
+) -> None:
     digests = reference_run.digests()
     assert len(digests) == 4 * 30
     for step in range(30):  # DDP keeps every rank's model and optimizer identical
@@ -44,7 +46,8 @@ def test_a_killed_rank_is_replaced_by_a_spare_from_peer_memory(tmp_path, referen
     assert event["kind"] == "rank" and event["ranks"] == [2]
     assert event["resumed_at"] is not None
     pulls = {p["rank"]: p for p in event["pulls"]}
-    assert pulls[2]["node"] == 2 and pulls[2]["source"] in (0, 1) and pulls[2]["bytes"] > 0
+    # From its buddy (node 0), not from the node it was lost on (node 1), over TCP.
+    assert pulls[2]["node"] == 2 and pulls[2]["source"] == 0 and pulls[2]["bytes"] > 0
     for rank in (0, 1, 3):  # survivors restore from their own slot: no network
         assert pulls[rank]["source"] == pulls[rank]["node"] and pulls[rank]["bytes"] == 0
 
@@ -71,6 +74,18 @@ def test_a_rank_then_a_whole_node_lost_in_one_run(tmp_path, reference_run) -> No
     assert (second["kind"], second["epoch"], second["ranks"]) == ("node", 2, [2, 3])
     assert first["restore_step"] < second["restore_step"]
     assert second["resumed_at"] is not None
+
+
+def test_two_ranks_killed_at_once_are_repaired_together(tmp_path, reference_run) -> None:
+    """The second kill lands while the first recovery is under way (its epoch is superseded:
+    ranks already joining it must be released, and rejoin the next one together)."""
+    chaos = "kill rank=1 at=8; kill rank=3 at=8"
+    run = run_job(tmp_path, script_args=["--steps", "30"], spares=2, chaos=chaos)
+    assert run.returncode == 0, run.log[-4000:]
+    _assert_bit_exact(run, reference_run)
+    events = run.report["events"]
+    assert sorted(r for e in events for r in e["ranks"]) == [1, 3]
+    assert events[-1]["resumed_at"] is not None
 
 
 def test_ranks_blocked_in_a_collective_are_released_when_a_peer_dies(

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from peerckpt.chaos.spec import ChaosAction, parse_chaos
 
+from peerckpt.chaos.spec import ChaosAction, parse_chaos
 from peerckpt.errors import ConfigurationError
 
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from peerckpt.recovery.membership import CommitTracker
-from peerckpt.recovery.plan import plan_sources
 
 from peerckpt.errors import RecoveryFailed, StaleEpoch
+from peerckpt.recovery.membership import CommitTracker
+from peerckpt.recovery.plan import plan_sources
 
 
 def test_a_step_commits_when_every_rank_has_it_replicated() -> None:

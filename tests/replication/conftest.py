@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+
 from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.replication.arena import Arena
 from peerckpt.replication.store import Slot, SlotStore
@@ -22,6 +23,7 @@ class Peer:
     store: SlotStore
     server: DataServer
     epoch: int = 0
+    committed: int | None = None
 
 
 @pytest.fixture
@@ -38,7 +40,9 @@ def peers(job: tuple[str, bytes]) -> Iterator[list[Peer]]:
         arena = Arena(name, node)
         store = SlotStore(arena)
         peer = Peer(node, arena, store, None)  # type: ignore[arg-type]
-        peer.server = DataServer(store, secret, name, lambda p=peer: p.epoch)
+        peer.server = DataServer(
+            store, secret, name, lambda p=peer: p.epoch, lambda p=peer: p.committed
+        )
         peer.server.start()
         made.append(peer)
     yield made

@@ -7,6 +7,8 @@ import struct
 import threading
 
 import pytest
+
+from peerckpt.errors import AuthenticationError, FrameTooLarge, ProtocolError
 from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.replication.wire import (
     MAGIC,
@@ -16,8 +18,6 @@ from peerckpt.replication.wire import (
     pack,
     server_handshake,
 )
-
-from peerckpt.errors import AuthenticationError, FrameTooLarge, ProtocolError
 
 
 def _pair() -> tuple[Connection, Connection]:
@@ -86,6 +86,16 @@ def test_oversized_header_is_rejected_before_reading_it() -> None:
     client.sock.sendall(struct.pack("!4sI", MAGIC, 1 << 30))
     with pytest.raises(FrameTooLarge):
         server.recv_header()
+    server.close(), client.close()
+
+
+def test_an_unauthenticated_client_cannot_make_the_server_allocate() -> None:
+    """The auth frame may carry no payload; a declared one is refused before allocating it."""
+    server, client = _pair()
+    header = pack({"type": "auth", "len": 1 << 40})  # a terabyte, if it were allocated
+    client.sock.sendall(struct.pack("!4sI", MAGIC, len(header)) + header)
+    with pytest.raises(FrameTooLarge):
+        server.recv_message(max_payload=0)
     server.close(), client.close()
 
 

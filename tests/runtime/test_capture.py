@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from peerckpt.runtime import capture
 
 from peerckpt.errors import StateMismatch
+from peerckpt.runtime import capture
 
 
 class Loader:
