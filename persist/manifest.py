@@ -7,7 +7,8 @@ receiver verifies them before it acknowledges or restores. The same records desc
 checkpoints (one manifest per step, written last).
 
 Chunk metadata follows DESIGN.md: ``key`` (the FQN), dtype, global shape, and the box the
-chunk covers (``offsets``/``lengths`` per dimension). Pure data; no I/O.
+chunk covers (``offsets``/``lengths`` per dimension), plus its scope (a box of a shared
+tensor, or one rank's private state). Pure data; no I/O.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class ChunkRecord:
     byte_offset: int
     nbytes: int
     crc: int | None = None
+    # "global": a box of a tensor every rank shares a view of (sharded or replicated);
+    # "rank": private state of one rank (a data loader's), never mistaken for a replica.
+    scope: str = "global"
 
     def to_msg(self) -> list[Any]:
         return [
@@ -50,13 +54,22 @@ class ChunkRecord:
             self.byte_offset,
             self.nbytes,
             self.crc,
+            self.scope,
         ]
 
     @classmethod
     def from_msg(cls, msg: list[Any]) -> ChunkRecord:
-        key, dtype, gshape, offsets, lengths, byte_offset, nbytes, crc = msg
+        key, dtype, gshape, offsets, lengths, byte_offset, nbytes, crc, scope = msg
         return cls(
-            key, dtype, tuple(gshape), tuple(offsets), tuple(lengths), byte_offset, nbytes, crc
+            key,
+            dtype,
+            tuple(gshape),
+            tuple(offsets),
+            tuple(lengths),
+            byte_offset,
+            nbytes,
+            crc,
+            scope,
         )
 
 

@@ -29,10 +29,12 @@ from typing import Any
 import torch
 
 from peerckpt.errors import MembershipChanged, PeerckptError, StateMismatch
+from peerckpt.persist.manifest import META_KEY
 from peerckpt.runtime import capture, ddp
 from peerckpt.runtime.channel import AgentChannel
 from peerckpt.runtime.env import LaunchEnv, RankFilter
 from peerckpt.runtime.pg import ProcessGroupLifecycle
+from peerckpt.runtime.restore import ChunkSource, read_meta, restore_objects
 from peerckpt.runtime.snapshot import SnapshotEngine
 from peerckpt.runtime.state import Assignment, RankState, check_transition
 
@@ -334,8 +336,18 @@ class RankRuntime:
         a = self.assignment
         if a.restore_step is None or a.restore_slot is None:
             return
-        meta = capture.restore(
-            state, self.engine.slot_tensor(a.restore_slot), a.chunks, self.tracked
+        slot = self.engine.slot_tensor(a.restore_slot)
+        source = ChunkSource(slot, a.chunks)
+        meta = read_meta(slot, next(c for c in a.chunks if c.key == META_KEY))
+        restore_objects(
+            state,
+            self.tracked,
+            source,
+            {a.rank: meta},
+            primary=a.rank,
+            rank=a.rank,
+            world_size=a.world_size,
+            resharded=False,
         )
         ddp.apply_layouts(state, meta.get("ddp", {}))
         self._restored = meta

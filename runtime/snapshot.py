@@ -219,7 +219,13 @@ class SnapshotEngine:
         )
 
     def _chunks(self, captured: Captured) -> tuple[list[ChunkRecord], int]:
-        key = (*((k, t.dtype, tuple(t.shape)) for k, t in captured.tensors), len(captured.blob))
+        key = (
+            *(
+                (t.key, t.tensor.dtype, tuple(t.tensor.shape), t.global_shape, t.offsets, t.scope)
+                for t in captured.tensors
+            ),
+            len(captured.blob),
+        )
         if key != self._layout_key:
             self._layout = layout(captured.tensors, len(captured.blob))
             self._layout_key = key

@@ -1,0 +1,340 @@
+"""State restore: chunks and skeletons of a committed step → the tracked objects of a new epoch.
+
+Two sources feed it. In the same topology, a rank's own snapshot slot: its skeleton and
+chunks are exactly what it captured. After a topology change, a *staging* slot that the
+agent assembled for the rank's new layout: for every box the rank wants (``wanted_chunks``),
+the bytes of the committed step, gathered from whichever old ranks held them; plus every old
+rank's blob (``__meta__@<old rank>``) and private state (``<key>@<old rank>``).
+
+Module tensors are copied in place into the new objects' state_dict tensors (DTensor shards
+included); optimizer state is rebuilt keyed by parameter name (as DTensors where the parameter
+is one); Stateful objects get their state back with ``load_state_dict`` — or, after a topology
+change, every old rank's state through ``load_resharded_state`` if they implement it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from peerckpt.errors import StateMismatch
+from peerckpt.persist.manifest import META_KEY, ChunkRecord
+from peerckpt.runtime.capture import NDARRAY_EXT, TENSOR_EXT, TUPLE_EXT, param_fqns
+from peerckpt.runtime.layouts import Shard, chunk_view, dtype_name, is_dtensor, local_of, place
+
+try:
+    import numpy as np
+except ImportError:
+    np = None  # type: ignore[assignment]
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A skeleton's reference to a chunk, resolved against a ``ChunkSource``."""
+
+    key: str
+
+
+def private_key(key: str, old_rank: int) -> str:
+    """The name under which a restoring rank sees old rank ``old_rank``'s private chunk."""
+    return f"{key}@{old_rank}"
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code == TENSOR_EXT:
+        return TensorRef(data.decode())
+    if code == TUPLE_EXT:
+        return tuple(msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False))
+    if code == NDARRAY_EXT and np is not None:
+        dtype, shape, raw = msgpack.unpackb(data, raw=False)
+        return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()
+    raise StateMismatch(f"unknown msgpack extension {code} in a snapshot")
+
+
+def decode_meta(raw: bytes) -> dict[str, Any]:
+    """Decode a snapshot blob; tensors come back as ``TensorRef``."""
+    meta: dict[str, Any] = msgpack.unpackb(raw, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+    return meta
+
+
+def read_meta(slot: torch.Tensor, chunk: ChunkRecord) -> dict[str, Any]:
+    return decode_meta(slot[chunk.byte_offset : chunk.byte_offset + chunk.nbytes].numpy().tobytes())
+
+
+class ChunkSource:
+    """The restored chunks of one slot, by key, each with its record."""
+
+    def __init__(self, slot: torch.Tensor, chunks: list[ChunkRecord]) -> None:
+        self.slot = slot
+        self.records = {c.key: c for c in chunks}
+
+    def get(self, key: str, old_rank: int) -> tuple[torch.Tensor, ChunkRecord]:
+        """Old rank ``old_rank``'s chunk ``key``: its private copy if there is one, else the
+        (resharded) box of the shared tensor."""
+        record = self.records.get(private_key(key, old_rank)) or self.records.get(key)
+        if record is None:
+            raise StateMismatch(f"the restored state has no chunk {key!r}")
+        return chunk_view(self.slot, record), record
+
+    def metas(self) -> dict[int, dict[str, Any]]:
+        """Every old rank's blob found in this slot, by old rank (staging slots only)."""
+        found = {}
+        for key, record in self.records.items():
+            if key.startswith(META_KEY + "@"):
+                found[int(key.rpartition("@")[2])] = read_meta(self.slot, record)
+        return found
+
+
+def _resolve(tree: Any, fetch: Callable[[str], torch.Tensor]) -> Any:
+    if isinstance(tree, TensorRef):
+        return fetch(tree.key).clone()
+    if isinstance(tree, dict):
+        return {k: _resolve(v, fetch) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_resolve(v, fetch) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(_resolve(v, fetch) for v in tree)
+    return tree
+
+
+def _private(source: ChunkSource, old_rank: int) -> Callable[[str], torch.Tensor]:
+    return lambda key: source.get(key, old_rank)[0]
+
+
+def _object(meta: dict[str, Any], name: str, step: int) -> tuple[str, Any]:
+    objects = meta["objects"]
+    if name not in objects:
+        raise StateMismatch(
+            f"ctx.track got {name!r}, which the snapshot of step {step} does not have "
+            f"(it has {sorted(objects)}); track the same names in every epoch"
+        )
+    kind, tree = objects[name]
+    return kind, tree
+
+
+def _copy_into(target: Any, src: torch.Tensor, what: str) -> None:
+    dst = local_of(target)
+    if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
+        raise StateMismatch(
+            f"{what} is {tuple(dst.shape)} {dst.dtype} here, the snapshot has "
+            f"{tuple(src.shape)} {src.dtype}; build it the same way in every epoch"
+        )
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+def _restore_module(
+    name: str,
+    obj: torch.nn.Module,
+    tree: dict[str, Any],
+    get: Callable[[str], torch.Tensor],
+    step: int,
+) -> None:
+    target = obj.state_dict()
+    missing, unexpected = sorted(set(target) - set(tree)), sorted(set(tree) - set(target))
+    if missing or unexpected:
+        raise StateMismatch(
+            f"tracked module {name!r} does not match the snapshot of step {step}: missing "
+            f"{missing[:5]}, unexpected {unexpected[:5]}; build it the same way in every epoch"
+        )
+    extras = {}
+    for key, value in target.items():
+        if isinstance(tree[key], TensorRef):
+            _copy_into(value, get(tree[key].key), f"{name}.{key}")
+        else:
+            extras[key] = tree[key]
+    if extras:
+        obj.load_state_dict(extras, strict=False)
+
+
+def _restore_optimizer(
+    name: str,
+    optim: torch.optim.Optimizer,
+    tree: dict[str, Any],
+    get: Callable[[str], tuple[torch.Tensor, ChunkRecord]],
+    all_tracked: dict[str, Any],
+) -> None:
+    fqns = param_fqns(all_tracked)
+    index: dict[str, int] = {}
+    params: dict[str, torch.Tensor] = {}
+    for group in optim.param_groups:
+        for param in group["params"]:
+            if id(param) not in fqns:
+                raise StateMismatch(
+                    f"optimizer {name!r} has a parameter of no tracked module; track the model "
+                    "in the same epoch, e.g. ctx.track(model=model, optim=optim)"
+                )
+            index[fqns[id(param)]] = len(index)
+            params[fqns[id(param)]] = param
+    missing = [n for g in tree["param_groups"] for n in g["params"] if n not in index]
+    if missing or len(tree["param_groups"]) != len(optim.param_groups):
+        raise StateMismatch(
+            f"optimizer {name!r} does not match the snapshot (unknown parameters "
+            f"{missing[:3]}); build the model and optimizer the same way in every epoch"
+        )
+    state = {}
+    for fqn, entries in tree["state"].items():
+        param, restored = params[fqn], {}
+        for key, value in entries.items():
+            if not isinstance(value, TensorRef):
+                restored[key] = value
+                continue
+            src, record = get(value.key)
+            # A clone: Optimizer.load_state_dict keeps same-dtype tensors as they are, and a
+            # slot's memory must never become live optimizer state.
+            restored[key] = _like_param(src.clone(), record, param)
+        state[index[fqn]] = restored
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in tree["param_groups"]]
+    optim.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _like_param(local: torch.Tensor, record: ChunkRecord, param: Any) -> Any:
+    """Optimizer state shaped like a DTensor parameter is a DTensor placed like it."""
+    if not is_dtensor(param) or tuple(record.global_shape) != tuple(param.shape):
+        return local
+    assert DTensor is not None
+    return DTensor.from_local(
+        local,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+
+
+def restore_objects(
+    tracked: dict[str, Any],
+    all_tracked: dict[str, Any],
+    source: ChunkSource,
+    metas: dict[int, dict[str, Any]],
+    primary: int,
+    rank: int,
+    world_size: int,
+    resharded: bool,
+) -> None:
+    """Load the objects of ``tracked`` from ``source``.
+
+    ``metas``: every old rank's decoded blob (only this rank's own, in the same topology);
+    ``primary``: the old rank whose copy of replicated non-tensor state (optimizer settings,
+    schedulers, RNG) this rank takes — itself when it survived, else ``rank % old world``.
+    """
+    meta, step = metas[primary], metas[primary]["step"]
+
+    def chunk(key: str) -> tuple[torch.Tensor, ChunkRecord]:
+        return source.get(key, primary)
+
+    def tensor(key: str) -> torch.Tensor:
+        return source.get(key, primary)[0]
+
+    for name, obj in tracked.items():
+        _, tree = _object(meta, name, step)
+        if isinstance(obj, torch.nn.Module):
+            _restore_module(name, obj, tree, tensor, step)
+        elif isinstance(obj, torch.optim.Optimizer):
+            _restore_optimizer(name, obj, tree, chunk, all_tracked)
+        elif isinstance(obj, (torch.Tensor, Shard)):
+            _copy_into(obj, tensor(tree.key), f"tracked tensor {name!r}")
+        elif resharded and hasattr(obj, "load_resharded_state"):
+            states = [
+                _resolve(_object(metas[r], name, step)[1], _private(source, r))
+                for r in sorted(metas)
+            ]
+            obj.load_resharded_state(states, rank, world_size)
+        else:
+            obj.load_state_dict(_resolve(tree, tensor))
+
+
+@dataclass(frozen=True)
+class OldLayout:
+    """What the committed step holds, as the coordinator describes it to a resharding rank:
+    shared tensors (key → dtype, global shape), each old rank's private chunks, blob sizes."""
+
+    shared: dict[str, tuple[str, tuple[int, ...]]]
+    private: dict[int, dict[str, tuple[str, tuple[int, ...]]]]
+    meta_bytes: dict[int, int]
+
+    @classmethod
+    def from_msg(cls, msg: dict[str, Any]) -> OldLayout:
+        def keys(d: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
+            return {k: (v[0], tuple(v[1])) for k, v in d.items()}
+
+        return cls(
+            keys(msg["shared"]),
+            {int(r): keys(d) for r, d in msg["private"].items()},
+            {int(r): n for r, n in msg["meta_bytes"].items()},
+        )
+
+
+def _want(
+    key: str,
+    dtype: str,
+    shape: tuple[int, ...],
+    offsets: tuple[int, ...] | None = None,
+    lengths: tuple[int, ...] | None = None,
+    scope: str = "global",
+) -> ChunkRecord:
+    offsets = offsets if offsets is not None else (0,) * len(shape)
+    lengths = lengths if lengths is not None else shape
+    return ChunkRecord(key, dtype, shape, offsets, lengths, 0, 0, scope=scope)
+
+
+def wanted_chunks(
+    objs: dict[str, Any], all_tracked: dict[str, Any], old: OldLayout, primary: int
+) -> list[ChunkRecord]:
+    """The boxes this rank needs to restore ``objs`` into the new topology (byte offsets 0)."""
+    wants: list[ChunkRecord] = []
+
+    def shared(key: str, value: torch.Tensor | Shard, what: str) -> None:
+        placed = place(value)
+        dtype = dtype_name(placed.local.dtype)
+        if old.shared.get(key) != (dtype, placed.global_shape):
+            held = old.shared.get(key)
+            raise StateMismatch(
+                f"{what} is a {placed.global_shape} {dtype} tensor here, the committed step has "
+                f"{'nothing of that name' if held is None else f'{held[1]} {held[0]}'}"
+            )
+        wants.append(
+            _want(key, dtype, placed.global_shape, placed.offsets, tuple(placed.local.shape))
+        )
+
+    fqns = param_fqns(all_tracked)
+    for name, obj in objs.items():
+        if isinstance(obj, torch.nn.Module):
+            for key, value in obj.state_dict().items():
+                if isinstance(value, torch.Tensor):
+                    shared(f"{name}/{key}", value, f"{name}.{key}")
+        elif isinstance(obj, torch.optim.Optimizer):
+            for group in obj.param_groups:
+                for param in group["params"]:
+                    prefix = f"{name}/state/{fqns.get(id(param), '?')}/"
+                    placed = place(param)
+                    for key, (dtype, shape) in old.shared.items():
+                        if not key.startswith(prefix):
+                            continue
+                        if shape == placed.global_shape:  # elementwise state: the param's box
+                            wants.append(
+                                _want(key, dtype, shape, placed.offsets, tuple(placed.local.shape))
+                            )
+                        else:  # scalars and the like: whole
+                            wants.append(_want(key, dtype, shape))
+        elif isinstance(obj, (torch.Tensor, Shard)):
+            shared(name, obj, f"tracked tensor {name!r}")
+        else:
+            ranks = sorted(old.private) if hasattr(obj, "load_resharded_state") else [primary]
+            for r in ranks:
+                for key, (dtype, shape) in old.private.get(r, {}).items():
+                    if key.startswith(f"{name}/"):
+                        wants.append(_want(private_key(key, r), dtype, shape, scope="rank"))
+    for r, nbytes in sorted(old.meta_bytes.items()):
+        wants.append(_want(private_key(META_KEY, r), "uint8", (nbytes,), scope="rank"))
+    return wants
