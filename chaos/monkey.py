@@ -30,6 +30,10 @@ class FaultTarget(Protocol):
         """SIGKILL a node's agent and every process on it; its shared memory is lost."""
         ...
 
+    def add_node(self) -> int:
+        """Start a new node that joins the job; return its index."""
+        ...
+
 
 class StatusSource(Protocol):
     def call(self, method: str, timeout: float = 10.0, **args: Any) -> dict[str, Any]: ...
@@ -89,6 +93,11 @@ class ChaosMonkey:
             "committed_step": status["committed_step"],
             "epoch": status["epoch"],
         }
+        if action.kind == "add_node":
+            log.warning("chaos: %s (committed step %s)", action.text, status["committed_step"])
+            record["fired_at"] = time.time()
+            record["node"] = self._target.add_node()
+            return record
         if action.kind == "kill_rank":
             assignment = status["ranks"].get(action.target)
             if assignment is None:

@@ -4,6 +4,7 @@ Grammar (clauses separated by ``;``)::
 
     kill rank=R at=S      SIGKILL the process that is rank R, while the job runs step S
     kill node=N at=S      SIGKILL node N's agent and every process on it (its memory is lost)
+    add node at=S         start a new node (an agent and --nproc-per-node ranks) that joins
 
 "While the job runs step S" means: as soon as step S-1 is committed (``at=0``: as soon as the
 first epoch starts). Each action fires once.
@@ -15,14 +16,14 @@ from dataclasses import dataclass
 
 from peerckpt.errors import ConfigurationError
 
-_GRAMMAR = "'kill rank=R at=S' or 'kill node=N at=S', separated by ';'"
+_GRAMMAR = "'kill rank=R at=S', 'kill node=N at=S' or 'add node at=S', separated by ';'"
 
 
 @dataclass(frozen=True)
 class ChaosAction:
     """One fault to inject."""
 
-    kind: str  # "kill_rank" or "kill_node"
+    kind: str  # "kill_rank", "kill_node" or "add_node"
     target: int
     at: int
     text: str
@@ -35,6 +36,12 @@ def parse_chaos(spec: str) -> list[ChaosAction]:
         if not clause:
             continue
         words = clause.split()
+        if words[:2] == ["add", "node"]:
+            at = [w for w in words[2:] if w.startswith("at=")]
+            if len(words) != 3 or len(at) != 1 or not at[0][3:].isdigit():
+                raise ConfigurationError(f"chaos clause {clause!r}: use 'add node at=S'")
+            actions.append(ChaosAction("add_node", -1, int(at[0][3:]), clause))
+            continue
         if not words or words[0] != "kill":
             raise ConfigurationError(f"chaos clause {clause!r}: unknown action; use {_GRAMMAR}")
         fields: dict[str, int] = {}

@@ -9,6 +9,9 @@ The public API fits on one screen::
     @peerckpt.resilient()
     def train(ctx: peerckpt.Context) -> None: ...
 
+plus ``peerckpt.Shard`` / ``peerckpt.FlatShard`` (hand-sharded tensors), the data-loader
+protocol ``peerckpt.Reshardable`` and ``peerckpt.ResumableSampler`` which implements it,
+
 and the launcher: ``peerckpt run --nodes N --nproc-per-node P [--spares S] script.py``.
 """
 
@@ -35,23 +38,37 @@ __all__ = [
     "CommitTimeout",
     "ConfigurationError",
     "Context",
+    "FlatShard",
     "FrameTooLarge",
     "InsufficientMemory",
     "MembershipChanged",
     "PeerUnavailable",
     "PeerckptError",
     "RecoveryFailed",
+    "Reshardable",
+    "ResumableSampler",
+    "Shard",
     "StaleEpoch",
     "StateMismatch",
     "resilient",
 ]
 
 
+_LAZY = {
+    "resilient": "peerckpt.runtime.api",
+    "Context": "peerckpt.runtime.api",
+    "Shard": "peerckpt.runtime.layouts",
+    "FlatShard": "peerckpt.runtime.layouts",
+    "ResumableSampler": "peerckpt.runtime.sampler",
+    "Reshardable": "peerckpt.runtime.sampler",
+}
+
+
 def __getattr__(name: str) -> object:
     # The runtime imports torch; load it only when a training script asks for it, so the
     # launcher, agents and coordinator start fast and small.
-    if name in ("resilient", "Context"):
-        from peerckpt.runtime import api
+    if name in _LAZY:
+        import importlib
 
-        return getattr(api, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'peerckpt' has no attribute {name!r}")

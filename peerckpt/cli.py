@@ -24,6 +24,7 @@ def _run(args: argparse.Namespace) -> int:
         heartbeat_timeout=args.heartbeat_timeout,
         report=args.report,
         job=args.job,
+        min_nodes=args.min_nodes,
     )
     result = LocalLauncher(spec).run()
     print(format_report(result), file=sys.stderr)
@@ -58,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=5.0,
         help="seconds without a heartbeat before a node is declared lost",
+    )
+    run.add_argument(
+        "--min-nodes",
+        type=int,
+        default=None,
+        help="let the world shrink, down to this many nodes, when no spare is left",
     )
     run.add_argument("--report", default=None, help="write the job's report here as JSON")
     run.add_argument("--job", default=None, help="the job's name (default: random)")

@@ -23,6 +23,12 @@ META_KEY = "__meta__"
 ALIGN = 64
 
 
+def chunk_name(key: str, scope: str, rank: int) -> str:
+    """How a chunk is named across old ranks: a box of a shared tensor keeps its key (copies
+    on several ranks are replicas); a rank's private state is ``<key>@<rank>``."""
+    return key if scope == "global" else f"{key}@{rank}"
+
+
 def align(n: int) -> int:
     """Round ``n`` up to the slot alignment."""
     return (n + ALIGN - 1) // ALIGN * ALIGN

@@ -26,6 +26,13 @@ from typing import Any
 import grpc
 
 from peerckpt.errors import ConfigurationError, RecoveryFailed, StaleEpoch
+from peerckpt.recovery.elastic import (
+    ReshardRounds,
+    grown,
+    old_layout_summary,
+    replaced,
+    shrunk,
+)
 from peerckpt.recovery.membership import CommitTracker, Membership, RankAssignment
 from peerckpt.recovery.plan import plan_sources
 from peerckpt.replication.placement import RingPlacement
@@ -38,6 +45,7 @@ class AgentInfo:
     node: int
     data_addr: str
     spare_node: bool
+    joining: int = 0  # ranks this node brings to a running job (``peerckpt join``)
     events: queue.Queue[dict[str, Any] | None] = field(default_factory=queue.Queue)
     alive: bool = True
     last_heartbeat: float = field(default_factory=time.monotonic)
@@ -62,7 +70,9 @@ class Coordinator:
         replicas: int | None,
         heartbeat_timeout: float = 5.0,
         store_addr: str = "",
+        min_nodes: int | None = None,
     ) -> None:
+        self.min_nodes = min_nodes  # None: the world never shrinks
         self.job = job
         self.world_size = world_size
         self.replicas = replicas
@@ -80,6 +90,7 @@ class Coordinator:
         self.done: set[int] = set()
         self.resumed: set[int] = set()
         self.snapshot_bytes: dict[int, int] = {}
+        self.rounds = ReshardRounds()
         # Replication failures to a buddy that looked alive: (deadline, epoch, step, message).
         self._stuck: list[tuple[float, int, int, str]] = []
         self.stopped = threading.Event()
@@ -88,7 +99,9 @@ class Coordinator:
     def register_agent(self, req: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             node = req["node"]
-            self.agents[node] = AgentInfo(node, req["data_addr"], bool(req.get("spare_node")))
+            self.agents[node] = AgentInfo(
+                node, req["data_addr"], bool(req.get("spare_node")), int(req.get("joining", 0))
+            )
             log.info("agent of node %d registered (data %s)", node, req["data_addr"])
             return {"replicas": self.replicas, "heartbeat_timeout": self.heartbeat_timeout}
 
@@ -133,7 +146,33 @@ class Coordinator:
             log.info("%s pid %d joined on node %d", req["role"], req["pid"], req["node"])
             if self.state == "starting":
                 self._maybe_open_first_epoch()
+            self._maybe_grow()
             return {}
+
+    def _maybe_grow(self) -> None:
+        """Once every process of a joining node has connected, widen the world to include it."""
+        if self.state != "running" or self.membership is None:
+            return
+        for agent in sorted(self.agents.values(), key=lambda a: a.node):
+            joiners = sorted(
+                (
+                    p
+                    for p in self.procs.values()
+                    if p.node == agent.node and p.role == "joiner" and p.alive
+                ),
+                key=lambda p: p.pid,
+            )
+            if not agent.alive or not agent.joining or len(joiners) < agent.joining:
+                continue
+            agent.joining = 0
+            event = self._event("grow", set(), {agent.node}, f"node {agent.node} joined")
+            assignments, previous = grown(self.membership.ranks, [(p.node, p.pid) for p in joiners])
+            for p, rank in zip(
+                joiners, sorted(set(assignments) - set(self.membership.ranks)), strict=True
+            ):
+                p.role, p.rank = "rank", rank
+            event["grown_to"] = len(assignments)
+            self._change(event, assignments, previous)
 
     def _maybe_open_first_epoch(self) -> None:
         ranks = {
@@ -148,6 +187,7 @@ class Coordinator:
         assignments = {r: RankAssignment(r, p.node, p.pid) for r, p in ranks.items()}
         self._open_epoch(0, assignments, restore_step=None, sources={})
         self.state = "running"
+        self._maybe_grow()
 
     # -- failures -------------------------------------------------------------------------
     def proc_lost(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -195,20 +235,8 @@ class Coordinator:
     def _recover(self, kind: str, ranks: set[int], nodes: set[int], reason: str) -> None:
         if self.state != "running" or self.membership is None or self.tracker is None:
             return
-        now = time.time()
         old = self.membership
-        event: dict[str, Any] = {
-            "kind": kind,
-            "ranks": sorted(ranks),
-            "nodes": sorted(nodes),
-            "reason": reason,
-            "lost": {r: old.ranks[r].node for r in sorted(ranks)},
-            "detected_at": now,
-            "from_epoch": old.epoch,
-            "pulls": [],
-            "resumed_at": None,
-        }
-        self.events.append(event)
+        event = self._event(kind, ranks, nodes, reason)
         spares = sorted(
             (
                 p
@@ -220,28 +248,71 @@ class Coordinator:
             ),
             key=lambda p: (not self.agents[p.node].spare_node, p.node, p.pid),
         )
-        if len(spares) < len(ranks):
+        if len(spares) >= len(ranks):
+            assignments, previous = replaced(old.ranks, ranks, [(p.node, p.pid) for p in spares])
+            for rank, spare in zip(sorted(ranks), spares, strict=False):
+                spare.role, spare.rank = "rank", rank
+            event["replacements"] = {
+                r: [assignments[r].node, assignments[r].pid] for r in sorted(ranks)
+            }
+        elif self.min_nodes is not None:
+            assignments, previous = shrunk(old.ranks, ranks)
+            remaining = {a.node for a in assignments.values()}
+            if len(remaining) < self.min_nodes:
+                self._fail(
+                    f"lost rank(s) {sorted(ranks)} ({reason}); {len(remaining)} node(s) would be "
+                    f"left, fewer than --min-nodes {self.min_nodes}, and no spare is left"
+                )
+                return
+            event["shrunk_to"] = len(assignments)
+        else:
             self._fail(
                 f"lost rank(s) {sorted(ranks)} ({reason}) and only {len(spares)} spare(s) are "
-                f"left; start the job with more --spares (shrinking the world needs elastic "
-                "membership, which this job did not ask for)"
+                "left; start the job with more --spares, or let it shrink with --min-nodes"
             )
             return
-        assignments = dict(old.ranks)
-        replacements = {}
-        for rank, spare in zip(sorted(ranks), spares, strict=False):
-            assignments[rank] = RankAssignment(rank, spare.node, spare.pid)
-            spare.role, spare.rank = "rank", rank
-            replacements[rank] = [spare.node, spare.pid]
-        event["replacements"] = replacements
-        restore = self.tracker.committed_step
+        self._change(event, assignments, previous)
+
+    def _event(self, kind: str, ranks: set[int], nodes: set[int], reason: str) -> dict[str, Any]:
+        assert self.membership is not None
+        old = self.membership
+        event: dict[str, Any] = {
+            "kind": kind,
+            "ranks": sorted(ranks),
+            "nodes": sorted(nodes),
+            "reason": reason,
+            "lost": {r: old.ranks[r].node for r in sorted(ranks)},
+            "detected_at": time.time(),
+            "from_epoch": old.epoch,
+            "pulls": [],
+            "resumed_at": None,
+        }
+        self.events.append(event)
+        return event
+
+    def _change(
+        self,
+        event: dict[str, Any],
+        assignments: dict[int, RankAssignment],
+        previous: dict[int, int | None],
+    ) -> None:
+        """Open the next epoch for ``assignments``, restoring the last committed step."""
+        assert self.membership is not None and self.tracker is not None
+        old, tracker = self.membership, self.tracker
+        restore = tracker.committed_step
+        same = (
+            restore is not None
+            and tracker.committed_gen == old.gen
+            and len(assignments) == len(old.ranks)
+            and all(previous.get(r) in (r, None) for r in assignments)
+        )
+        mode = "same" if same else ("reshard" if restore is not None else "fresh")
         sources: dict[int, list[int]] = {}
-        if restore is not None:
-            holders = {r: set(h) for r, h in self.tracker.committed_holders.items()}
+        if mode == "same":
             try:
                 sources = plan_sources(
                     {r: a.node for r, a in assignments.items()},
-                    holders,
+                    {r: set(h) for r, h in tracker.committed_holders.items()},
                     self.snapshot_bytes,
                     {r: a.node for r, a in old.ranks.items()},
                 )
@@ -249,7 +320,17 @@ class Coordinator:
                 self._fail(str(exc))
                 return
         event["restore_step"] = restore
-        self._open_epoch(old.epoch + 1, assignments, restore, sources)
+        event["mode"] = mode
+        self._open_epoch(
+            old.epoch + 1,
+            assignments,
+            restore,
+            sources,
+            mode,
+            gen=old.gen if mode == "same" else old.gen + 1,
+            previous=previous,
+            old_world=len(old.ranks),
+        )
         event["epoch"] = old.epoch + 1
 
     def _open_epoch(
@@ -258,9 +339,15 @@ class Coordinator:
         assignments: dict[int, RankAssignment],
         restore_step: int | None,
         sources: dict[int, list[int]],
+        mode: str = "fresh",
+        gen: int = 0,
+        previous: dict[int, int | None] | None = None,
+        old_world: int = 0,
     ) -> None:
         rank_nodes = {r: a.node for r, a in assignments.items()}
-        holders = self.tracker.committed_holders if self.tracker else {}
+        old = self.tracker
+        layouts = old.committed_layouts if old else {}
+        self.world_size = len(assignments)
         self.membership = Membership(
             epoch=epoch,
             world_size=self.world_size,
@@ -270,16 +357,34 @@ class Coordinator:
             sources=sources,
             node_addrs={n: a.data_addr for n, a in self.agents.items() if a.alive},
             store_addr=self.store_addr,
+            mode=mode,
+            gen=gen,
+            restore_gen=old.committed_gen if old else 0,
+            previous=previous or {},
+            old_world=old_world,
+            old_layout=old_layout_summary(layouts) if mode == "reshard" else None,
         )
         self.tracker = CommitTracker(
             epoch=epoch,
             ranks=frozenset(assignments),
+            gen=gen,
             committed_step=restore_step,
-            committed_holders={r: set(h) for r, h in holders.items()},
+            committed_gen=old.committed_gen if old else 0,
+            committed_holders={
+                r: set(h) for r, h in (old.committed_holders if old else {}).items()
+            },
+            committed_layouts=dict(layouts),
         )
         self.done.clear()
         self.resumed.clear()
-        log.info("epoch %d opened: restore step %s, ranks %s", epoch, restore_step, rank_nodes)
+        log.info(
+            "epoch %d opened (%s, layout %d): restore step %s, ranks %s",
+            epoch,
+            mode,
+            gen,
+            restore_step,
+            rank_nodes,
+        )
         self._broadcast(self.membership.to_msg())
 
     def _broadcast(self, event: dict[str, Any]) -> None:
@@ -300,10 +405,42 @@ class Coordinator:
             if self.tracker is None:
                 raise StaleEpoch("no epoch is open yet")
             self.snapshot_bytes[req["rank"]] = req["nbytes"]
-            committed = self.tracker.record(req["epoch"], req["rank"], req["step"], req["holders"])
+            committed = self.tracker.record(
+                req["epoch"],
+                req["rank"],
+                req["step"],
+                req["holders"],
+                req.get("layout"),
+                req.get("meta_nbytes"),
+            )
             if committed is not None:
                 self._broadcast({"type": "commit", "epoch": req["epoch"], "step": committed})
             return {"committed": self.tracker.committed_step}
+
+    def wants(self, req: dict[str, Any]) -> dict[str, Any]:
+        """A resharding rank's boxes for one round; the last one in triggers the plan."""
+        with self._lock:
+            m, tracker = self.membership, self.tracker
+            if m is None or tracker is None or req["epoch"] != m.epoch or m.mode != "reshard":
+                raise StaleEpoch(f"wants of epoch {req['epoch']} are stale")
+            try:
+                by_node = self.rounds.add(m, tracker, req["round"], req["rank"], req["chunks"])
+            except RecoveryFailed as exc:
+                self._fail(str(exc))
+                return {}
+            if by_node is not None:
+                for node, reads in by_node.items():
+                    agent = self.agents.get(node)
+                    if agent is not None and agent.alive:
+                        agent.events.put(
+                            {
+                                "type": "reads",
+                                "epoch": m.epoch,
+                                "round": req["round"],
+                                "reads": reads,
+                            }
+                        )
+            return {}
 
     def resumed_rank(self, req: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
@@ -313,15 +450,15 @@ class Coordinator:
             restore = req.get("restore")
             event = self.events[-1] if self.events else None
             if event is not None and event.get("epoch") == req["epoch"]:
-                if restore:
-                    event["pulls"].append({"rank": req["rank"], **restore})
+                for pull in restore if isinstance(restore, list) else [restore] if restore else []:
+                    event["pulls"].append({"rank": req["rank"], **pull})
                 if self.resumed == set(self.membership.ranks):
                     event["resumed_at"] = time.time()
                     log.info(
                         "recovered: every rank stepping again %.3f s after detection",
                         event["resumed_at"] - event["detected_at"],
                     )
-            if restore and restore.get("node") is not None and self.tracker is not None:
+            if isinstance(restore, dict) and restore.get("node") is not None and self.tracker:
                 self.tracker.add_holder(req["rank"], restore["node"])
             return {}
 
@@ -383,6 +520,7 @@ class Coordinator:
                 "reason": self.reason,
                 "epoch": m.epoch if m else -1,
                 "world_size": self.world_size,
+                "min_nodes": self.min_nodes,
                 "committed_step": self.tracker.committed_step if self.tracker else None,
                 "last_replicated": dict(self.tracker.last_replicated) if self.tracker else {},
                 "ranks": {r: [a.node, a.pid] for r, a in m.ranks.items()} if m else {},
@@ -433,6 +571,7 @@ class Coordinator:
             "Done": self.rank_done,
             "Error": self.rank_error,
             "ReplicationFailed": self.replication_failed,
+            "Wants": self.wants,
             "Stop": self.stop,
             "Status": self.status,
         }

@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--replicas", type=int, default=None)
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    parser.add_argument("--min-nodes", type=int, default=None)
     parser.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args(argv)
     secret = service_process(f"coordinator job={args.job}")
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         args.replicas,
         args.heartbeat_timeout,
         f"{args.host}:{store.port}",
+        min_nodes=args.min_nodes,
     )
     unary, streams = coordinator.handlers()
     server = RpcServer(secret, args.job, unary, streams, host=args.host)

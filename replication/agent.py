@@ -24,12 +24,13 @@ import threading
 from typing import Any
 
 from peerckpt.errors import PeerckptError, PeerUnavailable, RecoveryFailed, StaleEpoch
-from peerckpt.persist.manifest import SnapshotManifest
+from peerckpt.persist.manifest import META_KEY, ChunkRecord, SnapshotManifest
 from peerckpt.recovery.membership import Membership
 from peerckpt.recovery.rpc import RpcClient, is_stream_closed
 from peerckpt.replication.arena import Arena
 from peerckpt.replication.control import ControlServer, ProcLink
 from peerckpt.replication.replicator import BuddySender, ReplicationJob
+from peerckpt.replication.reshard import assemble
 from peerckpt.replication.restore import obtain_committed
 from peerckpt.replication.store import SlotStore
 from peerckpt.replication.transfer import IO_TIMEOUT_S, Cancelled, DataServer
@@ -51,13 +52,17 @@ class Agent:
         socket_path: str,
         spare_node: bool = False,
         host: str = "127.0.0.1",
+        joining: int = 0,
     ) -> None:
+        self.joining = joining
         self.job, self.node, self._secret = job, node, secret
         self.spare_node = spare_node
         self.arena = Arena(job, node)
         self.store = SlotStore(self.arena)
         self.rpc = RpcClient(coordinator, secret, job)
         self.epoch: int = -1
+        self.gen = 0  # the layout generation of this epoch's snapshots
+        self._reported_layouts: dict[tuple[int, int], tuple[Any, ...]] = {}
         self.data = DataServer(
             self.store, secret, job, lambda: self.epoch, lambda: self.committed_step, host
         )
@@ -68,7 +73,8 @@ class Agent:
         self._ending = threading.Event()  # the job ended: process exits are expected now
         self._lock = threading.RLock()
         self._senders: dict[int, BuddySender] = {}
-        self._restore_info: dict[tuple[int, int], dict[str, Any]] = {}
+        self._restore_info: dict[tuple[int, int], Any] = {}
+        self._wanted: dict[tuple[int, int, int], list[ChunkRecord]] = {}
         self._watch_call: Any = None
         self._threads: list[threading.Thread] = []
 
@@ -77,7 +83,11 @@ class Agent:
         self.data.start()
         self.control.start()
         config = self.rpc.call(
-            "RegisterAgent", node=self.node, data_addr=self.data.address, spare_node=self.spare_node
+            "RegisterAgent",
+            node=self.node,
+            data_addr=self.data.address,
+            spare_node=self.spare_node,
+            joining=self.joining,
         )
         self.heartbeat_interval = max(0.05, min(0.5, config["heartbeat_timeout"] / 5))
         for target, name in ((self._watch, "watch"), (self._heartbeat, "heartbeat")):
@@ -122,6 +132,8 @@ class Agent:
                     self._on_membership(Membership.from_msg(event))
                 elif kind == "commit":
                     self._on_commit(event["epoch"], event["step"])
+                elif kind == "reads":
+                    self._on_reads(event)
                 elif kind == "shutdown":
                     self._on_shutdown(event)
                     return
@@ -180,17 +192,34 @@ class Agent:
         if kind == "error":
             self._report("Error", epoch=msg["epoch"], rank=msg["rank"], message=msg["message"])
             return None
+        if kind == "wants":
+            self._wanted[(msg["epoch"], msg["rank"], msg["round"])] = [
+                ChunkRecord.from_msg(c) for c in msg["body"]
+            ]
+            self._report(
+                "Wants",
+                epoch=msg["epoch"],
+                round=msg["round"],
+                rank=msg["rank"],
+                chunks=msg["body"],
+            )
+            return None
+        if kind == "release":
+            self.store.release_where(
+                lambda s: s.kind == "staging" and s.rank == msg["rank"] and s.index == msg["round"]
+            )
+            return None
         raise PeerckptError(f"unknown request {kind!r} from pid {link.pid}")
 
     def _alloc(self, msg: dict[str, Any]) -> dict[str, Any]:
         rank, index = msg["rank"], msg["slot"]
-        slot = self.store.get("own", rank, index)
+        slot = self.store.get("own", self.gen, rank, index)
         if slot is not None and slot.step is not None and slot.step == self.committed_step:
             raise PeerckptError(
                 f"rank {rank} asked to rewrite slot {index}, which holds committed step "
                 f"{slot.step}; a snapshot must go to the other slot"
             )
-        slot = self.store.ensure("own", rank, index, msg["nbytes"])
+        slot = self.store.ensure("own", self.gen, rank, index, msg["nbytes"])
         slot.invalidate()
         return {"path": slot.segment.path, "size": slot.segment.size}
 
@@ -200,7 +229,7 @@ class Agent:
             members = self.membership
             if members is None or epoch != self.epoch:
                 return  # a snapshot of an ended epoch: never replicated, never committed
-        slot = self.store.get("own", rank, msg["slot"])
+        slot = self.store.get("own", members.gen, rank, msg["slot"])
         if slot is None:
             return
         manifest = SnapshotManifest.from_msg(msg["body"])
@@ -264,6 +293,16 @@ class Agent:
         self._replicated(job)
 
     def _replicated(self, job: ReplicationJob) -> None:
+        # The tensor layout travels on an epoch's first report and when it changes (the
+        # coordinator needs it to plan a resharding); the blob's size, which changes almost
+        # every step, travels as a number.
+        manifest = job.manifest
+        tensors = [c for c in manifest.chunks if c.key != META_KEY]
+        signature = tuple((c.key, c.global_shape, c.offsets, c.lengths) for c in tensors)
+        key = (job.epoch, job.slot.rank)
+        layout = None
+        if self._reported_layouts.get(key) != signature:
+            layout = [c.to_msg() for c in manifest.chunks]
         self._report(
             "Replicated",
             epoch=job.epoch,
@@ -271,7 +310,10 @@ class Agent:
             step=job.manifest.step,
             holders=[self.node, *job.acked],
             nbytes=job.manifest.used_bytes,
+            layout=layout,
+            meta_nbytes=manifest.meta().nbytes,
         )
+        self._reported_layouts[key] = signature
 
     def _on_commit(self, epoch: int, step: int) -> None:
         if epoch != self.epoch or self.membership is None:
@@ -290,7 +332,9 @@ class Agent:
         mirrored = {r for r, buddies in members.placement.items() if self.node in buddies}
         freed = self.store.release_where(
             lambda s: (
-                (s.kind == "own" and s.rank not in local)
+                s.gen != members.gen  # a step of this layout is committed now
+                or s.kind == "staging"  # restores of this epoch are long done
+                or (s.kind == "own" and s.rank not in local)
                 or (s.kind == "replica" and s.rank not in mirrored)
             )
         )
@@ -303,6 +347,7 @@ class Agent:
             if members.epoch <= self.epoch:
                 return
             self.epoch, self.membership = members.epoch, members
+            self.gen = members.gen
             self.committed_step = members.restore_step
         self.control.broadcast({"type": "abort", "epoch": members.epoch})
         for sender in list(self._senders.values()):
@@ -322,10 +367,18 @@ class Agent:
             log.error("process %d for rank %d never connected to this agent", pid, rank)
             self._report("ProcLost", pid=pid, reason="never connected to its agent")
             return
-        restore, manifest = None, None
+        restore: dict[str, Any] | None = None
+        manifest = None
         try:
-            if members.restore_step is not None:
+            if members.mode == "same":
                 restore, manifest = self._obtain(members, rank)
+            elif members.mode == "reshard":
+                restore = {
+                    "mode": "reshard",
+                    "step": members.restore_step,
+                    "previous_rank": members.previous.get(rank),
+                    "old_world": members.old_world,
+                }
         except Exception as exc:  # a rank left without its state would wait forever
             if not isinstance(exc, RecoveryFailed):
                 log.exception("preparing rank %d for epoch %d failed", rank, members.epoch)
@@ -348,7 +401,87 @@ class Agent:
                 "hosts": sorted({a.rpartition(":")[0] for a in members.node_addrs.values()}),
                 "restore": restore,
             },
-            body=manifest.to_msg() if manifest is not None else None,
+            body={
+                "manifest": manifest.to_msg() if manifest is not None else None,
+                "old_layout": members.old_layout,
+            },
+        )
+
+    def _on_reads(self, event: dict[str, Any]) -> None:
+        """A resharding round was planned: gather each local rank's staging slot."""
+        members = self.membership
+        if members is None or event["epoch"] != self.epoch:
+            return
+        for rank, reads in event["reads"].items():
+            threading.Thread(
+                target=self._gather,
+                args=(members, int(rank), event["round"], reads),
+                name=f"peerckpt-gather-r{rank}",
+                daemon=True,
+            ).start()
+
+    def _gather(
+        self, members: Membership, rank: int, round_: int, reads: list[dict[str, Any]]
+    ) -> None:
+        link = self.control.link_of(members.ranks[rank].pid)
+        wanted = self._wanted.pop((members.epoch, rank, round_), None)
+        if link is None or wanted is None or members.restore_step is None:
+            return
+
+        def connect(source: int) -> Connection:
+            return connect_tcp(
+                members.node_addrs[source], self._secret, self.job, io_timeout=IO_TIMEOUT_S
+            )
+
+        try:
+            got = assemble(
+                self.store,
+                self.node,
+                members.epoch,
+                members.gen,
+                rank,
+                round_,
+                members.restore_gen,
+                members.restore_step,
+                wanted,
+                reads,
+                connect,
+            )
+        except Exception as exc:
+            log.error("gathering rank %d's state failed: %s", rank, exc)
+            self._report(
+                "Error", epoch=members.epoch, rank=rank, message=f"{type(exc).__name__}: {exc}"
+            )
+            return
+        pulls = self._restore_info.setdefault((members.epoch, rank), [])
+        if got.local_bytes:
+            pulls.append(
+                {
+                    "node": self.node,
+                    "source": self.node,
+                    "bytes": got.local_bytes,
+                    "seconds": got.seconds,
+                    "round": round_,
+                }
+            )
+        for source, nbytes in sorted(got.pulled.items()):
+            pulls.append(
+                {
+                    "node": self.node,
+                    "source": source,
+                    "bytes": nbytes,
+                    "seconds": got.seconds,
+                    "round": round_,
+                }
+            )
+        link.send(
+            {
+                "type": "staging",
+                "epoch": members.epoch,
+                "round": round_,
+                "path": got.slot.segment.path,
+            },
+            body=got.manifest.to_msg(),
         )
 
     def _obtain(self, members: Membership, rank: int) -> tuple[dict[str, Any], SnapshotManifest]:
@@ -364,12 +497,14 @@ class Agent:
             self.store,
             self.node,
             members.epoch,
+            members.restore_gen,
             rank,
             members.restore_step,
             members.sources.get(rank, []),
             connect,
         )
         info = {
+            "mode": "same",
             "step": members.restore_step,
             "slot": got.slot.index,
             "path": got.slot.segment.path,
@@ -390,11 +525,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--coordinator", required=True)
     parser.add_argument("--socket", required=True)
     parser.add_argument("--spare-node", action="store_true")
+    parser.add_argument(
+        "--joining", type=int, default=0, help="ranks this node adds to a running job"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args(argv)
     secret = service_process(f"agent node={args.node}")
     agent = Agent(
-        args.job, args.node, secret, args.coordinator, args.socket, args.spare_node, args.host
+        args.job,
+        args.node,
+        secret,
+        args.coordinator,
+        args.socket,
+        args.spare_node,
+        args.host,
+        joining=args.joining,
     )
     stop_on_signals(agent.stopping.set)
     try:

@@ -125,6 +125,7 @@ class BuddySender:
             push(
                 self._conn,
                 job.epoch,
+                job.slot.gen,
                 job.slot.rank,
                 self._committed_step(),
                 job.manifest,

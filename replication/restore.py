@@ -39,20 +39,22 @@ def obtain_committed(
     store: SlotStore,
     node: int,
     epoch: int,
+    gen: int,
     rank: int,
     step: int,
     sources: list[int],
     connect: Callable[[int], Connection],
 ) -> Obtained:
-    """Make ``rank``'s snapshot of ``step`` available, verified, in one of its own slots."""
+    """Make ``rank``'s snapshot of ``step`` (layout ``gen``) available, verified, in one of
+    its own slots."""
     failures = []
     for source in sources:
         start = time.monotonic()
         try:
             if source == node:
-                slot, nbytes = _local_copy(store, rank, step), 0
+                slot, nbytes = _local_copy(store, gen, rank, step), 0
             else:
-                slot = _pull(store, epoch, rank, step, connect(source))
+                slot = _pull(store, epoch, gen, rank, step, connect(source))
                 nbytes = slot.manifest.used_bytes if slot.manifest else 0
         except PeerckptError as exc:
             log.error("cannot restore rank %d step %d from node %d: %s", rank, step, source, exc)
@@ -69,8 +71,8 @@ def obtain_committed(
     )
 
 
-def _local_copy(store: SlotStore, rank: int, step: int) -> Slot:
-    slot = store.find(rank, step)
+def _local_copy(store: SlotStore, gen: int, rank: int, step: int) -> Slot:
+    slot = store.find(gen, rank, step)
     if slot is None:
         raise PeerUnavailable(f"this node holds no copy of rank {rank} step {step}")
     with slot.lock:
@@ -89,21 +91,21 @@ def _local_copy(store: SlotStore, rank: int, step: int) -> Slot:
     return slot
 
 
-def _pull(store: SlotStore, epoch: int, rank: int, step: int, conn: Connection) -> Slot:
+def _pull(store: SlotStore, epoch: int, gen: int, rank: int, step: int, conn: Connection) -> Slot:
     # Pull into a slot that holds nothing of value: not one with a copy of this step.
-    own0 = store.get("own", rank, 0)
+    own0 = store.get("own", gen, rank, 0)
     index = 1 if own0 is not None and own0.manifest is not None else 0
     holder: list[Slot] = []
 
     def allocate(manifest: SnapshotManifest) -> memoryview:
-        slot = store.ensure("own", rank, index, manifest.used_bytes)
+        slot = store.ensure("own", gen, rank, index, manifest.used_bytes)
         slot.lock.acquire()
         slot.invalidate()
         holder.append(slot)
         return slot.segment.view
 
     try:
-        manifest = fetch(conn, epoch, rank, step, allocate)
+        manifest = fetch(conn, epoch, gen, rank, step, allocate)
         holder[0].manifest = manifest
         return holder[0]
     finally:

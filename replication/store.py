@@ -2,8 +2,12 @@
 
 Every rank has two *own* slots (index 0 and 1) on its node; the rank alternates between them
 so the last committed snapshot is never overwritten before a newer one is committed. A buddy
-keeps *replica* slots under the same (rank, index) keys. A slot is readable (sent, restored
-from) only while its ``manifest`` is set: the bytes are complete and their checksums known.
+keeps two *replica* slots per rank it mirrors. A slot is readable (sent, restored from) only
+while its ``manifest`` is set: the bytes are complete and their checksums known.
+
+Slots are keyed by layout *generation* too: when the job's topology changes, the new ranks'
+snapshots go to new slots while the old layout's committed copies stay readable, until the
+new layout has committed a step of its own.
 
 Each slot has a lock, held while its bytes are being sent or received, so an epoch change can
 wait for in-flight transfers before handing a slot back to a rank.
@@ -25,8 +29,9 @@ class Slot:
 
     rank: int
     index: int
-    kind: str  # "own" or "replica"
+    kind: str  # "own", "replica" or "staging"
     segment: Segment
+    gen: int = 0
     manifest: SnapshotManifest | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -40,46 +45,46 @@ class Slot:
 
 
 class SlotStore:
-    """All slots of one agent, keyed by (kind, rank, index)."""
+    """All slots of one agent, keyed by (kind, generation, rank, index)."""
 
     def __init__(self, arena: Arena) -> None:
         self.arena = arena
-        self._slots: dict[tuple[str, int, int], Slot] = {}
+        self._slots: dict[tuple[str, int, int, int], Slot] = {}
         self._lock = threading.Lock()
 
-    def get(self, kind: str, rank: int, index: int) -> Slot | None:
+    def get(self, kind: str, gen: int, rank: int, index: int) -> Slot | None:
         with self._lock:
-            return self._slots.get((kind, rank, index))
+            return self._slots.get((kind, gen, rank, index))
 
-    def ensure(self, kind: str, rank: int, index: int, nbytes: int) -> Slot:
+    def ensure(self, kind: str, gen: int, rank: int, index: int, nbytes: int) -> Slot:
         """Return the slot, (re)allocated so that it holds at least ``nbytes``.
 
         A reallocated slot is a new segment (new file name); the old one is unlinked.
         """
         with self._lock:
-            slot = self._slots.get((kind, rank, index))
+            slot = self._slots.get((kind, gen, rank, index))
         if slot is not None and slot.segment.size >= nbytes:
             return slot
-        what = f"{kind} slot {index} of rank {rank}"
-        segment = self.arena.create(f"{kind[0]}{rank}-{index}", nbytes, what)
-        new = Slot(rank, index, kind, segment)
+        what = f"{kind} slot {index} of rank {rank} (layout {gen})"
+        segment = self.arena.create(f"{kind[0]}{rank}-g{gen}-{index}", nbytes, what)
+        new = Slot(rank, index, kind, segment, gen=gen)
         with self._lock:
-            old = self._slots.get((kind, rank, index))
-            self._slots[(kind, rank, index)] = new
+            old = self._slots.get((kind, gen, rank, index))
+            self._slots[(kind, gen, rank, index)] = new
         if old is not None:
             with old.lock:
                 old.invalidate()
                 self.arena.release(old.segment)
         return new
 
-    def replica_target(self, rank: int, keep_step: int | None) -> int:
+    def replica_target(self, gen: int, rank: int, keep_step: int | None) -> int:
         """Which replica slot of ``rank`` a new push may overwrite.
 
         Never the one holding ``keep_step`` (the committed step); else an empty slot, else the
         older one. The receiver decides, not the sender: after a recovery the sender's slot
         numbering restarts, and its index may name the buddy's only committed copy.
         """
-        held = [self.get("replica", rank, i) for i in (0, 1)]
+        held = [self.get("replica", gen, rank, i) for i in (0, 1)]
         steps = [s.step if s is not None else None for s in held]
         if keep_step is not None and keep_step in steps:
             return 1 - steps.index(keep_step)
@@ -87,22 +92,29 @@ class SlotStore:
             return steps.index(None)
         return 0 if steps[0] <= steps[1] else 1  # type: ignore[operator]
 
-    def find(self, rank: int, step: int) -> Slot | None:
-        """A complete copy of ``rank``'s snapshot of ``step``: own slots first, then replicas."""
+    def find(self, gen: int, rank: int, step: int) -> Slot | None:
+        """A complete copy of ``rank``'s snapshot of ``step`` in layout ``gen``: own slots first."""
         with self._lock:
             slots = sorted(self._slots.values(), key=lambda s: (s.kind != "own", s.index))
         for slot in slots:
-            if slot.rank == rank and slot.step == step:
+            if (
+                slot.kind != "staging"
+                and slot.gen == gen
+                and slot.rank == rank
+                and slot.step == step
+            ):
                 return slot
         return None
 
     def adopt(self, slot: Slot, index: int) -> Slot:
         """Turn a replica slot into own slot ``index`` of its rank (a local restore source)."""
         with self._lock:
-            self._slots.pop((slot.kind, slot.rank, slot.index), None)
-            old = self._slots.pop(("own", slot.rank, index), None)
-            adopted = Slot(slot.rank, index, "own", slot.segment, slot.manifest)
-            self._slots[("own", slot.rank, index)] = adopted
+            self._slots.pop((slot.kind, slot.gen, slot.rank, slot.index), None)
+            old = self._slots.pop(("own", slot.gen, slot.rank, index), None)
+            adopted = Slot(
+                slot.rank, index, "own", slot.segment, gen=slot.gen, manifest=slot.manifest
+            )
+            self._slots[("own", slot.gen, slot.rank, index)] = adopted
         if old is not None:
             with old.lock:
                 self.arena.release(old.segment)
@@ -113,7 +125,7 @@ class SlotStore:
         with self._lock:
             victims = [s for s in self._slots.values() if doomed(s)]
             for s in victims:
-                del self._slots[(s.kind, s.rank, s.index)]
+                del self._slots[(s.kind, s.gen, s.rank, s.index)]
         for s in victims:
             with s.lock:
                 s.invalidate()

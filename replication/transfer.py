@@ -4,7 +4,7 @@ Protocol on an authenticated connection (see ``wire``):
 
 * push — replicate a snapshot to a buddy::
 
-      → {type: push, epoch, rank, committed, manifest}   ← {type: ready} | error
+      → {type: push, epoch, gen, rank, committed, manifest}   ← {type: ready} | error
       → {type: data, off} + bytes … → {type: end}    ← {type: ack} | error(checksum)
 
   The buddy picks which of the rank's two replica slots to overwrite (never the one holding
@@ -15,9 +15,19 @@ Protocol on an authenticated connection (see ``wire``):
 
 * fetch — pull a snapshot during a recovery::
 
-      → {type: fetch, epoch, rank, step}   ← {type: manifest, manifest} + data frames + end
+      → {type: fetch, epoch, gen, rank, step}   ← {type: manifest, manifest} + data frames + end
 
   The puller verifies every checksum and refuses the copy (ChecksumMismatch) otherwise.
+
+* fetch_boxes — pull pieces of chunks when resharding into a new layout::
+
+      → {type: fetch_boxes, epoch, gen, step, items: [[rank, name, box, region], …]}
+      ← {type: box, i, crc} + the region's bytes packed row-major, per item … → {type: end}
+
+  The server verifies each source chunk's checksum before cutting pieces out of it; every
+  piece travels with its own crc32c, checked by the receiver.
+
+Every request names the layout generation (``gen``) of the snapshot it is about.
 
 Bytes of a slot are read or written only while its lock is held. Once a request has
 started, every socket operation has a timeout (``IO_TIMEOUT_S``), so a hung peer cannot hold
@@ -40,6 +50,7 @@ from peerckpt.errors import (
     ProtocolError,
 )
 from peerckpt.persist.manifest import SnapshotManifest
+from peerckpt.replication.reshard import serve_boxes
 from peerckpt.replication.store import SlotStore
 from peerckpt.replication.wire import Connection, raise_if_error, server_handshake
 
@@ -83,6 +94,7 @@ def recv_bytes(conn: Connection, view: memoryview, used: int) -> None:
 def push(
     conn: Connection,
     epoch: int,
+    gen: int,
     rank: int,
     committed: int | None,
     manifest: SnapshotManifest,
@@ -97,6 +109,7 @@ def push(
         {
             "type": "push",
             "epoch": epoch,
+            "gen": gen,
             "rank": rank,
             "committed": committed,
             "manifest": manifest.to_msg(),
@@ -112,12 +125,13 @@ def push(
 def fetch(
     conn: Connection,
     epoch: int,
+    gen: int,
     rank: int,
     step: int,
     allocate: Callable[[SnapshotManifest], memoryview],
 ) -> SnapshotManifest:
     """Pull ``rank``'s snapshot of ``step`` into the view ``allocate`` returns; verify it."""
-    reply = conn.request({"type": "fetch", "epoch": epoch, "rank": rank, "step": step})
+    reply = conn.request({"type": "fetch", "epoch": epoch, "gen": gen, "rank": rank, "step": step})
     if reply.get("type") != "manifest":
         raise ProtocolError(f"{conn.peer} answered a fetch with {reply.get('type')!r}")
     manifest = SnapshotManifest.from_msg(reply["manifest"])
@@ -206,6 +220,8 @@ class DataServer:
                     self._on_push(conn, header)
                 elif header["type"] == "fetch":
                     self._on_fetch(conn, header)
+                elif header["type"] == "fetch_boxes":
+                    serve_boxes(conn, self.store, header)
                 else:
                     conn.send_error("protocol", f"unknown request {header['type']!r}")
                     return
@@ -228,11 +244,11 @@ class DataServer:
             )
             return
         manifest = SnapshotManifest.from_msg(header["manifest"])
-        rank = header["rank"]
+        rank, gen = header["rank"], header["gen"]
         keep = [s for s in (self._committed_step(), header.get("committed")) if s is not None]
-        index = self.store.replica_target(rank, max(keep) if keep else None)
+        index = self.store.replica_target(gen, rank, max(keep) if keep else None)
         try:
-            slot = self.store.ensure("replica", rank, index, manifest.used_bytes)
+            slot = self.store.ensure("replica", gen, rank, index, manifest.used_bytes)
         except InsufficientMemory as exc:
             conn.send_error("memory", str(exc))
             return
@@ -265,7 +281,7 @@ class DataServer:
                 f"fetch of epoch {header['epoch']} after epoch {self._current_epoch()} began",
             )
             return
-        slot = self.store.find(header["rank"], header["step"])
+        slot = self.store.find(header["gen"], header["rank"], header["step"])
         if slot is None:
             conn.send_error(
                 "missing",

@@ -15,9 +15,11 @@ the same process with a fresh ``Context`` for the new epoch.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from peerckpt.errors import PeerUnavailable
 from peerckpt.runtime.env import LaunchEnv
 from peerckpt.runtime.rank import Assignment, RankRuntime, configure_logging
 
@@ -66,6 +68,8 @@ def resilient(
     replicas: int | None = None,
     pg_timeout_s: float = 1800.0,
     suspect_s: float = 15.0,
+    abort_grace_s: float = 5.0,
+    abort_timeout_s: float = 60.0,
 ) -> Any:
     """Make a training function survive the loss of ranks and nodes.
 
@@ -73,7 +77,9 @@ def resilient(
     ``peerckpt run --replicas K`` overrides it). ``pg_timeout_s`` is the process groups'
     timeout (a failure is normally acted on long before it); ``suspect_s`` is how long a rank
     whose collective failed waits for the coordinator's verdict before treating the error as
-    its own. Spares are set on the launcher (``peerckpt run --spares S``).
+    its own. A rank told to abort that has not left the epoch after ``abort_grace_s`` cuts
+    all its connections to the job's hosts; after ``abort_timeout_s`` more it exits and the
+    job goes on without it. Spares are set on the launcher (``peerckpt run --spares S``).
     """
 
     def decorate(func: F) -> F:
@@ -81,9 +87,22 @@ def resilient(
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             env = LaunchEnv.from_environ()
             configure_logging()
-            runtime = RankRuntime(
-                env, replicas=replicas, pg_timeout_s=pg_timeout_s, suspect_s=suspect_s
-            )
+            try:
+                runtime = RankRuntime(
+                    env,
+                    replicas=replicas,
+                    pg_timeout_s=pg_timeout_s,
+                    suspect_s=suspect_s,
+                    abort_grace_s=abort_grace_s,
+                    abort_timeout_s=abort_timeout_s,
+                )
+            except PeerUnavailable as exc:
+                if env.role == "rank":
+                    raise
+                # A spare or joining process whose node agent is gone (the job ended, or the
+                # node was lost) has nothing to stand by for.
+                logging.getLogger("peerckpt.rank").info("%s exits: %s", env.role, exc)
+                raise SystemExit(0) from None
             return runtime.run(func, args, kwargs)
 
         return wrapper  # type: ignore[return-value]

@@ -21,7 +21,7 @@ import torch
 
 from peerckpt.errors import StateMismatch
 from peerckpt.persist.manifest import META_KEY, ChunkRecord, align
-from peerckpt.runtime.layouts import Shard, chunk_view, dtype_name, local_of, place
+from peerckpt.runtime.layouts import FlatShard, Shard, chunk_view, dtype_name, local_of, place
 
 try:
     import numpy as np
@@ -186,6 +186,15 @@ def capture(tracked: dict[str, Any], step: int, extra: dict[str, Any]) -> Captur
             shared.tensors.extend(walker.tensors)
         elif isinstance(obj, (torch.Tensor, Shard)):
             objects[name] = ["tensor", shared.walk(obj, name)]
+        elif isinstance(obj, FlatShard):
+            pieces = []
+            for tensor, shape, offsets, lengths, at in obj.pieces():
+                key = f"{name}/{tensor}"
+                shared.tensors.append(
+                    CapturedTensor(key, obj.view(at, lengths).clone(), shape, offsets, "global")
+                )
+                pieces.append([key, list(offsets), list(lengths)])
+            objects[name] = ["flat", pieces]
         elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
             objects[name] = ["stateful", private.walk(obj.state_dict(), name)]
         else:

@@ -40,8 +40,10 @@ class LaunchEnv:
                 "the script with `peerckpt run --nodes N --nproc-per-node P script.py`."
             )
         role = env.get("PEERCKPT_ROLE", "rank")
-        if role not in ("rank", "spare"):
-            raise ConfigurationError(f"PEERCKPT_ROLE must be 'rank' or 'spare', not {role!r}")
+        if role not in ("rank", "spare", "joiner"):
+            raise ConfigurationError(
+                f"PEERCKPT_ROLE must be 'rank', 'spare' or 'joiner', not {role!r}"
+            )
         try:
             secret = bytes.fromhex(env["PEERCKPT_SECRET"])
         except ValueError:

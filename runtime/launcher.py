@@ -53,6 +53,7 @@ class JobSpec:
     chaos: str = ""
     heartbeat_timeout: float = 5.0
     start_timeout: float = 300.0
+    min_nodes: int | None = None
     report: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     job: str | None = None
@@ -96,6 +97,7 @@ class LocalLauncher:
         self._secret = secrets.token_bytes(32)
         self.rundir = tempfile.mkdtemp(prefix=f"peerckpt-{self.job}-")
         self.coordinator: subprocess.Popen[bytes] | None = None
+        self.address = ""
         self.nodes: dict[int, Node] = {}
         self._ranks: dict[int, subprocess.Popen[bytes]] = {}  # the first epoch's rank processes
         self._lock = threading.Lock()
@@ -153,62 +155,90 @@ class LocalLauncher:
         ]
         if spec.replicas is not None:
             argv += ["--replicas", str(spec.replicas)]
+        if spec.min_nodes is not None:
+            argv += ["--min-nodes", str(spec.min_nodes)]
         self.coordinator = self._spawn(argv, self._env(), ready=True)
-        address = self._await_ready(self.coordinator, "coordinator")["address"]
-        self.rpc = RpcClient(address, self._secret, self.job)
-        total_nodes = spec.nodes + (1 if spec.spares else 0)
-        for n in range(total_nodes):
-            sock = os.path.join(self.rundir, f"node{n}.sock")
-            argv = [
-                py,
-                "-m",
-                "peerckpt.replication.agent",
-                "--job",
-                self.job,
-                "--node",
-                str(n),
-                "--coordinator",
-                address,
-                "--socket",
-                sock,
-            ]
-            if n >= spec.nodes:
-                argv.append("--spare-node")
-            self.nodes[n] = Node(n, self._spawn(argv, self._env(), ready=True), sock)
+        self.address = self._await_ready(self.coordinator, "coordinator")["address"]
+        self.rpc = RpcClient(self.address, self._secret, self.job)
+        for n in range(spec.nodes + (1 if spec.spares else 0)):
+            self._start_agent(n, ["--spare-node"] if n >= spec.nodes else [])
         for node in self.nodes.values():
             self._await_ready(node.agent, f"agent of node {node.index}")
-        script = [py, spec.script, *spec.args]
         for n in range(spec.nodes):
             for local in range(spec.nproc_per_node):
                 rank = n * spec.nproc_per_node + local
-                env = self._env(
-                    PEERCKPT_AGENT=self.nodes[n].socket,
-                    PEERCKPT_NODE=str(n),
-                    PEERCKPT_ROLE="rank",
-                    RANK=str(rank),
-                    LOCAL_RANK=str(local),
-                    WORLD_SIZE=str(world),
+                self._ranks[rank] = self._start_proc(
+                    n, "rank", RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world)
                 )
-                self._ranks[rank] = self._spawn(script, env, ready=False)
-                self.nodes[n].procs.append(self._ranks[rank])
-        if spec.spares:
-            spare_node = self.nodes[spec.nodes]
-            for _ in range(spec.spares):
-                env = self._env(
-                    PEERCKPT_AGENT=spare_node.socket,
-                    PEERCKPT_NODE=str(spec.nodes),
-                    PEERCKPT_ROLE="spare",
-                    WORLD_SIZE=str(world),
-                )
-                spare_node.procs.append(self._spawn(script, env, ready=False))
+        for _ in range(spec.spares):
+            self._start_proc(spec.nodes, "spare", WORLD_SIZE=str(world))
+        self._write_job_file()
         log.info(
             "job %s: %d node(s) × %d rank(s), %d spare(s); coordinator %s",
             self.job,
             spec.nodes,
             spec.nproc_per_node,
             spec.spares,
-            address,
+            self.address,
         )
+
+    def _start_agent(self, n: int, flags: list[str]) -> Node:
+        sock = os.path.join(self.rundir, f"node{n}.sock")
+        argv = [
+            sys.executable,
+            "-m",
+            "peerckpt.replication.agent",
+            "--job",
+            self.job,
+            "--node",
+            str(n),
+            "--coordinator",
+            self.address,
+            "--socket",
+            sock,
+            *flags,
+        ]
+        node = Node(n, self._spawn(argv, self._env(), ready=True), sock)
+        with self._lock:
+            self.nodes[n] = node
+        return node
+
+    def _start_proc(self, n: int, role: str, **env: str) -> subprocess.Popen[bytes]:
+        node = self.nodes[n]
+        proc = self._spawn(
+            [sys.executable, self.spec.script, *self.spec.args],
+            self._env(PEERCKPT_AGENT=node.socket, PEERCKPT_NODE=str(n), PEERCKPT_ROLE=role, **env),
+            ready=False,
+        )
+        node.procs.append(proc)
+        return proc
+
+    def add_node(self) -> int:
+        """Start one more node (agent and --nproc-per-node processes) that joins the job."""
+        with self._lock:
+            n = max(self.nodes) + 1
+        count = self.spec.nproc_per_node
+        node = self._start_agent(n, ["--joining", str(count)])
+        self._await_ready(node.agent, f"agent of node {n}")
+        for _ in range(count):
+            self._start_proc(n, "joiner")
+        log.info("node %d is joining the job with %d rank(s)", n, count)
+        return n
+
+    def _write_job_file(self) -> None:
+        """What ``peerckpt join`` needs to find and join this job (readable by us only)."""
+        path = os.path.join(self.rundir, "job.json")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(
+                {
+                    "job": self.job,
+                    "coordinator": self.address,
+                    "secret": self._secret.hex(),
+                    "pid": os.getpid(),
+                },
+                f,
+            )
 
     # -- faults (the chaos monkey's target) -----------------------------------------------
     def kill_pid(self, pid: int) -> None:

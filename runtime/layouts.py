@@ -15,6 +15,7 @@ Nothing here talks to other ranks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -59,6 +60,51 @@ class Shard:
         self.tensor = tensor
         self.global_shape = global_shape
         self.offsets = offsets
+
+
+class FlatShard:
+    """This rank's piece of a *flat parameter*: tensors flattened and concatenated in order,
+    then cut at arbitrary element offsets, one range per rank (ZeRO, FSDP1).
+
+    ``peerckpt.FlatShard(local, shapes={"w": (1024, 512), "b": (512,)}, start=s, stop=e)``
+    says that ``local`` (1-D, ``e - s`` elements) holds elements ``s…e`` of the concatenation.
+    Each tensor piece it holds is captured as regular boxes of that tensor, so a later world
+    can cut the same tensors differently (or as DTensors) and still restore from it.
+    """
+
+    def __init__(
+        self, local: torch.Tensor, shapes: dict[str, tuple[int, ...]], start: int, stop: int
+    ) -> None:
+        total = sum(math.prod(s) for s in shapes.values())
+        if local.dim() != 1 or local.numel() != stop - start or not 0 <= start <= stop <= total:
+            raise StateMismatch(
+                f"peerckpt.FlatShard: a 1-D local tensor of {stop - start} elements must hold "
+                f"elements {start}…{stop} of {total}; got shape {tuple(local.shape)}"
+            )
+        self.local = local
+        self.shapes = {k: tuple(v) for k, v in shapes.items()}
+        self.start, self.stop = start, stop
+
+    def pieces(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...], int]]:
+        """(tensor name, its global shape, box offsets, box lengths, offset in ``local``)."""
+        from peerckpt.recovery.chunks import flat_shards_to_boxes
+
+        names = list(self.shapes)
+        bases, base = [], 0
+        for shape in self.shapes.values():
+            bases.append(base)
+            base += math.prod(shape)
+        found = []
+        for index, box in flat_shards_to_boxes(list(self.shapes.values()), self.start, self.stop):
+            shape = self.shapes[names[index]]
+            strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+            flat = bases[index] + sum(o * s for o, s in zip(box.offsets, strides, strict=True))
+            found.append((names[index], shape, box.offsets, box.lengths, flat - self.start))
+        return found
+
+    def view(self, offset: int, lengths: tuple[int, ...]) -> torch.Tensor:
+        """The piece of ``local`` at ``offset`` shaped as a box (boxes of a range are contiguous)."""
+        return self.local[offset : offset + math.prod(lengths)].view(lengths)
 
 
 @dataclass(frozen=True)

@@ -135,14 +135,18 @@ class ProcessGroupLifecycle:
         with self._lock:
             self._owned = set(_socket_inodes()) - self._baseline
 
-    def abort(self) -> int:
+    def abort(self, everything: bool = False) -> int:
         """Release any collective of this epoch blocked in this process; return sockets cut.
 
-        Safe to call from any thread, any number of times.
+        ``everything``: cut every connection to the job's hosts opened since the epoch began,
+        not only those its group opened while forming (a last resort). Safe to call from any
+        thread, any number of times.
         """
         with self._lock:
             self._aborted = True
             baseline, owned, hosts = self._baseline, self._owned, self._hosts
+        if everything:
+            owned = None
         cut = 0
         for inode, fd in _socket_inodes().items():
             mine = inode in owned if owned is not None else inode not in baseline

@@ -29,13 +29,19 @@ from typing import Any
 import torch
 
 from peerckpt.errors import MembershipChanged, PeerckptError, StateMismatch
-from peerckpt.persist.manifest import META_KEY
+from peerckpt.persist.manifest import META_KEY, ChunkRecord, SnapshotManifest
 from peerckpt.runtime import capture, ddp
 from peerckpt.runtime.channel import AgentChannel
 from peerckpt.runtime.env import LaunchEnv, RankFilter
 from peerckpt.runtime.pg import ProcessGroupLifecycle
-from peerckpt.runtime.restore import ChunkSource, read_meta, restore_objects
-from peerckpt.runtime.snapshot import SnapshotEngine
+from peerckpt.runtime.restore import (
+    ChunkSource,
+    OldLayout,
+    read_meta,
+    restore_objects,
+    wanted_chunks,
+)
+from peerckpt.runtime.snapshot import MappedSlot, SnapshotEngine
 from peerckpt.runtime.state import Assignment, RankState, check_transition
 
 log = logging.getLogger("peerckpt.rank")
@@ -54,10 +60,15 @@ class RankRuntime:
         replicas: int | None = None,
         pg_timeout_s: float = 1800.0,
         suspect_s: float = 15.0,
+        abort_grace_s: float = 5.0,
+        abort_timeout_s: float = 60.0,
     ) -> None:
+        self.abort_grace_s = abort_grace_s
+        self.abort_timeout_s = abort_timeout_s
+        self._unwound = -1  # the last epoch whose function this process has left
         self.env = env
         self.suspect_s = suspect_s
-        self.state = RankState.SPARE if env.role == "spare" else RankState.WAITING
+        self.state = RankState.SPARE if env.role in ("spare", "joiner") else RankState.WAITING
         self._cond = threading.Condition()
         self._latest_epoch = -1
         self._assignments: dict[int, Assignment] = {}
@@ -67,9 +78,13 @@ class RankRuntime:
         self._restored: dict[str, Any] | None = None
         self._hooks: list[Any] = []
         self._resumed_sent = False
+        self._staging: dict[tuple[int, int], tuple[str, list[ChunkRecord]]] = {}
+        self._round = 0
         self._initial_rng = capture.capture_rng()
         self.step: int | None = None
         RankFilter.runtime = self
+        if self.state is RankState.SPARE:
+            self._warm_up()  # before saying hello: a spare is chosen only once it is ready
         self.channel = AgentChannel(
             env.agent_socket, env.secret, env.job, env.role, env.rank, self._on_event, replicas
         )
@@ -93,6 +108,11 @@ class RankRuntime:
                 self._cond.notify_all()
         elif kind == "commit":
             self.engine.on_commit(event["epoch"], event["step"])
+        elif kind == "staging":
+            chunks = list(SnapshotManifest.from_msg(event["body"]).chunks)
+            with self._cond:
+                self._staging[(event["epoch"], event["round"])] = (event["path"], chunks)
+                self._cond.notify_all()
         elif kind == "shutdown":
             self.channel.expect_close()
             with self._cond:
@@ -123,6 +143,38 @@ class RankRuntime:
             self._cond.notify_all()
         self.engine.abort()
         self.pg.abort()
+        threading.Thread(
+            target=self._escalate, args=(current,), name="peerckpt-abort-watchdog", daemon=True
+        ).start()
+
+    def _escalate(self, epoch: int) -> None:
+        """Make sure the function leaves aborted epoch ``epoch``.
+
+        Cutting the group's connections releases every blocked collective we have seen but
+        one: under heavy load, FSDP2's gloo reduce-scatter stayed blocked once, in about
+        twenty runs. So a watchdog escalates: after ``abort_grace_s`` it cuts every connection
+        this process opened to the job's hosts since the epoch began; after
+        ``abort_timeout_s`` the process exits, and the job goes on without it (a spare
+        replaces it, or the world shrinks), rather than waiting out a 30-minute timeout.
+        """
+        for wait_s, final in ((self.abort_grace_s, False), (self.abort_timeout_s, True)):
+            with self._cond:
+                if self._cond.wait_for(lambda: self._unwound >= epoch, timeout=wait_s):
+                    return
+            if not final:
+                log.warning(
+                    "still inside aborted epoch %d after %.0f s; cutting harder", epoch, wait_s
+                )
+                self.pg.abort(everything=True)
+            else:
+                log.error(
+                    "could not leave aborted epoch %d within %.0f s (blocked in a collective "
+                    "that cutting its connections did not release); this process exits so that "
+                    "the job can go on without it",
+                    epoch,
+                    self.abort_grace_s + wait_s,
+                )
+                os._exit(75)
 
     def _become(self, state: RankState) -> None:
         check_transition(self.state, state)
@@ -141,8 +193,6 @@ class RankRuntime:
         from peerckpt.runtime.api import Context
 
         result = None
-        if self.state is RankState.SPARE:
-            self._warm_up()
         try:
             while True:
                 try:
@@ -209,6 +259,7 @@ class RankRuntime:
             self._become(RankState.JOINING)
             self.assignment = assignment
             self.tracked, self._restored, self._resumed_sent = {}, None, False
+            self._round = 0
             # Under the lock: an abort notice is either seen above or cuts what this opens.
             self.pg.begin(assignment.epoch, assignment.store_addr, set(assignment.hosts))
         os.environ.update(
@@ -257,6 +308,10 @@ class RankRuntime:
                 self._cond.wait(left)
 
     def _leave(self) -> None:
+        with self._cond:
+            if self.assignment is not None:
+                self._unwound = max(self._unwound, self.assignment.epoch)
+                self._cond.notify_all()
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -334,7 +389,10 @@ class RankRuntime:
             if isinstance(obj, torch.optim.Optimizer):
                 self._hooks.append(obj.register_step_pre_hook(self._before_optimizer_step))
         a = self.assignment
-        if a.restore_step is None or a.restore_slot is None:
+        if a.mode == "reshard":
+            self._restore_resharded(state)
+            return
+        if a.mode != "same" or a.restore_slot is None:
             return
         slot = self.engine.slot_tensor(a.restore_slot)
         source = ChunkSource(slot, a.chunks)
@@ -352,6 +410,45 @@ class RankRuntime:
         ddp.apply_layouts(state, meta.get("ddp", {}))
         self._restored = meta
         log.info("restored %s from step %d", sorted(state), meta["step"])
+
+    def _restore_resharded(self, state: dict[str, Any]) -> None:
+        """Restore ``state`` into this epoch's new layout: say which boxes this rank needs,
+        wait for the agent to gather them (every rank of the epoch does the same, then the
+        coordinator plans the reads of all of them at once), and load them."""
+        a = self.assignment
+        assert a is not None and a.old_layout is not None
+        old = OldLayout.from_msg(a.old_layout)
+        primary = a.previous_rank if a.previous_rank is not None else a.rank % a.old_world
+        wants = wanted_chunks(state, self.tracked, old, primary)
+        round_ = self._round
+        self._round += 1
+        self.channel.notify(
+            "wants", body=[w.to_msg() for w in wants], epoch=a.epoch, rank=a.rank, round=round_
+        )
+        with self._cond:
+            while (a.epoch, round_) not in self._staging:
+                if self.state is RankState.ABORTING or self._shutdown is not None:
+                    raise MembershipChanged("the job's membership changed during a restore")
+                self._cond.wait()
+            path, chunks = self._staging.pop((a.epoch, round_))
+        slot = MappedSlot(path)
+        try:
+            source = ChunkSource(slot.tensor, chunks)
+            metas = source.metas()
+            restore_objects(
+                state, self.tracked, source, metas, primary, a.rank, a.world_size, resharded=True
+            )
+        finally:
+            slot.close()
+            self.channel.notify("release", epoch=a.epoch, rank=a.rank, round=round_)
+        self._restored = metas[primary]
+        log.info(
+            "restored %s from step %s into a new layout (world %d, was %d)",
+            sorted(state),
+            a.restore_step,
+            a.world_size,
+            a.old_world,
+        )
 
     def _before_optimizer_step(self, *args: Any) -> None:
         self.engine.wait_copy()

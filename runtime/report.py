@@ -24,11 +24,14 @@ class FailureRow:
     restore_step: int | None
     pulls: list[dict[str, Any]] = field(default_factory=list)
     superseded: bool = False  # another failure opened a newer epoch before this one resumed
+    change: str = ""  # how the world changed, if it did
 
 
 def _matches(action: dict[str, Any], event: dict[str, Any]) -> bool:
     if action["kind"] == "kill_rank":
         return event["kind"] == "rank" and action["target"] in event["ranks"]
+    if action["kind"] == "add_node":
+        return event["kind"] == "grow" and action.get("node") in event["nodes"]
     return event["kind"] == "node" and action["target"] in event["nodes"]
 
 
@@ -55,6 +58,13 @@ def failure_rows(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -> l
                 pulls=sorted(event.get("pulls", []), key=lambda p: p["rank"]),
                 superseded=resumed is None
                 and any(e.get("from_epoch") == event.get("epoch") for e in events),
+                change=(
+                    f"the world grew to {event['grown_to']} ranks"
+                    if "grown_to" in event
+                    else f"the world shrank to {event['shrunk_to']} ranks"
+                    if "shrunk_to" in event
+                    else ""
+                ),
             )
         )
     return rows
@@ -65,7 +75,8 @@ def format_failures(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -
     lines = []
     for row in failure_rows(events, chaos):
         where = ", ".join(f"rank {r} on node {n}" for r, n in sorted(row.lost.items()))
-        lines.append(f"- {row.cause}: lost {where or 'no rank'}")
+        head = f"- {row.cause}: lost {where}" if where else f"- {row.cause}"
+        lines.append(head + (f"; {row.change}" if row.change else ""))
         if row.detected_s is not None:
             lines.append(f"    detected {row.detected_s * 1000:.0f} ms after the kill")
         if row.superseded:
@@ -75,7 +86,13 @@ def format_failures(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -
         elif row.recovered_s is None:
             lines.append("    NOT RECOVERED")
         else:
-            since = "the kill" if row.detected_s is not None else "detection"
+            since = (
+                "the node was started"
+                if row.cause.startswith("add node")
+                else "the kill"
+                if row.detected_s is not None
+                else "detection"
+            )
             lines.append(
                 f"    every rank stepping again {row.recovered_s * 1000:.0f} ms after {since}, "
                 f"from step {(row.restore_step if row.restore_step is not None else -1) + 1}"

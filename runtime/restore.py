@@ -24,7 +24,15 @@ import torch
 from peerckpt.errors import StateMismatch
 from peerckpt.persist.manifest import META_KEY, ChunkRecord
 from peerckpt.runtime.capture import NDARRAY_EXT, TENSOR_EXT, TUPLE_EXT, param_fqns
-from peerckpt.runtime.layouts import Shard, chunk_view, dtype_name, is_dtensor, local_of, place
+from peerckpt.runtime.layouts import (
+    FlatShard,
+    Shard,
+    chunk_view,
+    dtype_name,
+    is_dtensor,
+    local_of,
+    place,
+)
 
 try:
     import numpy as np
@@ -71,18 +79,25 @@ def read_meta(slot: torch.Tensor, chunk: ChunkRecord) -> dict[str, Any]:
 
 
 class ChunkSource:
-    """The restored chunks of one slot, by key, each with its record."""
+    """The restored chunks of one slot, by key (and box, where a key has several)."""
 
     def __init__(self, slot: torch.Tensor, chunks: list[ChunkRecord]) -> None:
         self.slot = slot
         self.records = {c.key: c for c in chunks}
+        self.boxes = {(c.key, tuple(c.offsets)): c for c in chunks}
 
-    def get(self, key: str, old_rank: int) -> tuple[torch.Tensor, ChunkRecord]:
+    def get(
+        self, key: str, old_rank: int, offsets: tuple[int, ...] | None = None
+    ) -> tuple[torch.Tensor, ChunkRecord]:
         """Old rank ``old_rank``'s chunk ``key``: its private copy if there is one, else the
-        (resharded) box of the shared tensor."""
-        record = self.records.get(private_key(key, old_rank)) or self.records.get(key)
+        (resharded) box of the shared tensor — the one at ``offsets``, when given."""
+        if offsets is not None:
+            record = self.boxes.get((key, tuple(offsets)))
+        else:
+            record = self.records.get(private_key(key, old_rank)) or self.records.get(key)
         if record is None:
-            raise StateMismatch(f"the restored state has no chunk {key!r}")
+            where = f" at {tuple(offsets)}" if offsets is not None else ""
+            raise StateMismatch(f"the restored state has no chunk {key!r}{where}")
         return chunk_view(self.slot, record), record
 
     def metas(self) -> dict[int, dict[str, Any]]:
@@ -244,6 +259,10 @@ def restore_objects(
             _restore_optimizer(name, obj, tree, chunk, all_tracked)
         elif isinstance(obj, (torch.Tensor, Shard)):
             _copy_into(obj, tensor(tree.key), f"tracked tensor {name!r}")
+        elif isinstance(obj, FlatShard):
+            for piece, _, offsets, lengths, at in obj.pieces():
+                src = source.get(f"{name}/{piece}", primary, offsets)[0]
+                _copy_into(obj.view(at, lengths), src, f"piece {piece}{offsets} of {name!r}")
         elif resharded and hasattr(obj, "load_resharded_state"):
             states = [
                 _resolve(_object(metas[r], name, step)[1], _private(source, r))
@@ -329,6 +348,16 @@ def wanted_chunks(
                             wants.append(_want(key, dtype, shape))
         elif isinstance(obj, (torch.Tensor, Shard)):
             shared(name, obj, f"tracked tensor {name!r}")
+        elif isinstance(obj, FlatShard):
+            for piece, shape, offsets, lengths, _ in obj.pieces():
+                key = f"{name}/{piece}"
+                dtype = dtype_name(obj.local.dtype)
+                if old.shared.get(key) != (dtype, shape):
+                    raise StateMismatch(
+                        f"{name!r} holds a {shape} {dtype} tensor {piece!r}; the committed step "
+                        f"has {old.shared.get(key) or 'nothing of that name'}"
+                    )
+                wants.append(_want(key, dtype, shape, offsets, lengths))
         else:
             ranks = sorted(old.private) if hasattr(obj, "load_resharded_state") else [primary]
             for r in ranks:

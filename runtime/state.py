@@ -59,14 +59,20 @@ class Assignment:
     chunks: list[ChunkRecord]
     pulled: dict[str, Any] | None
     hosts: frozenset[str] = frozenset()
+    # "fresh" (start over), "same" (restore own snapshot) or "reshard" (a new layout)
+    mode: str = "fresh"
+    previous_rank: int | None = None
+    old_world: int = 0
+    old_layout: dict[str, Any] | None = None
 
     @classmethod
     def from_event(cls, event: dict[str, Any]) -> Assignment:
         """Build from the agent's ``epoch`` message (the manifest travels as its body)."""
         restore = event.get("restore") or {}
+        body = event.get("body") or {}
         chunks = []
-        if restore and "body" in event:
-            chunks = list(SnapshotManifest.from_msg(event["body"]).chunks)
+        if body.get("manifest") is not None:
+            chunks = list(SnapshotManifest.from_msg(body["manifest"]).chunks)
         return cls(
             epoch=event["epoch"],
             rank=event["rank"],
@@ -80,6 +86,10 @@ class Assignment:
             chunks=chunks,
             pulled=restore or None,
             hosts=frozenset(event.get("hosts", ())),
+            mode=restore.get("mode", "fresh") if restore else "fresh",
+            previous_rank=restore.get("previous_rank"),
+            old_world=restore.get("old_world", 0),
+            old_layout=body.get("old_layout"),
         )
 
 

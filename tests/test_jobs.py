@@ -147,5 +147,5 @@ def test_a_script_that_dies_before_joining_fails_the_job_at_once(tmp_path) -> No
     run = run_job(tmp_path, script="crash_at_import.py", spares=1, timeout=120)
     assert run.returncode == 1
     assert run.report["state"] == "failed"
-    assert "rank 0 (exit status 1)" in run.report["reason"]
+    assert re.search(r"rank \d \(exit status 1\)", run.report["reason"])  # whichever died first
     assert "exited before the job started" in run.report["reason"]

@@ -43,6 +43,30 @@ class Tokens:
         self.pos = state["pos"]
 
 
+class SampledTokens:
+    """A fixed dataset of token rows, batched by a ResumableSampler (resharded on a change)."""
+
+    def __init__(self, n: int, rank: int, world: int, batch: int = 4) -> None:
+        g = torch.Generator().manual_seed(99)
+        self.rows = torch.randint(0, 64, (n, 17), generator=g)
+        self.sampler = peerckpt.ResumableSampler(n, rank, world, seed=7)
+        self.batch, self.last = batch, {}
+
+    def next(self) -> torch.Tensor:
+        indices = self.sampler.take(self.batch)
+        self.last = {"data_epoch": self.sampler.epoch, "indices": indices}
+        return self.rows[indices or [0]]  # a short share at an epoch's end: a harmless row
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+
+    def load_resharded_state(self, states: list, rank: int, world_size: int) -> None:
+        self.sampler.load_resharded_state(states, rank, world_size)
+
+
 def build() -> nn.Module:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.1, batch_first=True)
@@ -63,14 +87,42 @@ def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
     model = DistributedDataParallel(build())
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = Tokens(ctx.rank)
+    if args.sampler:
+        # Batches drawn from a ResumableSampler over a fixed dataset; what it hands out is
+        # recorded, to check that no sample is lost or repeated across topology changes.
+        data = SampledTokens(args.sampler, ctx.rank, ctx.world_size)
     ctx.track(model=model, optim=optim, data=data)
+    if ctx.restored_step is not None:  # what was restored, to compare with the committed step
+        with open(os.path.join(args.out, "restored.jsonl"), "a") as f:
+            f.write(
+                json.dumps(
+                    {
+                        "epoch": ctx.epoch,
+                        "rank": ctx.rank,
+                        "world": ctx.world_size,
+                        "step": ctx.restored_step,
+                        "digest": digest(model, optim),
+                    }
+                )
+                + "\n"
+            )
     with open(os.path.join(args.out, f"rank{ctx.rank}.jsonl"), "a") as log:
         run_steps(ctx, model, optim, data, log, args)
     return digest(model, optim)
 
 
 def run_steps(ctx, model, optim, data, log, args) -> None:
+    grown_at = None
     for step in ctx.steps(args.steps):
+        if (
+            args.until_world
+            and ctx.world_size == args.until_world
+            and ctx.restored_step is not None
+        ):
+            # Wait for a joining node, however long it takes to start; then a few more steps.
+            grown_at = step if grown_at is None else grown_at
+            if step >= grown_at + args.after:
+                break
         x = data.next()
         logits = model(x[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, 64), x[:, 1:].reshape(-1))
@@ -88,6 +140,8 @@ def run_steps(ctx, model, optim, data, log, args) -> None:
                     "epoch": ctx.epoch,
                     "digest": digest(model, optim),
                     "loss": loss.item(),
+                    "world": ctx.world_size,
+                    **getattr(data, "last", {}),
                 }
             )
             + "\n"
@@ -107,6 +161,14 @@ if __name__ == "__main__":
     parser.add_argument("--raise-rank", type=int, default=-1)
     parser.add_argument("--raise-at", type=int, default=-1)
     parser.add_argument("--pg-timeout", type=float, default=1800.0)
+    parser.add_argument("--sampler", type=int, default=0, help="draw batches from N samples")
+    parser.add_argument(
+        "--until-world",
+        type=int,
+        default=0,
+        help="once restored into a world this big, stop after --after steps",
+    )
+    parser.add_argument("--after", type=int, default=5)
     args = parser.parse_args()
     final = peerckpt.resilient(pg_timeout_s=args.pg_timeout)(train)(args)
     if int(os.environ["RANK"]) == 0:

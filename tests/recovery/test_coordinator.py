@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from peerckpt.errors import AuthenticationError
+from peerckpt.persist.manifest import ChunkRecord
 from peerckpt.recovery.coordinator import Coordinator
 from peerckpt.recovery.rpc import RpcClient, RpcServer
 
@@ -29,6 +30,9 @@ def _events(c: Coordinator, node: int) -> list[dict]:
     return out
 
 
+LAYOUT = [ChunkRecord("w", "float32", (4,), (0,), (4,), 0, 16).to_msg()]
+
+
 def _commit(c: Coordinator, epoch: int, step: int) -> None:
     for rank in range(4):
         c.replicated(
@@ -38,6 +42,7 @@ def _commit(c: Coordinator, epoch: int, step: int) -> None:
                 "step": step,
                 "nbytes": 10,
                 "holders": [rank // 2, 1 - rank // 2],
+                "layout": LAYOUT,
             }
         )
 
@@ -55,7 +60,9 @@ def test_epoch_zero_opens_when_every_rank_joined_and_commits_follow() -> None:
 def test_a_lost_rank_is_replaced_by_a_spare_and_restores_the_committed_step() -> None:
     c = _job()
     _commit(c, 0, 4)
-    c.replicated({"epoch": 0, "rank": 0, "step": 5, "nbytes": 10, "holders": [0, 1]})
+    c.replicated(
+        {"epoch": 0, "rank": 0, "step": 5, "nbytes": 10, "holders": [0, 1], "layout": LAYOUT}
+    )
     _events(c, 0)
     c.proc_lost({"node": 1, "pid": 102, "reason": "exited"})
     m = _events(c, 0)[-1]
@@ -81,7 +88,7 @@ def test_without_a_spare_the_job_fails_with_a_reason() -> None:
     _commit(c, 0, 1)
     c.proc_lost({"node": 0, "pid": 100, "reason": "exited"})
     assert c.state == "failed"
-    assert "only 0 spare(s)" in c.reason and "--spares" in c.reason
+    assert "only 0 spare(s)" in c.reason and "--spares" in c.reason and "--min-nodes" in c.reason
     assert _events(c, 1)[-1]["type"] == "shutdown"
 
 

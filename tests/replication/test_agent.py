@@ -27,7 +27,7 @@ def test_a_rank_cannot_reallocate_the_slot_holding_the_committed_step(agent) -> 
         agent._alloc({"rank": 1, "slot": 0, "nbytes": 1 << 20})
     reply = agent._alloc({"rank": 1, "slot": 1, "nbytes": 1 << 20})
     assert reply["size"] >= 1 << 20
-    assert agent.store.find(1, 5) is not None  # the committed copy is untouched
+    assert agent.store.find(0, 1, 5) is not None  # the committed copy is untouched
 
 
 def test_a_snapshot_notice_of_an_ended_epoch_is_never_replicated(agent) -> None:

@@ -20,9 +20,9 @@ def _connect(peers, job):
 def test_push_stores_a_verified_replica_byte_for_byte(peers, job) -> None:
     slot = write_snapshot(peers[0].store, rank=5, step=7)
     conn = _connect(peers, job)(1)
-    push(conn, 0, 5, None, slot.manifest, slot.segment.view)
+    push(conn, 0, 0, 5, None, slot.manifest, slot.segment.view)
     conn.close()
-    replica = peers[1].store.find(5, 7)
+    replica = peers[1].store.find(0, 5, 7)
     assert replica is not None and replica.kind == "replica"
     used = slot.manifest.used_bytes
     assert bytes(replica.segment.view[:used]) == bytes(slot.segment.view[:used])
@@ -34,9 +34,9 @@ def test_a_replica_that_arrives_corrupted_is_refused_and_never_readable(peers, j
     slot.segment.view[10] ^= 0xFF  # the bytes no longer match the manifest's checksum
     conn = _connect(peers, job)(1)
     with pytest.raises(ChecksumMismatch, match="fails verification"):
-        push(conn, 0, 5, None, manifest, slot.segment.view)
+        push(conn, 0, 0, 5, None, manifest, slot.segment.view)
     conn.close()
-    assert peers[1].store.find(5, 7) is None
+    assert peers[1].store.find(0, 5, 7) is None
 
 
 def test_a_push_from_an_older_epoch_is_fenced_off(peers, job) -> None:
@@ -44,30 +44,30 @@ def test_a_push_from_an_older_epoch_is_fenced_off(peers, job) -> None:
     peers[1].epoch = 3
     conn = _connect(peers, job)(1)
     with pytest.raises(StaleEpoch, match="epoch 0 after epoch 3"):
-        push(conn, 0, 1, None, slot.manifest, slot.segment.view)
+        push(conn, 0, 0, 1, None, slot.manifest, slot.segment.view)
     conn.close()
-    assert peers[1].store.find(1, 2) is None
+    assert peers[1].store.find(0, 1, 2) is None
 
 
 def test_recovery_pulls_from_a_peer_and_verifies(peers, job) -> None:
     original = write_snapshot(peers[0].store, rank=2, step=9)
     got = obtain_committed(
-        peers[2].store, 2, 1, rank=2, step=9, sources=[0], connect=_connect(peers, job)
+        peers[2].store, 2, 1, 0, rank=2, step=9, sources=[0], connect=_connect(peers, job)
     )
     assert got.source == 0 and got.nbytes == original.manifest.used_bytes
     used = original.manifest.used_bytes
     assert bytes(got.slot.segment.view[:used]) == bytes(original.segment.view[:used])
-    assert peers[2].store.find(2, 9) is got.slot
+    assert peers[2].store.find(0, 2, 9) is got.slot
 
 
 def test_a_corrupted_replica_is_never_restored_from_another_copy_is_used(peers, job) -> None:
     source = write_snapshot(peers[0].store, rank=3, step=4)
     conn = _connect(peers, job)(1)
-    push(conn, 0, 3, None, source.manifest, source.segment.view)
+    push(conn, 0, 0, 3, None, source.manifest, source.segment.view)
     conn.close()
-    peers[1].store.find(3, 4).segment.view[12345] ^= 0x01  # bit rot in node 1's replica
+    peers[1].store.find(0, 3, 4).segment.view[12345] ^= 0x01  # bit rot in node 1's replica
     got = obtain_committed(
-        peers[2].store, 2, 1, rank=3, step=4, sources=[1, 0], connect=_connect(peers, job)
+        peers[2].store, 2, 1, 0, rank=3, step=4, sources=[1, 0], connect=_connect(peers, job)
     )
     assert got.source == 0  # node 1 was tried first and refused
     used = source.manifest.used_bytes
@@ -77,12 +77,12 @@ def test_a_corrupted_replica_is_never_restored_from_another_copy_is_used(peers, 
 def test_a_corrupted_local_slot_falls_back_to_a_peer(peers, job) -> None:
     local = write_snapshot(peers[0].store, rank=0, step=6)
     conn = _connect(peers, job)(1)
-    push(conn, 0, 0, None, local.manifest, local.segment.view)
+    push(conn, 0, 0, 0, None, local.manifest, local.segment.view)
     conn.close()
     expected = bytes(local.segment.view[: local.manifest.used_bytes])
     local.segment.view[0] ^= 0x80
     got = obtain_committed(
-        peers[0].store, 0, 1, rank=0, step=6, sources=[0, 1], connect=_connect(peers, job)
+        peers[0].store, 0, 1, 0, rank=0, step=6, sources=[0, 1], connect=_connect(peers, job)
     )
     assert got.source == 1
     assert bytes(got.slot.segment.view[: got.manifest.used_bytes]) == expected
@@ -92,22 +92,22 @@ def test_a_corrupted_local_slot_falls_back_to_a_peer(peers, job) -> None:
 def test_when_every_copy_is_bad_recovery_fails_naming_each_source(peers, job) -> None:
     local = write_snapshot(peers[0].store, rank=0, step=6)
     conn = _connect(peers, job)(1)
-    push(conn, 0, 0, None, local.manifest, local.segment.view)
+    push(conn, 0, 0, 0, None, local.manifest, local.segment.view)
     conn.close()
     local.segment.view[0] ^= 0x80
-    peers[1].store.find(0, 6).segment.view[0] ^= 0x80
+    peers[1].store.find(0, 0, 6).segment.view[0] ^= 0x80
     with pytest.raises(
         RecoveryFailed, match=r"node 0: .*fails verification.*node 1: .*fails verification"
     ):
         obtain_committed(
-            peers[2].store, 2, 1, rank=0, step=6, sources=[0, 1], connect=_connect(peers, job)
+            peers[2].store, 2, 1, 0, rank=0, step=6, sources=[0, 1], connect=_connect(peers, job)
         )
 
 
 def _push_step(peers, job, rank: int, step: int, committed: int | None) -> None:
     slot = write_snapshot(peers[0].store, rank=rank, step=step, index=step % 2, size=1 << 20)
     conn = _connect(peers, job)(1)
-    push(conn, 0, rank, committed, slot.manifest, slot.segment.view)
+    push(conn, 0, 0, rank, committed, slot.manifest, slot.segment.view)
     conn.close()
 
 
@@ -117,8 +117,8 @@ def test_a_push_never_overwrites_the_buddys_copy_of_the_committed_step(peers, jo
     # Step 11 committed; the buddy has not heard of it yet, but the sender says so.
     _push_step(peers, job, rank=2, step=12, committed=11)
     store = peers[1].store
-    assert store.find(2, 11) is not None and store.find(2, 12) is not None
-    assert store.find(2, 10) is None  # the older copy made room
+    assert store.find(0, 2, 11) is not None and store.find(0, 2, 12) is not None
+    assert store.find(0, 2, 10) is None  # the older copy made room
 
 
 def test_after_a_restore_the_committed_replica_survives_the_first_push(peers, job) -> None:
@@ -132,9 +132,9 @@ def test_after_a_restore_the_committed_replica_survives_the_first_push(peers, jo
     peers[1].committed = 11
     slot = write_snapshot(peers[0].store, rank=3, step=12, index=1, size=1 << 20)
     conn = _connect(peers, job)(1)
-    push(conn, 0, 3, None, slot.manifest, slot.segment.view)
+    push(conn, 0, 0, 3, None, slot.manifest, slot.segment.view)
     conn.close()
-    assert peers[1].store.find(3, 11) is not None
+    assert peers[1].store.find(0, 3, 11) is not None
 
 
 def test_a_fetch_from_an_older_epoch_is_fenced_off(peers, job) -> None:
@@ -142,5 +142,5 @@ def test_a_fetch_from_an_older_epoch_is_fenced_off(peers, job) -> None:
     peers[0].epoch = 4
     conn = _connect(peers, job)(0)
     with pytest.raises(StaleEpoch, match="fetch of epoch 3 after epoch 4"):
-        fetch(conn, 3, 1, 2, lambda m: memoryview(bytearray(m.used_bytes)))
+        fetch(conn, 3, 0, 1, 2, lambda m: memoryview(bytearray(m.used_bytes)))
     conn.close()

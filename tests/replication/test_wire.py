@@ -111,7 +111,7 @@ def test_frame_larger_than_its_destination_is_rejected_before_any_payload(peers,
     manifest = SnapshotManifest(rank=0, step=3, epoch=0, chunks=chunks, used_bytes=4096)
     conn.sock.settimeout(10)
     reply = conn.request(
-        {"type": "push", "epoch": 0, "rank": 0, "slot": 0, "manifest": manifest.to_msg()}
+        {"type": "push", "epoch": 0, "gen": 0, "rank": 0, "manifest": manifest.to_msg()}
     )
     assert reply["type"] == "ready"
     header = pack({"type": "data", "off": 0, "len": 1 << 30})
@@ -119,5 +119,5 @@ def test_frame_larger_than_its_destination_is_rejected_before_any_payload(peers,
     error, _ = conn.recv_message()
     assert error["type"] == "error" and error["code"] == "frame_too_large"
     assert "destination holds" in error["message"]
-    assert peers[1].store.find(0, 3) is None  # nothing half-written is ever readable
+    assert peers[1].store.find(0, 0, 3) is None  # nothing half-written is ever readable
     conn.close()

@@ -1,0 +1,171 @@
+"""Whole jobs whose topology changes: restored from peer memory into the new layout.
+
+Each job records a digest of the state it restored (``restored.jsonl``) and of the state
+after every step; the restored state must equal the committed step's, bit for bit. For the
+DTensor, FSDP2 and flat-shard jobs the digests are of the *full* tensors, every shard
+gathered, so a different cut of the same tensors compares equal.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+from typing import Any
+
+from .conftest import run_job
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _assert_ddp_restores_match(out: Path, world: int) -> None:
+    """Every rank of the new world restored exactly the state the old world committed."""
+    steps: dict[tuple[int, int], set[str]] = collections.defaultdict(set)
+    for path in out.glob("rank*.jsonl"):
+        for entry in _lines(path):
+            steps[(entry["epoch"], entry["step"])].add(entry["digest"])
+    restored = _lines(out / "restored.jsonl")
+    assert sorted(r["rank"] for r in restored) == list(range(world))
+    for r in restored:
+        assert r["world"] == world
+        before = [d for (e, s), d in steps.items() if s == r["step"] and e < r["epoch"]]
+        assert before and r["digest"] in before[-1], f"rank {r['rank']} restored other bits"
+
+
+def _assert_full_restore_matches(out: Path, world: int) -> None:
+    full = _lines(out / "full.jsonl")
+    [restored] = _lines(out / "restored.jsonl")
+    assert restored["world"] == world
+    committed = [
+        f for f in full if f["step"] == restored["restored"] and f["epoch"] < restored["epoch"]
+    ]
+    assert committed and committed[-1]["world"] != world
+    assert restored["digest"] == committed[-1]["digest"]
+
+
+def test_a_node_lost_without_spares_shrinks_two_nodes_to_one(tmp_path) -> None:
+    run = run_job(
+        tmp_path,
+        script_args=["--steps", "20"],
+        chaos="kill node=1 at=6",
+        extra=["--min-nodes", "1"],
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    _assert_ddp_restores_match(tmp_path, world=2)
+    [event] = run.report["events"]
+    assert event["mode"] == "reshard" and event["shrunk_to"] == 2
+
+
+def test_a_rank_lost_without_spares_shrinks_four_ranks_to_three(tmp_path) -> None:
+    run = run_job(
+        tmp_path,
+        script_args=["--steps", "20"],
+        chaos="kill rank=2 at=6",
+        extra=["--min-nodes", "1"],
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    _assert_ddp_restores_match(tmp_path, world=3)
+
+
+def test_shrinking_below_min_nodes_fails_with_the_reason(tmp_path) -> None:
+    run = run_job(
+        tmp_path,
+        script_args=["--steps", "20"],
+        chaos="kill node=1 at=6",
+        extra=["--min-nodes", "2"],
+    )
+    assert run.returncode == 1
+    assert "fewer than --min-nodes 2" in run.report["reason"]
+
+
+def test_a_joining_node_grows_two_ranks_to_four(tmp_path) -> None:
+    run = run_job(
+        tmp_path,
+        script_args=["--steps", "2000", "--sleep", "0.02", "--until-world", "4"],
+        nodes=1,
+        chaos="add node at=5",
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    _assert_ddp_restores_match(tmp_path, world=4)
+    [event] = run.report["events"]
+    assert event["kind"] == "grow" and event["grown_to"] == 4
+    newcomers = [p for p in event["pulls"] if p["rank"] >= 2]
+    assert newcomers and all(p["source"] == 0 and p["bytes"] > 0 for p in newcomers)
+
+
+def test_dtensor_shard0_on_four_ranks_restores_as_shard1_on_two(tmp_path) -> None:
+    run = run_job(
+        tmp_path,
+        "reshard_job.py",
+        ["--kind", "dtensor", "--steps", "15"],
+        chaos="kill node=1 at=6",
+        extra=["--min-nodes", "1"],
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    _assert_full_restore_matches(tmp_path, world=2)
+
+
+def test_fsdp2_model_and_adamw_state_four_ranks_to_two(tmp_path) -> None:
+    run = run_job(
+        tmp_path,
+        "reshard_job.py",
+        ["--kind", "fsdp", "--steps", "15"],
+        chaos="kill node=1 at=6",
+        extra=["--min-nodes", "1"],
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    _assert_full_restore_matches(tmp_path, world=2)
+
+
+def test_irregular_flat_shards_four_ranks_to_three(tmp_path) -> None:
+    run = run_job(
+        tmp_path,
+        "reshard_job.py",
+        ["--kind", "flat", "--steps", "15"],
+        chaos="kill rank=3 at=6",
+        extra=["--min-nodes", "1"],
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    _assert_full_restore_matches(tmp_path, world=3)
+
+
+def test_the_sampler_delivers_every_index_once_across_a_shrink_and_a_grow(tmp_path) -> None:
+    """4 ranks → 2 (node lost) → 4 (node joins); a 160-sample dataset, 4 samples per rank per
+    step. Steps re-executed after a restore count once: in the last epoch that ran them."""
+    args = [
+        "--steps",
+        "2000",
+        "--sleep",
+        "0.02",
+        "--sampler",
+        "160",
+        "--until-world",
+        "4",
+        "--after",
+        "25",
+    ]
+    run = run_job(
+        tmp_path,
+        script_args=args,
+        chaos="kill node=1 at=5; add node at=12",
+        extra=["--min-nodes", "1"],
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    records = [e for p in tmp_path.glob("rank*.jsonl") for e in _lines(p)]
+    assert {r["world"] for r in records} == {4, 2}
+    assert [e["kind"] for e in run.report["events"]] == ["node", "grow"]
+    final = {}
+    for r in records:
+        final[r["step"]] = max(final.get(r["step"], -1), r["epoch"])
+    delivered: dict[int, list[int]] = collections.defaultdict(list)
+    for r in records:
+        if r["epoch"] == final[r["step"]]:
+            delivered[r["data_epoch"]] += r["indices"]
+    complete = [e for e in delivered if e < max(delivered)]
+    assert len(complete) >= 2  # epochs that saw both changes went through to the end
+    for epoch in complete:
+        assert sorted(delivered[epoch]) == list(range(160)), f"data epoch {epoch}"
+    last = delivered[max(delivered)]
+    assert len(last) == len(set(last))
