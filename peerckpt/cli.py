@@ -70,6 +70,23 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--job", default=None, help="the job's name (default: random)")
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    join = sub.add_parser(
+        "join",
+        help="add a node to a job running on this machine",
+        description="Start one more node (an agent and its ranks) for a running job; the world "
+        "grows to include it and every rank restores the last committed step into the new layout.",
+    )
+    join.add_argument("--job", required=True, help="the running job's name")
+    join.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="ranks on the new node (default: as many as the job's nodes have)",
+    )
+    join.add_argument(
+        "script", nargs="?", default=None, help="the training script (default: the job's)"
+    )
+    join.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("PEERCKPT_LOG_LEVEL", "INFO"),
@@ -78,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(args)
+        if args.command == "join":
+            from peerckpt.runtime.join import join as join_job
+
+            script = [args.script, *args.script_args] if args.script else None
+            return join_job(args.job, args.nproc_per_node, script)
     except PeerckptError as exc:
         print(f"peerckpt: {exc}", file=sys.stderr)
         return 2

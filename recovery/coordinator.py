@@ -91,6 +91,7 @@ class Coordinator:
         self.resumed: set[int] = set()
         self.snapshot_bytes: dict[int, int] = {}
         self.rounds = ReshardRounds()
+        self._reserved: set[int] = set()  # node indexes handed out to joining nodes
         # Replication failures to a buddy that looked alive: (deadline, epoch, step, message).
         self._stuck: list[tuple[float, int, int, str]] = []
         self.stopped = threading.Event()
@@ -129,6 +130,13 @@ class Coordinator:
                 return
             if self.state in ("running", "starting"):
                 self._lose_node(node, "its agent's connection to the coordinator closed")
+
+    def allocate_node(self, req: dict[str, Any]) -> dict[str, Any]:
+        """A free node index for a node about to join (``peerckpt join``, chaos ``add node``)."""
+        with self._lock:
+            node = max([*self.agents, *self._reserved, -1]) + 1
+            self._reserved.add(node)
+            return {"node": node}
 
     def heartbeat(self, req: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
@@ -572,6 +580,7 @@ class Coordinator:
             "Error": self.rank_error,
             "ReplicationFailed": self.replication_failed,
             "Wants": self.wants,
+            "AllocateNode": self.allocate_node,
             "Stop": self.stop,
             "Status": self.status,
         }

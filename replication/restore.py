@@ -91,10 +91,25 @@ def _local_copy(store: SlotStore, gen: int, rank: int, step: int) -> Slot:
     return slot
 
 
+def _pull_target(store: SlotStore, gen: int, rank: int, step: int) -> int:
+    """Which own slot a pulled copy of ``step`` goes into.
+
+    A slot that already holds (a copy of) this step is overwritten, so that the rank never
+    ends up with the same step in both slots: a recovery superseded after its pull pulls
+    again, and the snapshot engine relies on exactly one slot holding the committed step.
+    Otherwise an empty slot, otherwise slot 0.
+    """
+    own = [store.get("own", gen, rank, index) for index in (0, 1)]
+    for index, slot in enumerate(own):
+        if slot is not None and slot.step == step:
+            return index
+    if own[0] is not None and own[0].manifest is not None:
+        return 1
+    return 0
+
+
 def _pull(store: SlotStore, epoch: int, gen: int, rank: int, step: int, conn: Connection) -> Slot:
-    # Pull into a slot that holds nothing of value: not one with a copy of this step.
-    own0 = store.get("own", gen, rank, 0)
-    index = 1 if own0 is not None and own0.manifest is not None else 0
+    index = _pull_target(store, gen, rank, step)
     holder: list[Slot] = []
 
     def allocate(manifest: SnapshotManifest) -> memoryview:

@@ -24,20 +24,20 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import Any
 
 from peerckpt.chaos.monkey import ChaosMonkey
 from peerckpt.chaos.spec import parse_chaos
 from peerckpt.errors import ConfigurationError, PeerckptError
 from peerckpt.recovery.rpc import RpcClient
 from peerckpt.replication.arena import sweep
+from peerckpt.runtime.processes import ProcessSet
 from peerckpt.runtime.report import format_failures
 
 log = logging.getLogger("peerckpt.launcher")
 # No '-': it separates the job from the rest of a segment's name, so that cleaning up job
 # "exp" can never match the files of a job "exp-2".
 _JOB_NAME = re.compile(r"[a-z0-9][a-z0-9_]{0,39}")
-_READY_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -57,15 +57,6 @@ class JobSpec:
     report: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     job: str | None = None
-
-
-@dataclass
-class Node:
-    index: int
-    agent: subprocess.Popen[bytes]
-    socket: str
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    alive: bool = True
 
 
 @dataclass
@@ -96,54 +87,21 @@ class LocalLauncher:
         self.job = spec.job or secrets.token_hex(4)
         self._secret = secrets.token_bytes(32)
         self.rundir = tempfile.mkdtemp(prefix=f"peerckpt-{self.job}-")
+        self.procs = ProcessSet(
+            self.job, self._secret, [spec.script, *spec.args], self.rundir, spec.env
+        )
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.address = ""
-        self.nodes: dict[int, Node] = {}
         self._ranks: dict[int, subprocess.Popen[bytes]] = {}  # the first epoch's rank processes
-        self._lock = threading.Lock()
         self._interrupted = threading.Event()
         self.rpc: RpcClient | None = None
 
     # -- starting -------------------------------------------------------------------------
-    def _env(self, **extra: str) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(self.spec.env)
-        env.setdefault("OMP_NUM_THREADS", "1")  # one intra-op thread per rank unless told
-        env.update(PEERCKPT_JOB=self.job, PEERCKPT_SECRET=self._secret.hex(), **extra)
-        return env
-
-    def _spawn(self, argv: list[str], env: dict[str, str], ready: bool) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            argv,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE if ready else None,
-            start_new_session=True,
-        )
-
-    def _await_ready(self, proc: subprocess.Popen[bytes], what: str) -> dict[str, Any]:
-        assert proc.stdout is not None
-        result: dict[str, Any] = {}
-
-        def read(stream: IO[bytes]) -> None:
-            line = stream.readline().decode()
-            if line.startswith("READY "):
-                result.update(json.loads(line[6:]))
-
-        reader = threading.Thread(target=read, args=(proc.stdout,), daemon=True)
-        reader.start()
-        reader.join(_READY_TIMEOUT_S)
-        if not result:
-            raise PeerckptError(
-                f"the {what} did not start (exit status {proc.poll()}); see its log above"
-            )
-        return result
-
     def start(self) -> None:
-        spec, py = self.spec, sys.executable
+        spec, procs = self.spec, self.procs
         world = spec.nodes * spec.nproc_per_node
         argv = [
-            py,
+            sys.executable,
             "-m",
             "peerckpt.recovery.server",
             "--job",
@@ -157,21 +115,22 @@ class LocalLauncher:
             argv += ["--replicas", str(spec.replicas)]
         if spec.min_nodes is not None:
             argv += ["--min-nodes", str(spec.min_nodes)]
-        self.coordinator = self._spawn(argv, self._env(), ready=True)
-        self.address = self._await_ready(self.coordinator, "coordinator")["address"]
+        self.coordinator = procs.spawn(argv, procs.env(), ready=True)
+        procs.others.append(self.coordinator)
+        self.address = procs.await_ready(self.coordinator, "coordinator")["address"]
         self.rpc = RpcClient(self.address, self._secret, self.job)
         for n in range(spec.nodes + (1 if spec.spares else 0)):
-            self._start_agent(n, ["--spare-node"] if n >= spec.nodes else [])
-        for node in self.nodes.values():
-            self._await_ready(node.agent, f"agent of node {node.index}")
+            procs.start_agent(n, self.address, ["--spare-node"] if n >= spec.nodes else [])
+        for node in procs.nodes.values():
+            procs.await_ready(node.agent, f"agent of node {node.index}")
         for n in range(spec.nodes):
             for local in range(spec.nproc_per_node):
                 rank = n * spec.nproc_per_node + local
-                self._ranks[rank] = self._start_proc(
+                self._ranks[rank] = procs.start_proc(
                     n, "rank", RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world)
                 )
         for _ in range(spec.spares):
-            self._start_proc(spec.nodes, "spare", WORLD_SIZE=str(world))
+            procs.start_proc(spec.nodes, "spare", WORLD_SIZE=str(world))
         self._write_job_file()
         log.info(
             "job %s: %d node(s) × %d rank(s), %d spare(s); coordinator %s",
@@ -181,49 +140,6 @@ class LocalLauncher:
             spec.spares,
             self.address,
         )
-
-    def _start_agent(self, n: int, flags: list[str]) -> Node:
-        sock = os.path.join(self.rundir, f"node{n}.sock")
-        argv = [
-            sys.executable,
-            "-m",
-            "peerckpt.replication.agent",
-            "--job",
-            self.job,
-            "--node",
-            str(n),
-            "--coordinator",
-            self.address,
-            "--socket",
-            sock,
-            *flags,
-        ]
-        node = Node(n, self._spawn(argv, self._env(), ready=True), sock)
-        with self._lock:
-            self.nodes[n] = node
-        return node
-
-    def _start_proc(self, n: int, role: str, **env: str) -> subprocess.Popen[bytes]:
-        node = self.nodes[n]
-        proc = self._spawn(
-            [sys.executable, self.spec.script, *self.spec.args],
-            self._env(PEERCKPT_AGENT=node.socket, PEERCKPT_NODE=str(n), PEERCKPT_ROLE=role, **env),
-            ready=False,
-        )
-        node.procs.append(proc)
-        return proc
-
-    def add_node(self) -> int:
-        """Start one more node (agent and --nproc-per-node processes) that joins the job."""
-        with self._lock:
-            n = max(self.nodes) + 1
-        count = self.spec.nproc_per_node
-        node = self._start_agent(n, ["--joining", str(count)])
-        self._await_ready(node.agent, f"agent of node {n}")
-        for _ in range(count):
-            self._start_proc(n, "joiner")
-        log.info("node %d is joining the job with %d rank(s)", n, count)
-        return n
 
     def _write_job_file(self) -> None:
         """What ``peerckpt join`` needs to find and join this job (readable by us only)."""
@@ -235,27 +151,32 @@ class LocalLauncher:
                     "job": self.job,
                     "coordinator": self.address,
                     "secret": self._secret.hex(),
-                    "pid": os.getpid(),
+                    "script": [self.spec.script, *self.spec.args],
+                    "nproc_per_node": self.spec.nproc_per_node,
                 },
                 f,
             )
 
-    # -- faults (the chaos monkey's target) -----------------------------------------------
+    # -- faults and growth (the chaos monkey's target) ------------------------------------
     def kill_pid(self, pid: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
     def kill_node(self, node: int) -> None:
-        with self._lock:
-            target = self.nodes[node]
-            target.alive = False
-            for proc in [target.agent, *target.procs]:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGKILL)
-            for proc in [target.agent, *target.procs]:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=5.0)
+        self.procs.kill_node(node)
         sweep(self.job, node)  # the node's memory is gone with it
+
+    def add_node(self) -> int:
+        """Start one more node (agent and --nproc-per-node processes) that joins the job."""
+        assert self.rpc is not None
+        n = self.rpc.call("AllocateNode")["node"]
+        count = self.spec.nproc_per_node
+        node = self.procs.start_agent(n, self.address, ["--joining", str(count)])
+        self.procs.await_ready(node.agent, f"agent of node {n}")
+        for _ in range(count):
+            self.procs.start_proc(n, "joiner")
+        log.info("node %d is joining the job with %d rank(s)", n, count)
+        return n
 
     # -- running --------------------------------------------------------------------------
     def run(self) -> JobResult:
@@ -342,23 +263,7 @@ class LocalLauncher:
         if self.rpc is not None:
             with contextlib.suppress(PeerckptError):
                 self.rpc.call("Stop", timeout=2.0, reason="the launcher is stopping the job")
-        procs = [p for node in self.nodes.values() for p in node.procs]
-        agents = [node.agent for node in self.nodes.values()]
-        _wait_all(procs, 20.0)
-        _wait_all(agents, 10.0)
-        if self.coordinator is not None:
-            with contextlib.suppress(ProcessLookupError):
-                self.coordinator.terminate()
-            _wait_all([self.coordinator], 5.0)
-        for proc in [*procs, *agents, *([self.coordinator] if self.coordinator else [])]:
-            if proc.poll() is None:
-                log.warning("pid %d did not stop in time; killing it", proc.pid)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=5.0)
-            if proc.stdout is not None:
-                proc.stdout.close()
+        self.procs.stop()
         if self.rpc is not None:
             self.rpc.close()
             self.rpc = None
@@ -366,13 +271,6 @@ class LocalLauncher:
         if removed:
             log.info("removed %d shared-memory file(s) left by killed processes", len(removed))
         shutil.rmtree(self.rundir, ignore_errors=True)
-
-
-def _wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def format_report(result: JobResult) -> str:

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from .conftest import run_job
+from .conftest import REPO, launch, run_job
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
@@ -169,3 +174,34 @@ def test_the_sampler_delivers_every_index_once_across_a_shrink_and_a_grow(tmp_pa
         assert sorted(delivered[epoch]) == list(range(160)), f"data epoch {epoch}"
     last = delivered[max(delivered)]
     assert len(last) == len(set(last))
+
+
+def test_peerckpt_join_adds_a_node_to_a_running_job(tmp_path) -> None:
+    """The user-facing way to grow: `peerckpt join --job NAME` from another terminal."""
+    proc = launch(
+        tmp_path,
+        script_args=["--steps", "2000", "--sleep", "0.02", "--until-world", "4"],
+        nodes=1,
+    )
+    try:
+        job = proc.args[proc.args.index("--job") + 1]
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "rank0.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        joined = subprocess.run(
+            [sys.executable, "-m", "peerckpt", "join", "--job", job],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        log, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)  # the launcher cleans up on Ctrl-C
+            proc.communicate(timeout=60)
+    assert proc.returncode == 0, log[-4000:]
+    assert joined.returncode == 0, joined.stderr[-3000:]
+    _assert_ddp_restores_match(tmp_path, world=4)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [e["kind"] for e in report["events"]] == ["grow"]

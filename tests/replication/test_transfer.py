@@ -144,3 +144,18 @@ def test_a_fetch_from_an_older_epoch_is_fenced_off(peers, job) -> None:
     with pytest.raises(StaleEpoch, match="fetch of epoch 3 after epoch 4"):
         fetch(conn, 3, 0, 1, 2, lambda m: memoryview(bytearray(m.used_bytes)))
     conn.close()
+
+
+def test_pulling_the_same_step_twice_reuses_its_slot(peers, job) -> None:
+    # A recovery superseded after its pull pulls again; the step must not end up in both
+    # own slots, or the rank's next snapshot would be refused its only free slot.
+    write_snapshot(peers[0].store, rank=1, step=7)
+    first = obtain_committed(
+        peers[2].store, 2, 1, 0, rank=1, step=7, sources=[0], connect=_connect(peers, job)
+    )
+    second = obtain_committed(
+        peers[2].store, 2, 2, 0, rank=1, step=7, sources=[0], connect=_connect(peers, job)
+    )
+    assert second.slot.index == first.slot.index
+    other = peers[2].store.get("own", 0, 1, 1 - first.slot.index)
+    assert other is None or other.step != 7
