@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all lint clean
+.PHONY: demo test test-all bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q
+
+# Benchmarks: each writes bench/results/<name>.json; docs/performance.md keeps the table.
+bench: $(STAMP)
+	$(PY) bench/reshard.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -84,12 +85,23 @@ def peerckpt_run(args: argparse.Namespace, out: Path, index: int) -> dict[str, A
         "--tensors",
         str(args.tensors),
     ]
-    env = dict(os.environ, PEERCKPT_LOG_LEVEL="WARNING")
+    env = dict(os.environ, PEERCKPT_LOG_LEVEL="INFO")
     proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
-        raise SystemExit(f"the peerckpt job failed ({proc.returncode}):\n{proc.stdout[-3000:]}")
+        log = (proc.stdout + proc.stderr)[-3000:]
+        raise SystemExit(f"the peerckpt job failed ({proc.returncode}):\n{log}")
     lines = [json.loads(x) for x in (out / "restored.jsonl").read_text().splitlines()]
     final = [x for x in lines if x["world"] == 2 and x["epoch"] == max(y["epoch"] for y in lines)]
+    # The ranks log their restore's two phases: planning and gathering (the agents' work),
+    # and copying into place (the rank's).
+    phases = [
+        (float(m[1]), float(m[2]))
+        for m in re.finditer(
+            r"INFO restored .*\(world 2, was \d+\): ([\d.]+) s planning and gathering, "
+            r"([\d.]+) s copying",
+            proc.stdout + proc.stderr,
+        )
+    ]
     summary = json.loads(report.read_text())
     fired = min(c["fired_at"] for c in summary["chaos"])
     [last] = [e for e in summary["events"] if e.get("resumed_at")]
@@ -98,6 +110,8 @@ def peerckpt_run(args: argparse.Namespace, out: Path, index: int) -> dict[str, A
         "track_s": max(x["track_s"] for x in final),
         "kill_to_stepping_s": last["resumed_at"] - fired,
         "exact": all(x["exact"] for x in final) and len(final) == 2,
+        "gather_s": max((g for g, _ in phases), default=None),
+        "copy_into_place_s": max((c for _, c in phases), default=None),
         "restored_bytes": sum(x["nbytes"] for x in final),
         "bytes_from_own_node": sum(p["bytes"] for p in pulls if p["source"] == p["node"]),
         "bytes_over_tcp": sum(p["bytes"] for p in pulls if p["source"] != p["node"]),
@@ -210,7 +224,8 @@ def main() -> None:
         for i in range(args.runs):
             run = peerckpt_run(args, base / f"peerckpt{i}", i)
             print(
-                f"peerckpt run {i}: track {run['track_s']:.3f} s, kill → stepping "
+                f"peerckpt run {i}: track {run['track_s']:.3f} s (gather {run['gather_s']}, "
+                f"copy into place {run['copy_into_place_s']}), kill → stepping "
                 f"{run['kill_to_stepping_s']:.3f} s, exact {run['exact']}"
             )
             runs.append(run)

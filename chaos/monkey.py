@@ -75,13 +75,17 @@ class ChaosMonkey:
                 continue
             if status["state"] != "running":
                 continue
-            action = pending[0]
+            # Every action that is due fires now, in order: actions at the same step strike
+            # together (within a millisecond), not one status poll apart.
             committed = status["committed_step"]
-            due = action.at == 0 or (committed is not None and committed >= action.at - 1)
-            if not due:
-                continue
-            record = self._fire(action, status)
-            if record is not None:
+            while pending:
+                action = pending[0]
+                due = action.at == 0 or (committed is not None and committed >= action.at - 1)
+                if not due:
+                    break
+                record = self._fire(action, status)
+                if record is None:
+                    break
                 self.fired.append(record)
                 pending.pop(0)
 

@@ -200,6 +200,24 @@ def flat_shards_to_boxes(
     return pieces
 
 
+def contiguous_range(chunk: Box, sub: Box, itemsize: int) -> tuple[int, int] | None:
+    """``(byte offset, byte length)`` of ``sub`` in ``chunk``'s row-major bytes if it is one
+    contiguous run there (so it can be sent or received in place), else None."""
+    if sub.is_empty():
+        return None
+    rel = relative(sub, chunk)
+    split = len(chunk.lengths) - 1
+    while split >= 0 and rel.lengths[split] == chunk.lengths[split]:
+        split -= 1
+    if split < 0:
+        return 0, chunk.numel() * itemsize
+    if any(n != 1 for n in rel.lengths[:split]):
+        return None
+    strides = _strides(chunk.lengths)
+    start = sum(o * st for o, st in zip(rel.offsets, strides, strict=True))
+    return start * itemsize, rel.lengths[split] * strides[split] * itemsize
+
+
 def box_byte_runs(chunk: Box, sub: Box, itemsize: int) -> list[tuple[int, int]]:
     """The ``(byte offset, byte length)`` runs of ``chunk``'s row-major bytes that hold ``sub``.
 

@@ -92,8 +92,12 @@ class Arena:
     def prefix(self) -> str:
         return segment_prefix(self.job, self.node)
 
-    def create(self, tag: str, size: int, what: str) -> Segment:
-        """Create, map and touch a new segment of ``size`` bytes named after ``tag``."""
+    def create(self, tag: str, size: int, what: str, touch: bool = True) -> Segment:
+        """Create, map and touch a new segment of ``size`` bytes named after ``tag``.
+
+        ``touch=False`` leaves the page faults to the first writes (the pages are reserved
+        all the same), for a segment filled at once by several threads.
+        """
         size = max(size, 1)
         check_memory(size, what)
         with self._lock:
@@ -121,7 +125,8 @@ class Arena:
         with self._lock:
             self._segments[name] = segment
         try:
-            _touch(segment.view)
+            if touch:
+                _touch(segment.view)
         except BaseException:
             self.release(segment)
             raise

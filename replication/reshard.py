@@ -24,7 +24,7 @@ import crc32c
 
 from peerckpt.errors import ChecksumMismatch, PeerUnavailable, ProtocolError, RecoveryFailed
 from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest, align, chunk_name
-from peerckpt.recovery.chunks import Box, copy_box, extract_box, place_box
+from peerckpt.recovery.chunks import Box, contiguous_range, copy_box, extract_box, place_box
 from peerckpt.recovery.planner import itemsize
 from peerckpt.replication.store import Slot, SlotStore
 from peerckpt.replication.wire import Connection, raise_if_error
@@ -99,8 +99,13 @@ def serve_boxes(conn: Connection, store: SlotStore, header: dict[str, Any]) -> N
             except ChecksumMismatch as exc:
                 conn.send_error("checksum", str(exc))
                 return
-            data = extract_box(view, _box(box), _box(region), itemsize(record.dtype))
-        conn.send({"type": "box", "i": i, "crc": crc32c.crc32c(data)}, data)
+            size = itemsize(record.dtype)
+            run = contiguous_range(_box(box), _box(region), size)
+            if run is not None:  # sent straight from the slot, no packed copy
+                data: Any = view[run[0] : run[0] + run[1]]
+            else:
+                data = extract_box(view, _box(box), _box(region), size)
+            conn.send({"type": "box", "i": i, "crc": crc32c.crc32c(data)}, data)
     conn.send({"type": "end"})
 
 
@@ -126,9 +131,11 @@ def _receive_boxes(conn: Connection, pieces: list[_Piece]) -> int:
         if header["type"] != "box" or not 0 <= header.get("i", -1) < len(pieces):
             raise ProtocolError(f"{conn.peer} sent {header['type']!r} in answer to fetch_boxes")
         piece = pieces[header["i"]]
-        if piece.region == piece.dst_box:  # a whole wanted chunk: straight into place
-            conn.recv_payload_into(header, piece.dst)
-            data: Any = piece.dst[: header["len"]]
+        run = contiguous_range(piece.dst_box, piece.region, piece.itemsize)
+        if run is not None:  # one run of the wanted chunk: straight into place
+            dst = piece.dst[run[0] : run[0] + run[1]]
+            conn.recv_payload_into(header, dst)
+            data: Any = dst[: header["len"]]
         else:
             buf = bytearray(piece.region.numel() * piece.itemsize)
             conn.recv_payload_into(header, memoryview(buf))
@@ -140,7 +147,7 @@ def _receive_boxes(conn: Connection, pieces: list[_Piece]) -> int:
             raise ChecksumMismatch(
                 f"a piece of {piece.read['key']!r} from {conn.peer} arrived damaged"
             )
-        if piece.region != piece.dst_box:
+        if run is None:
             place_box(piece.dst, piece.dst_box, piece.region, piece.itemsize, data)
         received += len(data)
 
@@ -180,7 +187,8 @@ def assemble(
     """Build ``rank``'s staging slot for planning round ``round_`` from ``reads``."""
     start = time.monotonic()
     layout, used = staging_layout(wanted)
-    slot = store.ensure("staging", gen, rank, round_, used)
+    # Not touched first: the local copy and the pulls fault its pages in parallel.
+    slot = store.ensure("staging", gen, rank, round_, used, touch=False)
     by_box = {(c.key, _record_box(c)): c for c in layout}
 
     def piece(read: dict[str, Any]) -> _Piece:

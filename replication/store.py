@@ -56,7 +56,9 @@ class SlotStore:
         with self._lock:
             return self._slots.get((kind, gen, rank, index))
 
-    def ensure(self, kind: str, gen: int, rank: int, index: int, nbytes: int) -> Slot:
+    def ensure(
+        self, kind: str, gen: int, rank: int, index: int, nbytes: int, touch: bool = True
+    ) -> Slot:
         """Return the slot, (re)allocated so that it holds at least ``nbytes``.
 
         A reallocated slot is a new segment (new file name); the old one is unlinked.
@@ -66,7 +68,7 @@ class SlotStore:
         if slot is not None and slot.segment.size >= nbytes:
             return slot
         what = f"{kind} slot {index} of rank {rank} (layout {gen})"
-        segment = self.arena.create(f"{kind[0]}{rank}-g{gen}-{index}", nbytes, what)
+        segment = self.arena.create(f"{kind[0]}{rank}-g{gen}-{index}", nbytes, what, touch)
         new = Slot(rank, index, kind, segment, gen=gen)
         with self._lock:
             old = self._slots.get((kind, gen, rank, index))

@@ -14,6 +14,7 @@ change, every old rank's state through ``load_resharded_state`` if they implemen
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from peerckpt.runtime.layouts import (
     Shard,
     chunk_view,
     dtype_name,
+    dtype_of,
     is_dtensor,
     local_of,
     place,
@@ -79,16 +81,28 @@ def read_meta(slot: torch.Tensor, chunk: ChunkRecord) -> dict[str, Any]:
 
 
 class ChunkSource:
-    """The restored chunks of one slot, by key (and box, where a key has several)."""
+    """The restored chunks of one slot, by key (and box, where a key has several).
 
-    def __init__(self, slot: torch.Tensor, chunks: list[ChunkRecord]) -> None:
+    Backed either by the slot's mapping (a uint8 tensor: the rank's own slots, mapped once
+    and reused) or by an open file of the slot (``fd``: a staging segment, read once). From a
+    file, chunks are read with ``preadv`` straight into their destination: the bytes are
+    copied once, and the rank never maps (and page-faults) a segment it reads only once.
+    Either way what this hands out never aliases the slot.
+    """
+
+    def __init__(
+        self, chunks: list[ChunkRecord], slot: torch.Tensor | None = None, fd: int | None = None
+    ) -> None:
+        if (slot is None) == (fd is None):
+            raise ValueError("a ChunkSource reads either a mapped slot or a file, not both")
         self.slot = slot
+        self.fd = fd
         self.records = {c.key: c for c in chunks}
         self.boxes = {(c.key, tuple(c.offsets)): c for c in chunks}
 
-    def get(
+    def record(
         self, key: str, old_rank: int, offsets: tuple[int, ...] | None = None
-    ) -> tuple[torch.Tensor, ChunkRecord]:
+    ) -> ChunkRecord:
         """Old rank ``old_rank``'s chunk ``key``: its private copy if there is one, else the
         (resharded) box of the shared tensor — the one at ``offsets``, when given."""
         if offsets is not None:
@@ -98,20 +112,80 @@ class ChunkSource:
         if record is None:
             where = f" at {tuple(offsets)}" if offsets is not None else ""
             raise StateMismatch(f"the restored state has no chunk {key!r}{where}")
-        return chunk_view(self.slot, record), record
+        return record
+
+    def read(
+        self, key: str, old_rank: int, offsets: tuple[int, ...] | None = None
+    ) -> tuple[torch.Tensor, ChunkRecord]:
+        """The chunk as a new tensor of its dtype and local shape."""
+        record = self.record(key, old_rank, offsets)
+        if self.slot is not None:
+            return chunk_view(self.slot, record).clone(), record
+        out = torch.empty(tuple(record.lengths), dtype=dtype_of(record.dtype))
+        self._pread(record, out)
+        return out, record
+
+    def copy_into(
+        self,
+        target: Any,
+        key: str,
+        old_rank: int,
+        what: str,
+        offsets: tuple[int, ...] | None = None,
+    ) -> None:
+        """Copy the chunk into ``target`` (a tensor, DTensor or Shard: its local tensor)."""
+        record = self.record(key, old_rank, offsets)
+        dst = local_of(target)
+        shape, dtype = tuple(record.lengths), dtype_of(record.dtype)
+        if tuple(dst.shape) != shape or dst.dtype != dtype:
+            raise StateMismatch(
+                f"{what} is {tuple(dst.shape)} {dst.dtype} here, the snapshot has "
+                f"{shape} {dtype}; build it the same way in every epoch"
+            )
+        with torch.no_grad():
+            if self.slot is not None:
+                dst.copy_(chunk_view(self.slot, record))
+            elif dst.device.type == "cpu" and dst.is_contiguous():
+                self._pread(record, dst)
+            else:
+                dst.copy_(self.read(key, old_rank, offsets)[0])
 
     def metas(self) -> dict[int, dict[str, Any]]:
         """Every old rank's blob found in this slot, by old rank (staging slots only)."""
         found = {}
         for key, record in self.records.items():
             if key.startswith(META_KEY + "@"):
-                found[int(key.rpartition("@")[2])] = read_meta(self.slot, record)
+                found[int(key.rpartition("@")[2])] = decode_meta(self._bytes(record))
         return found
+
+    def _bytes(self, record: ChunkRecord) -> bytes:
+        if self.slot is not None:
+            raw = self.slot[record.byte_offset : record.byte_offset + record.nbytes]
+            return raw.numpy().tobytes()
+        out = torch.empty(record.nbytes, dtype=torch.uint8)
+        self._pread(record, out)
+        return out.numpy().tobytes()
+
+    def _pread(self, record: ChunkRecord, dst: torch.Tensor) -> None:
+        assert self.fd is not None
+        view = dst.detach().reshape(-1).view(torch.uint8).numpy().data
+        if len(view) != record.nbytes:
+            raise StateMismatch(
+                f"chunk {record.key!r} holds {record.nbytes} bytes, not {len(view)}"
+            )
+        done = 0
+        while done < len(view):
+            got = os.preadv(self.fd, [view[done:]], record.byte_offset + done)
+            if got <= 0:
+                raise StateMismatch(
+                    f"the restored state ends inside chunk {record.key!r}; the segment is short"
+                )
+            done += got
 
 
 def _resolve(tree: Any, fetch: Callable[[str], torch.Tensor]) -> Any:
     if isinstance(tree, TensorRef):
-        return fetch(tree.key).clone()
+        return fetch(tree.key)  # a new tensor: never the slot's memory
     if isinstance(tree, dict):
         return {k: _resolve(v, fetch) for k, v in tree.items()}
     if isinstance(tree, list):
@@ -122,7 +196,7 @@ def _resolve(tree: Any, fetch: Callable[[str], torch.Tensor]) -> Any:
 
 
 def _private(source: ChunkSource, old_rank: int) -> Callable[[str], torch.Tensor]:
-    return lambda key: source.get(key, old_rank)[0]
+    return lambda key: source.read(key, old_rank)[0]
 
 
 def _object(meta: dict[str, Any], name: str, step: int) -> tuple[str, Any]:
@@ -136,22 +210,11 @@ def _object(meta: dict[str, Any], name: str, step: int) -> tuple[str, Any]:
     return kind, tree
 
 
-def _copy_into(target: Any, src: torch.Tensor, what: str) -> None:
-    dst = local_of(target)
-    if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
-        raise StateMismatch(
-            f"{what} is {tuple(dst.shape)} {dst.dtype} here, the snapshot has "
-            f"{tuple(src.shape)} {src.dtype}; build it the same way in every epoch"
-        )
-    with torch.no_grad():
-        dst.copy_(src)
-
-
 def _restore_module(
     name: str,
     obj: torch.nn.Module,
     tree: dict[str, Any],
-    get: Callable[[str], torch.Tensor],
+    copy_into: Callable[[Any, str, str], None],
     step: int,
 ) -> None:
     target = obj.state_dict()
@@ -164,7 +227,7 @@ def _restore_module(
     extras = {}
     for key, value in target.items():
         if isinstance(tree[key], TensorRef):
-            _copy_into(value, get(tree[key].key), f"{name}.{key}")
+            copy_into(value, tree[key].key, f"{name}.{key}")
         else:
             extras[key] = tree[key]
     if extras:
@@ -203,10 +266,10 @@ def _restore_optimizer(
             if not isinstance(value, TensorRef):
                 restored[key] = value
                 continue
+            # A new tensor (``read`` never aliases the slot): Optimizer.load_state_dict keeps
+            # same-dtype tensors as they are, and a slot's memory must never become live state.
             src, record = get(value.key)
-            # A clone: Optimizer.load_state_dict keeps same-dtype tensors as they are, and a
-            # slot's memory must never become live optimizer state.
-            restored[key] = _like_param(src.clone(), record, param)
+            restored[key] = _like_param(src, record, param)
         state[index[fqn]] = restored
     groups = [{**g, "params": [index[n] for n in g["params"]]} for g in tree["param_groups"]]
     optim.load_state_dict({"state": state, "param_groups": groups})
@@ -246,23 +309,31 @@ def restore_objects(
     meta, step = metas[primary], metas[primary]["step"]
 
     def chunk(key: str) -> tuple[torch.Tensor, ChunkRecord]:
-        return source.get(key, primary)
+        return source.read(key, primary)
 
     def tensor(key: str) -> torch.Tensor:
-        return source.get(key, primary)[0]
+        return source.read(key, primary)[0]
+
+    def copy_into(target: Any, key: str, what: str) -> None:
+        source.copy_into(target, key, primary, what)
 
     for name, obj in tracked.items():
         _, tree = _object(meta, name, step)
         if isinstance(obj, torch.nn.Module):
-            _restore_module(name, obj, tree, tensor, step)
+            _restore_module(name, obj, tree, copy_into, step)
         elif isinstance(obj, torch.optim.Optimizer):
             _restore_optimizer(name, obj, tree, chunk, all_tracked)
         elif isinstance(obj, (torch.Tensor, Shard)):
-            _copy_into(obj, tensor(tree.key), f"tracked tensor {name!r}")
+            copy_into(obj, tree.key, f"tracked tensor {name!r}")
         elif isinstance(obj, FlatShard):
             for piece, _, offsets, lengths, at in obj.pieces():
-                src = source.get(f"{name}/{piece}", primary, offsets)[0]
-                _copy_into(obj.view(at, lengths), src, f"piece {piece}{offsets} of {name!r}")
+                source.copy_into(
+                    obj.view(at, lengths),
+                    f"{name}/{piece}",
+                    primary,
+                    f"piece {piece}{offsets} of {name!r}",
+                    offsets,
+                )
         elif resharded and hasattr(obj, "load_resharded_state"):
             states = [
                 _resolve(_object(metas[r], name, step)[1], _private(source, r))

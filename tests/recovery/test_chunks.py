@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from peerckpt.recovery.chunks import (
     Box,
     box_byte_runs,
+    contiguous_range,
     copy_box,
     extract_box,
     flat_range_to_boxes,
@@ -186,6 +187,16 @@ def test_byte_runs_agree_with_extract_and_numpy(pair: tuple[Box, Box], size: int
         assert o1 + n1 < o2  # ascending and merged
     items = np.frombuffer(raw, dtype=np.uint8).reshape(*chunk.lengths, size)
     assert items[slices(sub, chunk)].tobytes() == packed
+
+
+@given(chunk_and_sub(), st.sampled_from([1, 2, 4, 8]))
+@settings(max_examples=300, deadline=None)
+def test_contiguous_range_is_the_single_byte_run(pair: tuple[Box, Box], size: int) -> None:
+    # What the data path sends or receives in place must be exactly the box's one run.
+    chunk, sub = pair
+    runs = box_byte_runs(chunk, sub, size)
+    expected = runs[0] if len(runs) == 1 and not sub.is_empty() else None
+    assert contiguous_range(chunk, sub, size) == expected
 
 
 def test_byte_runs_merge_whole_trailing_dimensions() -> None:

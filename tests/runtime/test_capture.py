@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -57,7 +58,7 @@ def _snapshot(objs: dict, step: int) -> tuple[torch.Tensor, list]:
 def _restore(objs: dict, slot: torch.Tensor, chunks: list) -> dict:
     """Restore as a rank does in the same topology: from its own slot."""
     meta = restore.read_meta(slot, chunks[-1])
-    source = restore.ChunkSource(slot, chunks)
+    source = restore.ChunkSource(chunks, slot=slot)
     restore.restore_objects(objs, objs, source, {0: meta}, 0, 0, 1, resharded=False)
     return meta
 
@@ -105,6 +106,41 @@ def test_restored_optimizer_state_does_not_alias_the_slot() -> None:
     before = slot.clone()
     _train(fresh, 2)  # must not write into the committed snapshot
     assert torch.equal(slot, before)
+
+
+def test_restore_from_a_file_reads_each_chunk_into_place(tmp_path) -> None:
+    # A staging segment is read with preadv, not mapped; the result must be the same bits.
+    original = _objects(seed=0)
+    _train(original, 3)
+    slot, chunks = _snapshot(original, step=2)
+    path = tmp_path / "slot"
+    path.write_bytes(slot.numpy().tobytes())
+    restored = _objects(seed=99)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        source = restore.ChunkSource(chunks, fd=fd)
+        meta = restore.decode_meta(source._bytes(chunks[-1]))
+        restore.restore_objects(restored, restored, source, {0: meta}, 0, 0, 1, resharded=False)
+    finally:
+        os.close(fd)
+    _same(original, restored)
+    path.write_bytes(slot.numpy().tobytes()[: chunks[0].byte_offset + 3])  # cut short
+    other = _objects(seed=5)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(StateMismatch, match="ends inside chunk"):
+            restore.restore_objects(
+                other,
+                other,
+                restore.ChunkSource(chunks, fd=fd),
+                {0: meta},
+                0,
+                0,
+                1,
+                resharded=False,
+            )
+    finally:
+        os.close(fd)
 
 
 def test_rng_states_round_trip() -> None:
