@@ -23,26 +23,20 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from peerckpt.errors import MembershipChanged, PeerckptError, StateMismatch
-from peerckpt.persist.manifest import META_KEY, ChunkRecord, SnapshotManifest
-from peerckpt.runtime import capture, ddp
+from peerckpt.errors import MembershipChanged, PeerckptError
+from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
+from peerckpt.runtime import capture
 from peerckpt.runtime.channel import AgentChannel
 from peerckpt.runtime.env import LaunchEnv, RankFilter
 from peerckpt.runtime.pg import ProcessGroupLifecycle
-from peerckpt.runtime.restore import (
-    ChunkSource,
-    OldLayout,
-    read_meta,
-    restore_objects,
-    wanted_chunks,
-)
 from peerckpt.runtime.snapshot import SnapshotEngine
 from peerckpt.runtime.state import Assignment, RankState, check_transition
+from peerckpt.runtime.tracking import Tracking
 
 log = logging.getLogger("peerckpt.rank")
 
@@ -51,7 +45,7 @@ class Shutdown(Exception):
     """The job ended while this process waited."""
 
 
-class RankRuntime:
+class RankRuntime(Tracking):
     """Runs a resilient function in this process, epoch after epoch."""
 
     def __init__(
@@ -377,118 +371,6 @@ class RankRuntime:
         with self._cond:
             if self.state is RankState.ABORTING or self._shutdown is not None:
                 raise MembershipChanged("the job's membership changed")
-
-    def track(self, state: dict[str, Any]) -> None:
-        assert self.assignment is not None
-        clash = sorted(set(state) & set(self.tracked))
-        if clash:
-            raise StateMismatch(f"ctx.track got {clash} twice in one epoch; track each name once")
-        self.check()
-        self.tracked.update(state)
-        for obj in state.values():
-            if isinstance(obj, torch.optim.Optimizer):
-                self._hooks.append(obj.register_step_pre_hook(self._before_optimizer_step))
-        a = self.assignment
-        if a.mode == "reshard":
-            self._restore_resharded(state)
-            return
-        if a.mode != "same" or a.restore_slot is None:
-            return
-        slot = self.engine.slot_tensor(a.restore_slot)
-        source = ChunkSource(a.chunks, slot=slot)
-        meta = read_meta(slot, next(c for c in a.chunks if c.key == META_KEY))
-        restore_objects(
-            state,
-            self.tracked,
-            source,
-            {a.rank: meta},
-            primary=a.rank,
-            rank=a.rank,
-            world_size=a.world_size,
-            resharded=False,
-        )
-        ddp.apply_layouts(state, meta.get("ddp", {}))
-        self._restored = meta
-        log.info("restored %s from step %d", sorted(state), meta["step"])
-
-    def _restore_resharded(self, state: dict[str, Any]) -> None:
-        """Restore ``state`` into this epoch's new layout: say which boxes this rank needs,
-        wait for the agent to gather them (every rank of the epoch does the same, then the
-        coordinator plans the reads of all of them at once), and load them."""
-        a = self.assignment
-        assert a is not None and a.old_layout is not None
-        old = OldLayout.from_msg(a.old_layout)
-        primary = a.previous_rank if a.previous_rank is not None else a.rank % a.old_world
-        wants = wanted_chunks(state, self.tracked, old, primary)
-        round_ = self._round
-        self._round += 1
-        asked = time.perf_counter()
-        self.channel.notify(
-            "wants", body=[w.to_msg() for w in wants], epoch=a.epoch, rank=a.rank, round=round_
-        )
-        with self._cond:
-            while (a.epoch, round_) not in self._staging:
-                if self.state is RankState.ABORTING or self._shutdown is not None:
-                    raise MembershipChanged("the job's membership changed during a restore")
-                self._cond.wait()
-            path, chunks = self._staging.pop((a.epoch, round_))
-        gathered = time.perf_counter()
-        # Read, not mapped: each byte is copied once, straight into its destination.
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            source = ChunkSource(chunks, fd=fd)
-            metas = source.metas()
-            restore_objects(
-                state, self.tracked, source, metas, primary, a.rank, a.world_size, resharded=True
-            )
-        finally:
-            os.close(fd)
-            self.channel.notify("release", epoch=a.epoch, rank=a.rank, round=round_)
-        self._restored = metas[primary]
-        log.info(
-            "restored %s from step %s into a new layout (world %d, was %d): %.3f s planning "
-            "and gathering, %.3f s copying into place",
-            sorted(state),
-            a.restore_step,
-            a.world_size,
-            a.old_world,
-            gathered - asked,
-            time.perf_counter() - gathered,
-        )
-
-    def _before_optimizer_step(self, *args: Any) -> None:
-        self.engine.wait_copy()
-
-    def steps(self, total: int) -> Iterator[int]:
-        assert self.assignment is not None
-        a = self.assignment
-        start = 0
-        if a.restore_step is not None:
-            if self._restored is None:
-                raise StateMismatch(
-                    f"epoch {a.epoch} restores step {a.restore_step}, but nothing was tracked: "
-                    "call ctx.track(model=…, optim=…) before ctx.steps()"
-                )
-            capture.restore_rng(self._restored["rng"])
-            start = a.restore_step + 1
-        self._resumed(start)
-        for step in range(start, total):
-            self.check()
-            self.step = step
-            yield step
-            self.check()
-            extra = {"ddp": ddp.layouts_of(self.tracked)}
-            self.engine.take(step, capture.capture(self.tracked, step, extra))
-            if self.engine.committed_step is not None and self.engine.committed_step >= start:
-                self.pg.release_retired()  # this epoch committed: the old groups are idle
-
-    def _resumed(self, start: int) -> None:
-        if self._resumed_sent or self.assignment is None:
-            return
-        self._resumed_sent = True
-        self.channel.notify(
-            "resumed", epoch=self.assignment.epoch, rank=self.assignment.rank, step=start
-        )
 
 
 def _looks_like_comm_error(exc: BaseException) -> bool:

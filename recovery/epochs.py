@@ -1,0 +1,245 @@
+"""How the coordinator changes its membership: the first epoch, spares replacing lost ranks,
+shrinking when no spare is left, growing when a node joins.
+
+``EpochChanges`` is mixed into ``Coordinator`` (``recovery/coordinator.py``); its methods run
+under the coordinator's lock and change only the coordinator's own state, then broadcast the
+new membership to the agents. The arithmetic of who becomes which rank lives in
+``recovery/elastic.py``, the choice of restore sources in ``recovery/plan.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from peerckpt.errors import RecoveryFailed
+from peerckpt.recovery.elastic import grown, old_layout_summary, replaced, shrunk
+from peerckpt.recovery.membership import CommitTracker, Membership, RankAssignment
+from peerckpt.recovery.plan import plan_sources
+
+if TYPE_CHECKING:
+    from peerckpt.recovery.coordinator import AgentInfo, ProcInfo
+    from peerckpt.replication.placement import RingPlacement
+
+log = logging.getLogger("peerckpt.coordinator")
+
+
+class EpochChanges:
+    """Opening epochs. Expects the coordinator's state (declared here for type checking)."""
+
+    agents: dict[int, AgentInfo]
+    procs: dict[tuple[int, int], ProcInfo]
+    membership: Membership | None
+    tracker: CommitTracker | None
+    placement: RingPlacement
+    state: str
+    world_size: int
+    replicas: int | None
+    min_nodes: int | None
+    store_addr: str
+    events: list[dict[str, Any]]
+    done: set[int]
+    resumed: set[int]
+    snapshot_bytes: dict[int, int]
+
+    if TYPE_CHECKING:  # provided by Coordinator
+
+        def _member_rank(self, proc: ProcInfo) -> int | None: ...
+        def _fail(self, reason: str) -> None: ...
+        def _broadcast(self, event: dict[str, Any]) -> None: ...
+
+    def _maybe_grow(self) -> None:
+        """Once every process of a joining node has connected, widen the world to include it."""
+        if self.state != "running" or self.membership is None:
+            return
+        for agent in sorted(self.agents.values(), key=lambda a: a.node):
+            joiners = sorted(
+                (
+                    p
+                    for p in self.procs.values()
+                    if p.node == agent.node and p.role == "joiner" and p.alive
+                ),
+                key=lambda p: p.pid,
+            )
+            if not agent.alive or not agent.joining or len(joiners) < agent.joining:
+                continue
+            agent.joining = 0
+            event = self._event("grow", set(), {agent.node}, f"node {agent.node} joined")
+            assignments, previous = grown(self.membership.ranks, [(p.node, p.pid) for p in joiners])
+            for p, rank in zip(
+                joiners, sorted(set(assignments) - set(self.membership.ranks)), strict=True
+            ):
+                p.role, p.rank = "rank", rank
+            event["grown_to"] = len(assignments)
+            self._change(event, assignments, previous)
+
+    def _maybe_open_first_epoch(self) -> None:
+        ranks = {
+            p.rank: p
+            for p in self.procs.values()
+            if p.role == "rank" and p.alive and p.rank is not None
+        }
+        if set(ranks) != set(range(self.world_size)):
+            return
+        if self.replicas is None:
+            self.replicas = 1
+        assignments = {r: RankAssignment(r, p.node, p.pid) for r, p in ranks.items()}
+        self._open_epoch(0, assignments, restore_step=None, sources={})
+        self.state = "running"
+        self._maybe_grow()
+
+    def _recover(self, kind: str, ranks: set[int], nodes: set[int], reason: str) -> None:
+        if self.state != "running" or self.membership is None or self.tracker is None:
+            return
+        old = self.membership
+        event = self._event(kind, ranks, nodes, reason)
+        spares = sorted(
+            (
+                p
+                for p in self.procs.values()
+                if p.role == "spare"
+                and p.alive
+                and self._member_rank(p) is None
+                and self.agents[p.node].alive
+            ),
+            key=lambda p: (not self.agents[p.node].spare_node, p.node, p.pid),
+        )
+        if len(spares) >= len(ranks):
+            assignments, previous = replaced(old.ranks, ranks, [(p.node, p.pid) for p in spares])
+            for rank, spare in zip(sorted(ranks), spares, strict=False):
+                spare.role, spare.rank = "rank", rank
+            event["replacements"] = {
+                r: [assignments[r].node, assignments[r].pid] for r in sorted(ranks)
+            }
+        elif self.min_nodes is not None:
+            assignments, previous = shrunk(old.ranks, ranks)
+            remaining = {a.node for a in assignments.values()}
+            if len(remaining) < self.min_nodes:
+                self._fail(
+                    f"lost rank(s) {sorted(ranks)} ({reason}); {len(remaining)} node(s) would be "
+                    f"left, fewer than --min-nodes {self.min_nodes}, and no spare is left"
+                )
+                return
+            event["shrunk_to"] = len(assignments)
+        else:
+            self._fail(
+                f"lost rank(s) {sorted(ranks)} ({reason}) and only {len(spares)} spare(s) are "
+                "left; start the job with more --spares, or let it shrink with --min-nodes"
+            )
+            return
+        self._change(event, assignments, previous)
+
+    def _event(self, kind: str, ranks: set[int], nodes: set[int], reason: str) -> dict[str, Any]:
+        assert self.membership is not None
+        old = self.membership
+        event: dict[str, Any] = {
+            "kind": kind,
+            "ranks": sorted(ranks),
+            "nodes": sorted(nodes),
+            "reason": reason,
+            "lost": {r: old.ranks[r].node for r in sorted(ranks)},
+            "detected_at": time.time(),
+            "from_epoch": old.epoch,
+            "pulls": [],
+            "resumed_at": None,
+        }
+        self.events.append(event)
+        return event
+
+    def _change(
+        self,
+        event: dict[str, Any],
+        assignments: dict[int, RankAssignment],
+        previous: dict[int, int | None],
+    ) -> None:
+        """Open the next epoch for ``assignments``, restoring the last committed step."""
+        assert self.membership is not None and self.tracker is not None
+        old, tracker = self.membership, self.tracker
+        restore = tracker.committed_step
+        same = (
+            restore is not None
+            and tracker.committed_gen == old.gen
+            and len(assignments) == len(old.ranks)
+            and all(previous.get(r) in (r, None) for r in assignments)
+        )
+        mode = "same" if same else ("reshard" if restore is not None else "fresh")
+        sources: dict[int, list[int]] = {}
+        if mode == "same":
+            try:
+                sources = plan_sources(
+                    {r: a.node for r, a in assignments.items()},
+                    {r: set(h) for r, h in tracker.committed_holders.items()},
+                    self.snapshot_bytes,
+                    {r: a.node for r, a in old.ranks.items()},
+                )
+            except RecoveryFailed as exc:
+                self._fail(str(exc))
+                return
+        event["restore_step"] = restore
+        event["mode"] = mode
+        self._open_epoch(
+            old.epoch + 1,
+            assignments,
+            restore,
+            sources,
+            mode,
+            gen=old.gen if mode == "same" else old.gen + 1,
+            previous=previous,
+            old_world=len(old.ranks),
+        )
+        event["epoch"] = old.epoch + 1
+
+    def _open_epoch(
+        self,
+        epoch: int,
+        assignments: dict[int, RankAssignment],
+        restore_step: int | None,
+        sources: dict[int, list[int]],
+        mode: str = "fresh",
+        gen: int = 0,
+        previous: dict[int, int | None] | None = None,
+        old_world: int = 0,
+    ) -> None:
+        rank_nodes = {r: a.node for r, a in assignments.items()}
+        old = self.tracker
+        layouts = old.committed_layouts if old else {}
+        self.world_size = len(assignments)
+        self.membership = Membership(
+            epoch=epoch,
+            world_size=self.world_size,
+            ranks=assignments,
+            placement=self.placement.buddies(rank_nodes, self.replicas or 0),
+            restore_step=restore_step,
+            sources=sources,
+            node_addrs={n: a.data_addr for n, a in self.agents.items() if a.alive},
+            store_addr=self.store_addr,
+            mode=mode,
+            gen=gen,
+            restore_gen=old.committed_gen if old else 0,
+            previous=previous or {},
+            old_world=old_world,
+            old_layout=old_layout_summary(layouts) if mode == "reshard" else None,
+        )
+        self.tracker = CommitTracker(
+            epoch=epoch,
+            ranks=frozenset(assignments),
+            gen=gen,
+            committed_step=restore_step,
+            committed_gen=old.committed_gen if old else 0,
+            committed_holders={
+                r: set(h) for r, h in (old.committed_holders if old else {}).items()
+            },
+            committed_layouts=dict(layouts),
+        )
+        self.done.clear()
+        self.resumed.clear()
+        log.info(
+            "epoch %d opened (%s, layout %d): restore step %s, ranks %s",
+            epoch,
+            mode,
+            gen,
+            restore_step,
+            rank_nodes,
+        )
+        self._broadcast(self.membership.to_msg())
