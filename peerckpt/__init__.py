@@ -17,12 +17,15 @@ and the launcher: ``peerckpt run --nodes N --nproc-per-node P [--spares S] scrip
 
 from peerckpt.errors import (
     AuthenticationError,
+    CheckpointError,
     ChecksumMismatch,
     CommitTimeout,
     ConfigurationError,
+    CorruptCheckpoint,
     FrameTooLarge,
     InsufficientMemory,
     MembershipChanged,
+    NoCheckpoint,
     PeerckptError,
     PeerUnavailable,
     RecoveryFailed,
@@ -34,14 +37,17 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AuthenticationError",
+    "CheckpointError",
     "ChecksumMismatch",
     "CommitTimeout",
     "ConfigurationError",
     "Context",
+    "CorruptCheckpoint",
     "FlatShard",
     "FrameTooLarge",
     "InsufficientMemory",
     "MembershipChanged",
+    "NoCheckpoint",
     "PeerUnavailable",
     "PeerckptError",
     "RecoveryFailed",

@@ -87,6 +87,15 @@ def main(argv: list[str] | None = None) -> int:
         "script", nargs="?", default=None, help="the training script (default: the job's)"
     )
     join.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    insp = sub.add_parser(
+        "inspect",
+        help="list the durable checkpoints under a URL and verify them",
+        description="Show the committed steps under URL (a path, file://, s3://, memory://), "
+        "the tensors of one step, and with --verify check every chunk's checksum.",
+    )
+    insp.add_argument("url", help="the checkpoint root")
+    insp.add_argument("--step", type=int, default=None, help="which step (default: the latest)")
+    insp.add_argument("--verify", action="store_true", help="read every chunk and check it")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("PEERCKPT_LOG_LEVEL", "INFO"),
@@ -95,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(args)
+        if args.command == "inspect":
+            from peerckpt.persist.inspect import inspect
+
+            lines, ok = inspect(args.url, args.step, args.verify)
+            print("\n".join(lines))
+            return 0 if ok else 1
         if args.command == "join":
             from peerckpt.runtime.join import join as join_job
 

@@ -55,6 +55,18 @@ class CommitTimeout(PeerckptError):
     """A snapshot was never committed: replication is stuck, and the job cannot go on safely."""
 
 
+class CheckpointError(PeerckptError):
+    """A durable checkpoint could not be written, found or read."""
+
+
+class NoCheckpoint(CheckpointError):
+    """No committed durable checkpoint exists where one was asked for."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """Bytes of a durable checkpoint do not match their recorded checksum, or it is malformed."""
+
+
 class MembershipChanged(PeerckptError):
     """Raised inside a rank when the job's membership changed; the runtime restarts the function.
 

@@ -1,0 +1,362 @@
+"""Durable checkpoints: a committed step written to storage, found and read back, verified.
+
+Layout under the root URL (any fsspec URL; a plain path means local files)::
+
+    <root>/step-000000000100/data-n0.bin        the chunks node 0's agent wrote, back to back
+    <root>/step-000000000100/part-n0.msgpack    that writer's index: which chunk is where
+    <root>/step-000000000100/manifest.msgpack   the whole step, merged from the parts
+    <root>/step-000000000100/COMMITTED          the commit marker: the manifest's crc32c
+    <root>/latest                               the number of the latest committed step
+
+Each unique chunk of a step (a box of a shared tensor, or one rank's private state) is
+written once, by one writer, even when several ranks hold it (data-parallel replicas). A
+writer writes its data file first and its part last. The committer merges the parts into
+the manifest only when every chunk of every rank is found in them with the checksum the
+snapshot recorded, then writes the marker, then ``latest``. A reader trusts a step only if
+its marker names the manifest it reads, so a checkpoint that was not completely written is
+never visible as committed; every chunk is checked against its crc32c when read.
+
+Retention (``keep``) deletes older committed steps only after a newer one is committed, and
+steps that were never committed only once a later step is.
+
+Formats are msgpack and raw bytes; nothing read from storage is unpickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import crc32c
+import fsspec
+import msgpack
+
+from peerckpt.errors import CheckpointError, CorruptCheckpoint, NoCheckpoint
+from peerckpt.persist.manifest import FORMAT_VERSION, META_KEY, ChunkRecord, chunk_name
+
+_STEP_DIR = re.compile(r"step-(\d{12})$")
+MARKER = "COMMITTED"
+MANIFEST = "manifest.msgpack"
+LATEST = "latest"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:012d}"
+
+
+def unique_key(rank: int, record: ChunkRecord) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """What makes a chunk the same chunk on several ranks: its name and its box."""
+    return chunk_name(record.key, record.scope, rank), record.offsets, record.lengths
+
+
+def assign_writers(
+    layouts: dict[int, list[ChunkRecord]], holders: dict[int, Iterable[int]]
+) -> dict[int, list[tuple[int, ChunkRecord]]]:
+    """Which node writes which chunk: each unique chunk exactly once, bytes balanced.
+
+    ``layouts``: rank → the chunks of its committed snapshot; ``holders``: rank → the nodes
+    with a verified copy of it. A chunk may be written by any node holding a rank that has
+    it; the biggest chunks are placed first, each on the candidate with the fewest bytes so
+    far (then the lowest node). Returns node → [(rank whose copy it reads, chunk)].
+    """
+    candidates: dict[tuple[Any, ...], tuple[int, ChunkRecord, set[int]]] = {}
+    for rank in sorted(layouts):
+        nodes = set(holders.get(rank, ()))
+        for record in layouts[rank]:
+            key = unique_key(rank, record)
+            if key in candidates:
+                candidates[key][2].update(nodes)
+            else:
+                candidates[key] = (rank, record, set(nodes))
+    load: dict[int, int] = {}
+    plan: dict[int, list[tuple[int, ChunkRecord]]] = {}
+    order = sorted(candidates.items(), key=lambda kv: (-kv[1][1].nbytes, kv[0]))
+    for key, (rank, record, nodes) in order:
+        if not nodes:
+            raise CheckpointError(
+                f"chunk {key[0]!r} of rank {rank} has no holder to write it from; its memory "
+                "copies are gone"
+            )
+        node = min(nodes, key=lambda n: (load.get(n, 0), n))
+        load[node] = load.get(node, 0) + record.nbytes
+        plan.setdefault(node, []).append((rank, record))
+    return plan
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """A chunk in a durable checkpoint: the snapshot's record, and where its bytes are
+    (``record.byte_offset``/``nbytes`` are within ``file``, relative to the step)."""
+
+    file: str
+    record: ChunkRecord
+
+    def to_msg(self) -> list[Any]:
+        return [self.file, self.record.to_msg()]
+
+    @classmethod
+    def from_msg(cls, msg: list[Any]) -> StoredChunk:
+        return cls(msg[0], ChunkRecord.from_msg(msg[1]))
+
+
+@dataclass(frozen=True)
+class DurableManifest:
+    """One committed step: for every rank of the world that took it, its chunks."""
+
+    step: int
+    epoch: int
+    world_size: int
+    ranks: dict[int, list[StoredChunk]]
+
+    def to_msg(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION,
+            "step": self.step,
+            "epoch": self.epoch,
+            "world_size": self.world_size,
+            "ranks": {str(r): [c.to_msg() for c in cs] for r, cs in sorted(self.ranks.items())},
+        }
+
+    @classmethod
+    def from_msg(cls, msg: dict[str, Any]) -> DurableManifest:
+        if msg.get("format") != FORMAT_VERSION:
+            raise CorruptCheckpoint(
+                f"checkpoint format {msg.get('format')!r} is not {FORMAT_VERSION}, the one this "
+                "peerckpt reads"
+            )
+        return cls(
+            msg["step"],
+            msg["epoch"],
+            msg["world_size"],
+            {int(r): [StoredChunk.from_msg(c) for c in cs] for r, cs in msg["ranks"].items()},
+        )
+
+    def unique_chunks(self) -> dict[tuple[str, int], StoredChunk]:
+        """Every stored chunk once, by (file, offset)."""
+        found: dict[tuple[str, int], StoredChunk] = {}
+        for chunks in self.ranks.values():
+            for c in chunks:
+                found.setdefault((c.file, c.record.byte_offset), c)
+        return found
+
+    def nbytes(self) -> int:
+        return sum(c.record.nbytes for c in self.unique_chunks().values())
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(raw: bytes, what: str) -> Any:
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several types for bad input
+        raise CorruptCheckpoint(f"{what} is not a valid msgpack document: {exc}") from None
+
+
+class DurableStore:
+    """A root URL holding durable checkpoints."""
+
+    def __init__(self, url: str, **storage_options: Any) -> None:
+        self.url = url
+        self.fs, self.root = fsspec.core.url_to_fs(url, **storage_options)
+        self.root = self.root.rstrip("/")
+
+    def _path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def step_path(self, step: int, name: str = "") -> str:
+        return self._path(step_dir_name(step), name) if name else self._path(step_dir_name(step))
+
+    def _put(self, path: str, data: bytes) -> None:
+        """Write a small file so that readers see all of it or none of it."""
+        tmp = f"{path}.tmp"
+        with self.fs.open(tmp, "wb") as f:
+            f.write(data)
+        self.fs.mv(tmp, path)
+
+    # -- writing ----------------------------------------------------------------------------
+    def write_part(
+        self, step: int, node: int, pieces: Iterable[tuple[int, ChunkRecord, memoryview | bytes]]
+    ) -> list[StoredChunk]:
+        """Write one writer's chunks: the data file, then its index. Every piece is checked
+        against its recorded checksum first; a corrupt copy is never written."""
+        self.fs.makedirs(self.step_path(step), exist_ok=True)
+        name = f"data-n{node}.bin"
+        stored: list[tuple[int, StoredChunk]] = []
+        offset = 0
+        with self.fs.open(self.step_path(step, name), "wb") as f:
+            for rank, record, data in pieces:
+                if len(data) != record.nbytes or crc32c.crc32c(data) != record.crc:
+                    raise CorruptCheckpoint(
+                        f"chunk {record.key!r} of rank {rank} fails its checksum in memory; "
+                        "it is not written"
+                    )
+                f.write(data)
+                stored.append((rank, StoredChunk(name, replace(record, byte_offset=offset))))
+                offset += record.nbytes
+        part = {
+            "format": FORMAT_VERSION,
+            "node": node,
+            "chunks": [[rank, c.to_msg()] for rank, c in stored],
+        }
+        self._put(self.step_path(step, f"part-n{node}.msgpack"), _pack(part))
+        return [c for _, c in stored]
+
+    def commit(
+        self,
+        step: int,
+        epoch: int,
+        layouts: dict[int, list[ChunkRecord]],
+        keep: int | None = None,
+    ) -> DurableManifest:
+        """Merge the parts of ``step`` into its manifest and commit it.
+
+        ``layouts`` are the committed snapshot's chunks per rank (with their checksums).
+        Raises CheckpointError, naming what is missing, if some chunk is in no part.
+        """
+        where: dict[tuple[Any, ...], StoredChunk] = {}
+        for path in self.fs.glob(self.step_path(step, "part-n*.msgpack")):
+            part = _unpack(self.fs.cat_file(path), path)
+            for rank, msg in part["chunks"]:
+                c = StoredChunk.from_msg(msg)
+                where[unique_key(rank, c.record)] = c
+        ranks: dict[int, list[StoredChunk]] = {}
+        missing = []
+        for rank, records in sorted(layouts.items()):
+            ranks[rank] = []
+            for record in records:
+                found = where.get(unique_key(rank, record))
+                if found is None or found.record.crc != record.crc:
+                    missing.append(f"{chunk_name(record.key, record.scope, rank)}{record.offsets}")
+                    continue
+                ranks[rank].append(found)
+        if missing:
+            raise CheckpointError(
+                f"step {step} cannot be committed: {len(missing)} chunk(s) were not written, "
+                f"e.g. {missing[:3]}"
+            )
+        manifest = DurableManifest(step, epoch, len(layouts), ranks)
+        raw = _pack(manifest.to_msg())
+        self._put(self.step_path(step, MANIFEST), raw)
+        self._put(self.step_path(step, MARKER), _pack({"step": step, "crc": crc32c.crc32c(raw)}))
+        self._put(self._path(LATEST), str(step).encode())
+        if keep is not None:
+            self.retain(keep)
+        return manifest
+
+    def retain(self, keep: int) -> list[int]:
+        """Delete all but the newest ``keep`` committed steps, and uncommitted steps older
+        than the newest committed one. Returns the steps deleted."""
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        committed = self.committed_steps()
+        if not committed:
+            return []
+        newest = committed[-1]
+        doomed = list(committed[:-keep])
+        doomed += [s for s in self.all_steps() if s not in committed and s < newest]
+        for step in sorted(doomed):
+            self.fs.rm(self.step_path(step), recursive=True)
+        return sorted(doomed)
+
+    # -- finding ----------------------------------------------------------------------------
+    def all_steps(self) -> list[int]:
+        """Every step with a directory, committed or not."""
+        try:
+            names = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        steps = []
+        for name in names:
+            m = _STEP_DIR.search(name.rstrip("/"))
+            if m:
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def _manifest_if_committed(self, step: int) -> bytes | None:
+        try:
+            marker = _unpack(self.fs.cat_file(self.step_path(step, MARKER)), "commit marker")
+            raw: bytes = self.fs.cat_file(self.step_path(step, MANIFEST))
+        except FileNotFoundError:
+            return None
+        if not isinstance(marker, dict) or marker.get("crc") != crc32c.crc32c(raw):
+            return None
+        return raw
+
+    def committed_steps(self) -> list[int]:
+        return [s for s in self.all_steps() if self._manifest_if_committed(s) is not None]
+
+    def latest_step(self) -> int | None:
+        """The latest committed step: ``latest`` if it names a committed step, else a scan."""
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            step = int(self.fs.cat_file(self._path(LATEST)).decode().strip())
+            if self._manifest_if_committed(step) is not None:
+                newer = [s for s in self.all_steps() if s > step]
+                if not newer:
+                    return step
+        committed = self.committed_steps()
+        return committed[-1] if committed else None
+
+    def open(self, step: int | None = None) -> DurableCheckpoint:
+        """The committed checkpoint of ``step`` (default: the latest)."""
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise NoCheckpoint(f"no committed checkpoint in {self.url}")
+        raw = self._manifest_if_committed(step)
+        if raw is None:
+            raise NoCheckpoint(
+                f"step {step} in {self.url} is not committed (no valid {MARKER} marker); "
+                f"committed steps: {self.committed_steps()}"
+            )
+        return DurableCheckpoint(self, DurableManifest.from_msg(_unpack(raw, MANIFEST)))
+
+
+class DurableCheckpoint:
+    """One committed step, read chunk by chunk and verified."""
+
+    def __init__(self, store: DurableStore, manifest: DurableManifest) -> None:
+        self.store = store
+        self.manifest = manifest
+        self.step = manifest.step
+
+    def read(self, chunk: StoredChunk) -> bytes:
+        """The chunk's bytes, verified against its checksum."""
+        path = self.store.step_path(self.step, chunk.file)
+        start = chunk.record.byte_offset
+        try:
+            data: bytes = self.store.fs.cat_file(path, start=start, end=start + chunk.record.nbytes)
+        except FileNotFoundError:
+            raise CorruptCheckpoint(
+                f"{chunk.record.key!r} of step {self.step} is in {path}, which is missing"
+            ) from None
+        if len(data) != chunk.record.nbytes or crc32c.crc32c(data) != chunk.record.crc:
+            raise CorruptCheckpoint(
+                f"{chunk.record.key!r} of step {self.step} fails verification in {path} "
+                f"(bytes {start}–{start + chunk.record.nbytes}); the checkpoint is damaged"
+            )
+        return data
+
+    def verify(self) -> list[str]:
+        """Read every stored chunk once; return a line per one that fails."""
+        problems = []
+        for chunk in self.manifest.unique_chunks().values():
+            try:
+                self.read(chunk)
+            except CorruptCheckpoint as exc:
+                problems.append(str(exc))
+        return problems
+
+    def chunks(self, rank: int) -> Iterator[StoredChunk]:
+        yield from self.manifest.ranks.get(rank, [])
+
+    def meta(self, rank: int) -> bytes:
+        """Rank ``rank``'s msgpack blob (step, RNG states, loader positions)."""
+        for chunk in self.chunks(rank):
+            if chunk.record.key == META_KEY:
+                return self.read(chunk)
+        raise CorruptCheckpoint(f"step {self.step} has no state blob for rank {rank}")
