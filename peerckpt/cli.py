@@ -25,10 +25,28 @@ def _run(args: argparse.Namespace) -> int:
         report=args.report,
         job=args.job,
         min_nodes=args.min_nodes,
+        persist=_persist(args),
     )
     result = LocalLauncher(spec).run()
     print(format_report(result), file=sys.stderr)
     return result.exit_code
+
+
+def _persist(args: argparse.Namespace) -> dict[str, object] | None:
+    if not args.persist:
+        if args.persist_every or args.persist_interval or args.keep:
+            raise PeerckptError("--persist-every, --persist-interval and --keep need --persist URL")
+        return None
+    from peerckpt.recovery.flush import PersistConfig
+
+    every = args.persist_every
+    if every is None and args.persist_interval is None:
+        every = 100
+    try:
+        config = PersistConfig(args.persist, every, args.persist_interval, args.keep)
+    except ValueError as exc:
+        raise PeerckptError(str(exc)) from None
+    return config.to_msg()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,6 +84,18 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="let the world shrink, down to this many nodes, when no spare is left",
     )
+    run.add_argument(
+        "--persist",
+        default=None,
+        metavar="URL",
+        help="write committed steps to durable storage here in the background "
+        "(a path, file://, s3://; default: the script's @resilient(persist=…), else none)",
+    )
+    run.add_argument(
+        "--persist-every", type=int, default=None, help="flush every N steps (default 100)"
+    )
+    run.add_argument("--persist-interval", type=float, default=None, help="flush every S seconds")
+    run.add_argument("--keep", type=int, default=None, help="committed checkpoints to keep")
     run.add_argument("--report", default=None, help="write the job's report here as JSON")
     run.add_argument("--job", default=None, help="the job's name (default: random)")
     run.add_argument("script", help="the training script")

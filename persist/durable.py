@@ -35,7 +35,7 @@ import fsspec
 import msgpack
 
 from peerckpt.errors import CheckpointError, CorruptCheckpoint, NoCheckpoint
-from peerckpt.persist.manifest import FORMAT_VERSION, META_KEY, ChunkRecord, chunk_name
+from peerckpt.persist.manifest import FORMAT_VERSION, META_KEY, ChunkRecord, align, chunk_name
 
 _STEP_DIR = re.compile(r"step-(\d{12})$")
 MARKER = "COMMITTED"
@@ -215,8 +215,9 @@ class DurableStore:
     ) -> DurableManifest:
         """Merge the parts of ``step`` into its manifest and commit it.
 
-        ``layouts`` are the committed snapshot's chunks per rank (with their checksums).
-        Raises CheckpointError, naming what is missing, if some chunk is in no part.
+        ``layouts`` are the committed snapshot's chunks per rank; where a record has a checksum,
+        the stored chunk must have the same. Raises CheckpointError, naming what is missing, if
+        some chunk is in no part.
         """
         where: dict[tuple[Any, ...], StoredChunk] = {}
         for path in self.fs.glob(self.step_path(step, "part-n*.msgpack")):
@@ -230,7 +231,7 @@ class DurableStore:
             ranks[rank] = []
             for record in records:
                 found = where.get(unique_key(rank, record))
-                if found is None or found.record.crc != record.crc:
+                if found is None or (record.crc is not None and found.record.crc != record.crc):
                     missing.append(f"{chunk_name(record.key, record.scope, rank)}{record.offsets}")
                     continue
                 ranks[rank].append(found)
@@ -353,6 +354,18 @@ class DurableCheckpoint:
 
     def chunks(self, rank: int) -> Iterator[StoredChunk]:
         yield from self.manifest.ranks.get(rank, [])
+
+    def slot_image(self, rank: int) -> tuple[bytearray, list[ChunkRecord]]:
+        """Rank ``rank``'s snapshot as it was in its slot: every chunk verified and packed
+        (aligned) into one buffer, with records giving each chunk's place in it."""
+        records, offset = [], 0
+        for chunk in self.chunks(rank):
+            records.append(replace(chunk.record, byte_offset=offset))
+            offset = align(offset + chunk.record.nbytes)
+        image = bytearray(offset)
+        for chunk, record in zip(self.chunks(rank), records, strict=True):
+            image[record.byte_offset : record.byte_offset + record.nbytes] = self.read(chunk)
+        return image, records
 
     def meta(self, rank: int) -> bytes:
         """Rank ``rank``'s msgpack blob (step, RNG states, loader positions)."""

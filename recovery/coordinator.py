@@ -27,13 +27,15 @@ from typing import Any
 
 import grpc
 
-from peerckpt.errors import ConfigurationError, RecoveryFailed, StaleEpoch
+from peerckpt.errors import CheckpointError, ConfigurationError, RecoveryFailed, StaleEpoch
 from peerckpt.recovery.elastic import ReshardRounds
 from peerckpt.recovery.epochs import EpochChanges
+from peerckpt.recovery.flush import FlushScheduler, PersistConfig
 from peerckpt.recovery.membership import CommitTracker, Membership
 from peerckpt.replication.placement import RingPlacement
 
 log = logging.getLogger("peerckpt.coordinator")
+FINISH_FLUSH_S = 300.0  # how long a finished job waits for its last flush
 
 
 @dataclass
@@ -67,8 +69,12 @@ class Coordinator(EpochChanges):
         heartbeat_timeout: float = 5.0,
         store_addr: str = "",
         min_nodes: int | None = None,
+        persist: PersistConfig | None = None,
     ) -> None:
         self.min_nodes = min_nodes  # None: the world never shrinks
+        # Durable checkpoints: from `peerckpt run --persist`, else from the script's decorator.
+        self.flusher = FlushScheduler(persist) if persist is not None else None
+        self._finishing_since = 0.0
         self.job = job
         self.world_size = world_size
         self.replicas = replicas
@@ -124,7 +130,7 @@ class Coordinator(EpochChanges):
             agent = self.agents.get(node)
             if agent is None or agent.events is not events or not agent.alive:
                 return
-            if self.state in ("running", "starting"):
+            if self.state in ("running", "starting", "finishing"):
                 self._lose_node(node, "its agent's connection to the coordinator closed")
 
     def allocate_node(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -147,6 +153,9 @@ class Coordinator(EpochChanges):
             self.procs[key] = ProcInfo(req["node"], req["pid"], req["role"], req.get("rank"))
             if self.replicas is None and req.get("rank") == 0 and req.get("replicas") is not None:
                 self.replicas = int(req["replicas"])  # the script's @resilient(replicas=…)
+            if self.flusher is None and req.get("rank") == 0:
+                persist = PersistConfig.from_msg(req.get("persist"))  # @resilient(persist=…)
+                self.flusher = FlushScheduler(persist) if persist is not None else None
             log.info("%s pid %d joined on node %d", req["role"], req["pid"], req["node"])
             if self.state == "starting":
                 self._maybe_open_first_epoch()
@@ -190,6 +199,8 @@ class Coordinator(EpochChanges):
                     lost.add(rank)
         if self.tracker is not None:
             self.tracker.forget_node(node)
+        if self.flusher is not None:
+            self.flusher.node_lost(node)
         log.warning("node %d lost: %s", node, reason)
         if self.state == "starting":
             self._fail(f"node {node} was lost before the job started: {reason}")
@@ -224,7 +235,32 @@ class Coordinator(EpochChanges):
             )
             if committed is not None:
                 self._broadcast({"type": "commit", "epoch": req["epoch"], "step": committed})
+                self._maybe_flush(committed)
             return {"committed": self.tracker.committed_step}
+
+    def _maybe_flush(self, step: int) -> None:
+        if self.flusher is None or self.tracker is None or not self.flusher.due(step):
+            return
+        try:
+            events = self.flusher.start(
+                step,
+                self.tracker.epoch,
+                self.tracker.committed_gen,
+                self.tracker.committed_layouts,
+                self.tracker.committed_holders,
+            )
+        except CheckpointError as exc:
+            log.warning("step %d cannot be flushed: %s", step, exc)
+            return
+        for node, event in events.items():
+            self.agents[node].events.put(event)
+
+    def flushed(self, req: dict[str, Any]) -> dict[str, Any]:
+        """A writer finished its share of a flush (or failed)."""
+        with self._lock:
+            if self.flusher is not None:
+                self.flusher.written(req)
+            return {}
 
     def wants(self, req: dict[str, Any]) -> dict[str, Any]:
         """A resharding rank's boxes for one round; the last one in triggers the plan."""
@@ -277,10 +313,22 @@ class Coordinator(EpochChanges):
                 return {}
             self.done.add(req["rank"])
             if self.done == set(self.membership.ranks) and self.state == "running":
-                self.state = "succeeded"
-                log.info("job succeeded in epoch %d", self.membership.epoch)
-                self._broadcast({"type": "shutdown", "state": "succeeded", "reason": ""})
+                if self.flusher is not None and self.flusher.busy():
+                    # Let the flush in progress finish: it is the newest durable checkpoint.
+                    self.state, self._finishing_since = "finishing", time.monotonic()
+                    log.info("every rank is done; waiting for the flush in progress")
+                    self.flusher.on_settled = self._finish
+                    return {}
+                self._finish()
             return {}
+
+    def _finish(self) -> None:
+        with self._lock:
+            if self.state not in ("running", "finishing") or self.membership is None:
+                return
+            self.state = "succeeded"
+            log.info("job succeeded in epoch %d", self.membership.epoch)
+            self._broadcast({"type": "shutdown", "state": "succeeded", "reason": ""})
 
     def rank_error(self, req: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
@@ -338,12 +386,19 @@ class Coordinator(EpochChanges):
                 ],
                 "nodes": {n: a.alive for n, a in self.agents.items()},
                 "events": self.events,
+                "flushes": self.flusher.records() if self.flusher else [],
+                "flush_skipped": list(self.flusher.skipped) if self.flusher else [],
             }
 
     # -- liveness -------------------------------------------------------------------------
     def check_heartbeats(self) -> None:
         with self._lock:
             now = time.monotonic()
+            if self.state == "finishing" and now - self._finishing_since > FINISH_FLUSH_S:
+                log.warning(
+                    "the last flush did not finish in %.0f s; ending anyway", FINISH_FLUSH_S
+                )
+                self._finish()
             for deadline, epoch, step, message in list(self._stuck):
                 if (
                     self.membership is None
@@ -368,6 +423,8 @@ class Coordinator(EpochChanges):
         with self._lock:
             for agent in self.agents.values():
                 agent.events.put(None)
+        if self.flusher is not None:
+            self.flusher.join()
 
     def handlers(self) -> tuple[dict[str, Any], dict[str, Any]]:
         unary = {
@@ -382,6 +439,7 @@ class Coordinator(EpochChanges):
             "ReplicationFailed": self.replication_failed,
             "Wants": self.wants,
             "AllocateNode": self.allocate_node,
+            "Flushed": self.flushed,
             "Stop": self.stop,
             "Status": self.status,
         }

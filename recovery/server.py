@@ -14,6 +14,7 @@ import os
 import sys
 
 from peerckpt.recovery.coordinator import Coordinator
+from peerckpt.recovery.flush import PersistConfig
 from peerckpt.recovery.rpc import RpcServer
 from peerckpt.runtime.env import service_process, stop_on_signals
 
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0)
     parser.add_argument("--min-nodes", type=int, default=None)
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--persist", default=None, help="durable checkpoints, as JSON")
     args = parser.parse_args(argv)
     secret = service_process(f"coordinator job={args.job}")
     from torch.distributed import TCPStore  # the rendezvous store of every epoch
@@ -41,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         args.heartbeat_timeout,
         f"{args.host}:{store.port}",
         min_nodes=args.min_nodes,
+        persist=PersistConfig.from_msg(json.loads(args.persist)) if args.persist else None,
     )
     unary, streams = coordinator.handlers()
     server = RpcServer(secret, args.job, unary, streams, host=args.host)

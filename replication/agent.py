@@ -30,6 +30,7 @@ from peerckpt.recovery.membership import Membership
 from peerckpt.recovery.rpc import RpcClient, is_stream_closed
 from peerckpt.replication.arena import Arena
 from peerckpt.replication.control import ControlServer, ProcLink
+from peerckpt.replication.flusher import Flusher
 from peerckpt.replication.recovering import RankRecovery
 from peerckpt.replication.replicator import BuddySender, ReplicationJob
 from peerckpt.replication.store import SlotStore
@@ -76,6 +77,7 @@ class Agent(RankRecovery):
         self._wanted: dict[tuple[int, int, int], list[ChunkRecord]] = {}
         self._watch_call: Any = None
         self._threads: list[threading.Thread] = []
+        self.flusher = Flusher(self.store, node, self._report)
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -115,6 +117,7 @@ class Agent(RankRecovery):
                 sender.stop()
             self.control.stop()
             self.data.stop()
+            self.flusher.join(timeout=2.0)
             for thread in self._threads:
                 thread.join(timeout=2.0)
             self.rpc.close()
@@ -133,6 +136,8 @@ class Agent(RankRecovery):
                     self._on_commit(event["epoch"], event["step"])
                 elif kind == "reads":
                     self._on_reads(event)
+                elif kind == "flush":
+                    self.flusher.start(event)
                 elif kind == "shutdown":
                     self._on_shutdown(event)
                     return
@@ -173,7 +178,12 @@ class Agent(RankRecovery):
         kind = msg["type"]
         if kind == "hello":
             self._report(
-                "ProcJoined", pid=link.pid, role=link.role, rank=link.rank, replicas=link.replicas
+                "ProcJoined",
+                pid=link.pid,
+                role=link.role,
+                rank=link.rank,
+                replicas=link.replicas,
+                persist=link.persist,
             )
             return None
         if kind == "alloc":
@@ -219,7 +229,8 @@ class Agent(RankRecovery):
                 f"{slot.step}; a snapshot must go to the other slot"
             )
         slot = self.store.ensure("own", self.gen, rank, index, msg["nbytes"])
-        slot.invalidate()
+        with slot.lock:  # a flush reading the slot finishes its chunk, then sees it changed
+            slot.invalidate()
         return {"path": slot.segment.path, "size": slot.segment.size}
 
     def _replicate(self, msg: dict[str, Any]) -> None:

@@ -32,6 +32,7 @@ class ProcLink:
         self.role: str = hello["role"]
         self.rank: int | None = hello.get("rank")
         self.replicas: int | None = hello.get("replicas")
+        self.persist: dict[str, Any] | None = hello.get("persist")
 
     def send(self, msg: dict[str, Any], body: Any = None) -> bool:
         """Send an event (``body`` travels msgpack-encoded as payload); False if gone."""

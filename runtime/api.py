@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from peerckpt.errors import PeerUnavailable
+from peerckpt.errors import ConfigurationError, PeerUnavailable
 from peerckpt.runtime.env import LaunchEnv
 from peerckpt.runtime.rank import Assignment, RankRuntime, configure_logging
 
@@ -66,6 +66,10 @@ def resilient(
     fn: F | None = None,
     *,
     replicas: int | None = None,
+    persist: str | None = None,
+    persist_every: int | None = None,
+    persist_interval: float | None = None,
+    keep: int | None = None,
     pg_timeout_s: float = 1800.0,
     suspect_s: float = 15.0,
     abort_grace_s: float = 5.0,
@@ -74,13 +78,29 @@ def resilient(
     """Make a training function survive the loss of ranks and nodes.
 
     ``replicas`` is how many buddies (on other nodes) mirror each rank's snapshot (default 1;
-    ``peerckpt run --replicas K`` overrides it). ``pg_timeout_s`` is the process groups'
+    ``peerckpt run --replicas K`` overrides it). ``persist`` is a URL (a path, ``file://``,
+    ``s3://``) where the agents write committed steps in the background, every
+    ``persist_every`` steps (default 100) and/or ``persist_interval`` seconds, keeping the
+    newest ``keep`` (``peerckpt run --persist`` overrides it). ``pg_timeout_s`` is the process groups'
     timeout (a failure is normally acted on long before it); ``suspect_s`` is how long a rank
     whose collective failed waits for the coordinator's verdict before treating the error as
     its own. A rank told to abort that has not left the epoch after ``abort_grace_s`` cuts
     all its connections to the job's hosts; after ``abort_timeout_s`` more it exits and the
     job goes on without it. Spares are set on the launcher (``peerckpt run --spares S``).
     """
+
+    persisted = None
+    if persist is not None:
+        from peerckpt.recovery.flush import PersistConfig
+
+        if persist_every is None and persist_interval is None:
+            persist_every = 100
+        try:
+            persisted = PersistConfig(persist, persist_every, persist_interval, keep).to_msg()
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
+    elif persist_every is not None or persist_interval is not None or keep is not None:
+        raise ConfigurationError("persist_every, persist_interval and keep need persist=URL")
 
     def decorate(func: F) -> F:
         @functools.wraps(func)
@@ -91,6 +111,7 @@ def resilient(
                 runtime = RankRuntime(
                     env,
                     replicas=replicas,
+                    persist=persisted,
                     pg_timeout_s=pg_timeout_s,
                     suspect_s=suspect_s,
                     abort_grace_s=abort_grace_s,

@@ -35,6 +35,7 @@ class AgentChannel:
         rank: int | None,
         on_event: Callable[[dict[str, Any]], None],
         replicas: int | None = None,
+        persist: dict[str, Any] | None = None,
     ) -> None:
         self._on_event = on_event
         self._ids = itertools.count(1)
@@ -42,7 +43,14 @@ class AgentChannel:
         self._lock = threading.Lock()
         self._closing = False
         self.conn = connect_unix(
-            socket_path, secret, job, role=role, pid=os.getpid(), rank=rank, replicas=replicas
+            socket_path,
+            secret,
+            job,
+            role=role,
+            pid=os.getpid(),
+            rank=rank,
+            replicas=replicas,
+            persist=persist,
         )
         self._reader = threading.Thread(target=self._read, name="peerckpt-agent-link", daemon=True)
         self._reader.start()

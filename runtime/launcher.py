@@ -57,6 +57,7 @@ class JobSpec:
     report: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     job: str | None = None
+    persist: dict[str, Any] | None = None  # PersistConfig.to_msg(), from --persist
 
 
 @dataclass
@@ -68,6 +69,7 @@ class JobResult:
     events: list[dict[str, Any]]
     chaos: list[dict[str, Any]]
     wall_s: float
+    flushes: list[dict[str, Any]] = field(default_factory=list)  # durable checkpoints written
 
 
 class LocalLauncher:
@@ -95,6 +97,7 @@ class LocalLauncher:
         self._ranks: dict[int, subprocess.Popen[bytes]] = {}  # the first epoch's rank processes
         self._interrupted = threading.Event()
         self.rpc: RpcClient | None = None
+        self._flushes: list[dict[str, Any]] = []
 
     # -- starting -------------------------------------------------------------------------
     def start(self) -> None:
@@ -115,6 +118,8 @@ class LocalLauncher:
             argv += ["--replicas", str(spec.replicas)]
         if spec.min_nodes is not None:
             argv += ["--min-nodes", str(spec.min_nodes)]
+        if spec.persist:
+            argv += ["--persist", json.dumps(spec.persist)]
         self.coordinator = procs.spawn(argv, procs.env(), ready=True)
         procs.others.append(self.coordinator)
         self.address = procs.await_ready(self.coordinator, "coordinator")["address"]
@@ -218,6 +223,7 @@ class LocalLauncher:
             events,
             monkey.fired if monkey else [],
             time.time() - start,
+            self._flushes,
         )
         if self.spec.report:
             with open(self.spec.report, "w") as f:
@@ -236,6 +242,7 @@ class LocalLauncher:
             except PeerckptError as exc:
                 log.warning("coordinator status: %s", exc)
                 continue
+            self._flushes = status.get("flushes", [])
             if status["state"] in ("succeeded", "failed", "stopped"):
                 return status["state"], status["reason"], status["events"]
             if status["state"] == "starting":
@@ -278,4 +285,12 @@ def format_report(result: JobResult) -> str:
     head = f"job {result.state} in {result.wall_s:.1f} s"
     if result.reason:
         head += f": {result.reason}"
-    return "\n".join([head, *format_failures(result.events, result.chaos)])
+    lines = [head, *format_failures(result.events, result.chaos)]
+    committed = [f for f in result.flushes if f["state"] == "committed"]
+    failed = [f for f in result.flushes if f["state"] == "failed"]
+    if committed:
+        steps = ", ".join(str(f["step"]) for f in committed)
+        lines.append(f"durable checkpoints written: step(s) {steps}")
+    for f in failed:
+        lines.append(f"durable checkpoint of step {f['step']} failed: {f['error']}")
+    return "\n".join(lines)

@@ -52,6 +52,7 @@ class RankRuntime(Tracking):
         self,
         env: LaunchEnv,
         replicas: int | None = None,
+        persist: dict[str, Any] | None = None,
         pg_timeout_s: float = 1800.0,
         suspect_s: float = 15.0,
         abort_grace_s: float = 5.0,
@@ -80,7 +81,14 @@ class RankRuntime(Tracking):
         if self.state is RankState.SPARE:
             self._warm_up()  # before saying hello: a spare is chosen only once it is ready
         self.channel = AgentChannel(
-            env.agent_socket, env.secret, env.job, env.role, env.rank, self._on_event, replicas
+            env.agent_socket,
+            env.secret,
+            env.job,
+            env.role,
+            env.rank,
+            self._on_event,
+            replicas,
+            persist,
         )
         self.pg = ProcessGroupLifecycle(env.job, pg_timeout_s)
         self.engine = SnapshotEngine(self.channel)

@@ -1,0 +1,132 @@
+"""Whole jobs that write durable checkpoints in the background while they train."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import torch
+import torch.nn as nn
+
+from peerckpt.persist.durable import DurableStore
+from peerckpt.persist.manifest import META_KEY
+from peerckpt.runtime import restore
+
+from .conftest import JOBS, run_job
+
+
+def _ddp_job():
+    spec = importlib.util.spec_from_file_location("ddp_job", JOBS / "ddp_job.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _digest_from_checkpoint(job, ckpt, rank: int) -> str:
+    """Rebuild rank ``rank``'s model and optimizer from the checkpoint alone; their digest."""
+    image, records = ckpt.slot_image(rank)
+    slot = torch.frombuffer(image, dtype=torch.uint8)
+    holder = nn.Module()
+    holder.module = job.build()  # the same state_dict keys as the job's DDP wrapper
+    optim = torch.optim.AdamW(holder.parameters(), lr=1e-3)
+    objs = {"model": holder, "optim": optim}
+    meta = restore.read_meta(slot, next(r for r in records if r.key == META_KEY))
+    source = restore.ChunkSource(records, slot=slot)
+    restore.restore_objects(objs, objs, source, {rank: meta}, rank, rank, 4, resharded=False)
+    assert meta["step"] == ckpt.step
+    return str(job.digest(holder, optim))
+
+
+def test_a_job_flushes_committed_steps_that_reload_bit_exact(tmp_path) -> None:
+    url = f"file://{tmp_path}/ckpt"
+    run = run_job(
+        tmp_path,
+        script_args=["--steps", "22", "--sleep", "0.02"],
+        extra=["--persist", url, "--persist-every", "5", "--keep", "2"],
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    flushed = [f["step"] for f in run.report["flushes"] if f["state"] == "committed"]
+    assert flushed and all(s % 5 == 0 for s in flushed)
+    store = DurableStore(url)
+    assert store.committed_steps() == flushed[-2:]  # keep=2
+    assert store.all_steps() == flushed[-2:]  # nothing half-written left behind
+    job = _ddp_job()
+    logged = {}
+    for rank in range(4):
+        for line in (tmp_path / f"rank{rank}.jsonl").read_text().splitlines():
+            entry = json.loads(line)
+            logged[(rank, entry["step"])] = entry["digest"]
+    for step in store.committed_steps():
+        ckpt = store.open(step)
+        assert ckpt.verify() == []
+        for rank in range(4):
+            assert _digest_from_checkpoint(job, ckpt, rank) == logged[(rank, step)]
+
+
+def _logged_digests(out) -> dict[tuple[int, int], str]:
+    logged = {}
+    for rank in range(4):
+        for line in (out / f"rank{rank}.jsonl").read_text().splitlines():
+            entry = json.loads(line)
+            logged[(rank, entry["step"])] = entry["digest"]
+    return logged
+
+
+def _assert_committed_steps_reload(url: str, out) -> list[int]:
+    store = DurableStore(url)
+    job, logged = _ddp_job(), _logged_digests(out)
+    committed = store.committed_steps()
+    for step in committed:
+        ckpt = store.open(step)
+        assert ckpt.verify() == []
+        for rank in range(4):
+            assert _digest_from_checkpoint(job, ckpt, rank) == logged[(rank, step)]
+    return committed
+
+
+def test_a_full_disk_mid_flush_warns_keeps_training_and_the_next_flush_succeeds(tmp_path) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    # Step 10's data files hit a full disk part way; step 15 cannot write a byte.
+    (root / ".peerckpt-faults").write_text("enospc step=10 after=50000\nenospc step=15 after=0\n")
+    url = f"faulty://{root}"
+    run = run_job(
+        tmp_path,
+        script_args=["--steps", "22", "--sleep", "0.02"],
+        extra=["--persist", url, "--persist-every", "5"],
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    states = {f["step"]: f for f in run.report["flushes"]}
+    for step in (10, 15):
+        assert states[step]["state"] == "failed"
+        assert "No space left on device" in states[step]["error"]
+    assert "flush of step 10 failed" in run.log and "training goes on" in run.log
+    committed = _assert_committed_steps_reload(url, tmp_path)
+    assert 10 not in committed and 15 not in committed
+    assert {0, 5, 20} <= set(committed)  # before the fault, and the next one after it
+    assert DurableStore(url).latest_step() == max(committed)
+
+
+def test_a_writer_killed_mid_flush_never_commits_that_step(tmp_path) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    # Every write of step 10 takes 1.5 s, so node 1 dies with its share half written.
+    (root / ".peerckpt-faults").write_text("slow step=10 delay=1.5\n")
+    url = f"faulty://{root}"
+    run = run_job(
+        tmp_path,
+        script_args=["--steps", "200", "--sleep", "0.02"],
+        spares=2,
+        chaos="kill node=1 at=12",
+        extra=["--persist", url, "--persist-every", "5"],
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    states = {f["step"]: f for f in run.report["flushes"]}
+    assert states[10]["state"] == "failed" and "node 1" in states[10]["error"]
+    committed = _assert_committed_steps_reload(url, tmp_path)
+    assert 10 not in committed and 5 in committed
+    assert max(committed) > 12  # flushes went on after the recovery
+    store = DurableStore(url)
+    assert 10 in store.all_steps()  # the partial step is there, and never loaded
+    assert store.open().step == max(committed)
