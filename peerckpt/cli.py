@@ -126,6 +126,21 @@ def main(argv: list[str] | None = None) -> int:
     insp.add_argument("url", help="the checkpoint root")
     insp.add_argument("--step", type=int, default=None, help="which step (default: the latest)")
     insp.add_argument("--verify", action="store_true", help="read every chunk and check it")
+    exp = sub.add_parser(
+        "export",
+        help="write the full tensors of a durable checkpoint to another format",
+        description="Assemble every shared tensor of a committed step (all shards) and write "
+        "them to one file, e.g. for evaluation or Hugging Face tooling.",
+    )
+    exp.add_argument("url", help="the checkpoint root")
+    exp.add_argument("--to", choices=["safetensors"], default="safetensors", help="the format")
+    exp.add_argument("--out", required=True, help="the file to write")
+    exp.add_argument("--step", type=int, default=None, help="which step (default: the latest)")
+    exp.add_argument(
+        "--prefix",
+        default=None,
+        help="only this tracked object's tensors, named as in its state_dict (e.g. model)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("PEERCKPT_LOG_LEVEL", "INFO"),
@@ -140,6 +155,13 @@ def main(argv: list[str] | None = None) -> int:
             lines, ok = inspect(args.url, args.step, args.verify)
             print("\n".join(lines))
             return 0 if ok else 1
+        if args.command == "export":
+            from peerckpt.persist.interop import export_safetensors
+
+            tensors = export_safetensors(args.url, args.out, args.step, args.prefix)
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            print(f"wrote {len(tensors)} tensors ({total:,} bytes) to {args.out}")
+            return 0
         if args.command == "join":
             from peerckpt.runtime.join import join as join_job
 

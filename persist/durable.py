@@ -220,6 +220,7 @@ class DurableStore:
         some chunk is in no part.
         """
         where: dict[tuple[Any, ...], StoredChunk] = {}
+        self.fs.invalidate_cache(self.step_path(step))  # object stores cache listings
         for path in self.fs.glob(self.step_path(step, "part-n*.msgpack")):
             part = _unpack(self.fs.cat_file(path), path)
             for rank, msg in part["chunks"]:
@@ -267,6 +268,7 @@ class DurableStore:
     # -- finding ----------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
         """Every step with a directory, committed or not."""
+        self.fs.invalidate_cache(self.root)
         try:
             names = self.fs.ls(self.root, detail=False)
         except FileNotFoundError:

@@ -13,13 +13,16 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from peerckpt.errors import RecoveryFailed
+from peerckpt.errors import CheckpointError, NoCheckpoint, RecoveryFailed
+from peerckpt.persist.durable import DurableStore
 from peerckpt.recovery.elastic import grown, old_layout_summary, replaced, shrunk
 from peerckpt.recovery.membership import CommitTracker, Membership, RankAssignment
 from peerckpt.recovery.plan import plan_sources
+from peerckpt.recovery.planner import STORAGE
 
 if TYPE_CHECKING:
     from peerckpt.recovery.coordinator import AgentInfo, ProcInfo
+    from peerckpt.recovery.flush import FlushScheduler
     from peerckpt.replication.placement import RingPlacement
 
 log = logging.getLogger("peerckpt.coordinator")
@@ -42,6 +45,8 @@ class EpochChanges:
     done: set[int]
     resumed: set[int]
     snapshot_bytes: dict[int, int]
+
+    flusher: FlushScheduler | None
 
     if TYPE_CHECKING:  # provided by Coordinator
 
@@ -85,9 +90,72 @@ class EpochChanges:
         if self.replicas is None:
             self.replicas = 1
         assignments = {r: RankAssignment(r, p.node, p.pid) for r, p in ranks.items()}
-        self._open_epoch(0, assignments, restore_step=None, sources={})
+        if not self._cold_start(assignments):
+            self._open_epoch(0, assignments, restore_step=None, sources={})
         self.state = "running"
         self._maybe_grow()
+
+    def _cold_start(self, assignments: dict[int, RankAssignment]) -> bool:
+        """A job starting with a durable checkpoint restores its latest committed step from
+        storage, resharded into this job's topology. False if there is none to restore."""
+        if self.flusher is None:
+            return False
+        url = self.flusher.config.url
+        try:
+            ckpt = DurableStore(url).open()
+        except NoCheckpoint:
+            log.info("no committed checkpoint in %s: a fresh start", url)
+            return False
+        except (CheckpointError, OSError) as exc:
+            self._fail(f"cannot read the durable checkpoints in {url}: {exc}")
+            return True
+        m = ckpt.manifest
+        layouts = {r: [c.record.to_msg() for c in cs] for r, cs in m.ranks.items()}
+        self.tracker = CommitTracker(
+            epoch=-1,
+            ranks=frozenset(layouts),
+            gen=0,
+            committed_step=m.step,
+            committed_gen=0,
+            committed_holders={r: {STORAGE} for r in layouts},
+            committed_layouts=layouts,
+        )
+        event: dict[str, Any] = {
+            "kind": "cold_start",
+            "ranks": [],
+            "nodes": [],
+            "reason": f"restored step {m.step} from {url}",
+            "lost": {},
+            "detected_at": time.time(),
+            "from_epoch": -1,
+            "pulls": [],
+            "resumed_at": None,
+            "restore_step": m.step,
+            "mode": "reshard",
+            "epoch": 0,
+            "url": url,
+            "old_world": m.world_size,
+        }
+        self.events.append(event)
+        log.info(
+            "cold start: restoring step %d (%d ranks) from %s into %d ranks",
+            m.step,
+            m.world_size,
+            url,
+            len(assignments),
+        )
+        self._open_epoch(
+            0,
+            assignments,
+            m.step,
+            {},
+            "reshard",
+            gen=1,
+            previous={},
+            old_world=m.world_size,
+            restore_url=url,
+        )
+        return True
 
     def _recover(self, kind: str, ranks: set[int], nodes: set[int], reason: str) -> None:
         if self.state != "running" or self.membership is None or self.tracker is None:
@@ -200,6 +268,7 @@ class EpochChanges:
         gen: int = 0,
         previous: dict[int, int | None] | None = None,
         old_world: int = 0,
+        restore_url: str | None = None,
     ) -> None:
         rank_nodes = {r: a.node for r, a in assignments.items()}
         old = self.tracker
@@ -220,6 +289,7 @@ class EpochChanges:
             previous=previous or {},
             old_world=old_world,
             old_layout=old_layout_summary(layouts) if mode == "reshard" else None,
+            restore_url=restore_url,
         )
         self.tracker = CommitTracker(
             epoch=epoch,

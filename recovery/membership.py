@@ -53,6 +53,7 @@ class Membership:
     previous: dict[int, int | None] = field(default_factory=dict)
     old_world: int = 0
     old_layout: dict[str, Any] | None = None
+    restore_url: str | None = None  # durable storage the restore may read (STORAGE reads)
 
     def rank_nodes(self) -> dict[int, int]:
         return {r: a.node for r, a in self.ranks.items()}
@@ -77,6 +78,7 @@ class Membership:
             "previous": self.previous,
             "old_world": self.old_world,
             "old_layout": self.old_layout,
+            "restore_url": self.restore_url,
         }
 
     @classmethod
@@ -96,6 +98,7 @@ class Membership:
             previous={int(r): p for r, p in msg["previous"].items()},
             old_world=msg["old_world"],
             old_layout=msg["old_layout"],
+            restore_url=msg.get("restore_url"),
         )
 
 

@@ -7,7 +7,8 @@ wanted box exactly with pieces of held chunks and picks one source per piece:
 
 1. the rank's own previous snapshot on its own node (no network, no copy to wait for);
 2. any other copy on its own node;
-3. otherwise the peer node with the fewest bytes assigned so far in this plan (then node id).
+3. otherwise the peer node with the fewest bytes assigned so far in this plan (then node id);
+4. durable storage (the holder ``STORAGE``) only for chunks no memory copy of survived.
 
 Identical boxes held by several old ranks (data-parallel replicas) are one *logical chunk* with
 several sources, so a destination reads each piece once. Distinct held boxes of a key must be
@@ -46,6 +47,7 @@ _ITEMSIZES: dict[str, int] = {
     **dict.fromkeys(["complex128", "cdouble"], 16),
 }
 _MAX_LISTED = 8  # missing regions named in one error; the rest are counted
+STORAGE = -1  # the durable tier as a holder: read only where no memory copy survived
 
 
 def itemsize(dtype: str) -> int:
@@ -341,6 +343,8 @@ def _make_sources(
     for rank in ranks:  # ascending, so each node maps to its smallest rank
         for node in sorted(holder_sets.get(rank, ())):
             on_node.setdefault(node, rank)
+    if len(on_node) > 1:
+        on_node.pop(STORAGE, None)  # memory first; storage only when nothing else is left
     heap = sorted((load.get(node, 0), node) for node in on_node)
     return _Sources(frozenset(ranks), on_node, heap)
 

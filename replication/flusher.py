@@ -2,13 +2,11 @@
 
 The coordinator sends ``flush`` with the chunks this node writes (each unique chunk of the
 step is written by exactly one node). The writer runs in its own thread at low CPU and I/O
-priority, copies each chunk out of the slot holding it (under the slot's lock, checking the
-slot still holds that step), verifies its checksum, and appends it to this node's data file;
-then it writes its part index and reports ``Flushed``. It never touches the slots' contents.
-
-A slot is reused for a newer snapshot two commits later; a flush that has not read a chunk by
-then fails (``the slot was reused``) and the next flush tries again. ``rate`` (bytes per
-second) throttles the writes.
+priority. It first copies its share out of the slots holding it (under each slot's lock,
+checking the slot still holds that step): a slot is reused for a newer snapshot two commits
+later, and storage is much slower than that. Then it writes the chunks, each verified
+against its checksum, to this node's data file, writes its part index, and reports
+``Flushed``. It never changes the slots. ``rate`` (bytes per second) throttles the writes.
 """
 
 from __future__ import annotations
@@ -79,8 +77,9 @@ class Flusher:
         assert config is not None
         counted = [0]
         try:
+            pieces = self._copy_out(event)
             DurableStore(config.url).write_part(
-                step, self.node, self._pieces(event, config.rate, counted)
+                step, self.node, self._throttled(pieces, config.rate, counted)
             )
         except Exception as exc:  # reported: the coordinator decides, training goes on
             log.warning("flush of step %d on node %d failed: %s", step, self.node, exc)
@@ -101,11 +100,15 @@ class Flusher:
         )
         self._report("Flushed", step=step, ok=True, nbytes=counted[0], seconds=seconds)
 
-    def _pieces(
-        self, event: dict[str, Any], rate: float | None, counted: list[int]
-    ) -> Iterator[tuple[int, ChunkRecord, bytes]]:
+    def _copy_out(self, event: dict[str, Any]) -> list[tuple[int, ChunkRecord, bytes]]:
+        """This node's share of the step, copied out of the slots at memory speed.
+
+        A slot is reused for a newer snapshot two commits after it was committed; storage
+        (an object store above all) is far slower than that, so the bytes are taken first
+        and written at leisure. The copy costs one share of memory while the flush runs.
+        """
         step, gen = event["step"], event["gen"]
-        began = time.monotonic()
+        out = []
         for rank, msg in event["chunks"]:
             want = ChunkRecord.from_msg(msg)
             slot = self.store.find(gen, rank, step)
@@ -138,8 +141,17 @@ class Flusher:
                 data = bytes(
                     slot.segment.view[record.byte_offset : record.byte_offset + record.nbytes]
                 )
-            counted[0] += len(data)
-            yield rank, record, data
+            out.append((rank, record, data))
+        return out
+
+    def _throttled(
+        self, pieces: list[tuple[int, ChunkRecord, bytes]], rate: float | None, counted: list[int]
+    ) -> Iterator[tuple[int, ChunkRecord, bytes]]:
+        began = time.monotonic()
+        while pieces:
+            piece = pieces.pop(0)  # let each piece go once written
+            counted[0] += len(piece[2])
+            yield piece
             if rate:
                 ahead = counted[0] / rate - (time.monotonic() - began)
                 if ahead > 0:

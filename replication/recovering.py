@@ -164,6 +164,7 @@ class RankRecovery:
                 wanted,
                 reads,
                 connect,
+                storage_url=members.restore_url,
             )
         except Exception as exc:
             log.error("gathering rank %d's state failed: %s", rank, exc)

@@ -23,9 +23,10 @@ from typing import Any
 import crc32c
 
 from peerckpt.errors import ChecksumMismatch, PeerUnavailable, ProtocolError, RecoveryFailed
+from peerckpt.persist.durable import DurableStore
 from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest, align, chunk_name
 from peerckpt.recovery.chunks import Box, contiguous_range, copy_box, extract_box, place_box
-from peerckpt.recovery.planner import itemsize
+from peerckpt.recovery.planner import STORAGE, itemsize
 from peerckpt.replication.store import Slot, SlotStore
 from peerckpt.replication.wire import Connection, raise_if_error
 
@@ -152,6 +153,45 @@ def _receive_boxes(conn: Connection, pieces: list[_Piece]) -> int:
         received += len(data)
 
 
+def _read_storage(
+    url: str, step: int, items: list[dict[str, Any]], piece: Callable[[dict[str, Any]], _Piece]
+) -> int:
+    """Carry out the plan's reads from the durable checkpoint of ``step``; return bytes read.
+
+    Each stored chunk is read whole, once, and verified against its checksum before pieces
+    are cut out of it.
+    """
+    ckpt = DurableStore(url).open(step)
+    index = {
+        (
+            rank,
+            chunk_name(c.record.key, c.record.scope, rank),
+            c.record.offsets,
+            c.record.lengths,
+        ): c
+        for rank, chunks in ckpt.manifest.ranks.items()
+        for c in chunks
+    }
+    cache: dict[tuple[str, int], bytes] = {}
+    total = 0
+    for read in items:
+        src = _box(read["src_box"])
+        chunk = index.get((read["source_rank"], read["key"], src.offsets, src.lengths))
+        if chunk is None:
+            raise RecoveryFailed(
+                f"step {step} in {url} has no chunk {read['key']!r} at {src} of rank "
+                f"{read['source_rank']}"
+            )
+        where = (chunk.file, chunk.record.byte_offset)
+        data = cache.get(where)
+        if data is None:
+            data = cache[where] = ckpt.read(chunk)
+        p = piece(read)
+        copy_box(data, src, p.dst, p.dst_box, p.region, p.itemsize)
+        total += read["nbytes"]
+    return total
+
+
 def staging_layout(wanted: list[ChunkRecord]) -> tuple[list[ChunkRecord], int]:
     """Byte offsets for the wanted chunks, packed and aligned as in a snapshot slot."""
     placed, offset = [], 0
@@ -183,6 +223,7 @@ def assemble(
     wanted: list[ChunkRecord],
     reads: list[dict[str, Any]],
     connect: Callable[[int], Connection],
+    storage_url: str | None = None,
 ) -> Assembled:
     """Build ``rank``'s staging slot for planning round ``round_`` from ``reads``."""
     start = time.monotonic()
@@ -201,9 +242,10 @@ def assemble(
         )
 
     local = [r for r in reads if r["source_node"] == node]
+    stored = [r for r in reads if r["source_node"] == STORAGE]
     remote: dict[int, list[dict[str, Any]]] = {}
     for r in reads:
-        if r["source_node"] != node:
+        if r["source_node"] not in (node, STORAGE):
             remote.setdefault(r["source_node"], []).append(r)
     pulled: dict[int, int] = {}
     errors: list[str] = []
@@ -229,10 +271,24 @@ def assemble(
         except Exception as exc:  # reported below, naming the source
             errors.append(f"node {source}: {type(exc).__name__}: {exc}")
 
+    def read_storage(items: list[dict[str, Any]]) -> None:
+        try:
+            if storage_url is None:
+                raise RecoveryFailed("the plan reads durable storage, but no URL was given")
+            pulled[STORAGE] = _read_storage(storage_url, step, items, piece)
+        except Exception as exc:  # reported below, naming the source
+            errors.append(f"storage {storage_url}: {type(exc).__name__}: {exc}")
+
     threads = [
         threading.Thread(target=pull, args=(n, items), name=f"peerckpt-reshard-n{n}", daemon=True)
         for n, items in sorted(remote.items())
     ]
+    if stored:
+        threads.append(
+            threading.Thread(
+                target=read_storage, args=(stored,), name="peerckpt-reshard-storage", daemon=True
+            )
+        )
     for t in threads:
         t.start()
     local_bytes = 0

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from peerckpt.recovery.planner import STORAGE
+
 
 @dataclass
 class FailureRow:
@@ -48,9 +50,15 @@ def failure_rows(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -> l
             unmatched.remove(cause)
         t0 = cause["fired_at"] if cause else event["detected_at"]
         resumed = event.get("resumed_at")
+        if cause is not None:
+            what = cause["action"]
+        elif event["kind"] == "cold_start":
+            what = f"cold start: {event['reason']}, {event['old_world']} ranks then"
+        else:
+            what = f"{event['kind']} lost ({event['reason']})"
         rows.append(
             FailureRow(
-                cause=cause["action"] if cause else f"{event['kind']} lost ({event['reason']})",
+                cause=what,
                 lost={int(r): n for r, n in event.get("lost", {}).items()},
                 detected_s=event["detected_at"] - t0 if cause else None,
                 recovered_s=resumed - t0 if resumed else None,
@@ -89,6 +97,8 @@ def format_failures(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -
             since = (
                 "the node was started"
                 if row.cause.startswith("add node")
+                else "the job started"
+                if row.cause.startswith("cold start")
                 else "the kill"
                 if row.detected_s is not None
                 else "detection"
@@ -99,7 +109,12 @@ def format_failures(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -
             )
         for pull in row.pulls:
             ms = pull["seconds"] * 1000
-            if pull["source"] == pull["node"]:
+            if pull["source"] == STORAGE:
+                lines.append(
+                    f"    rank {pull['rank']} on node {pull['node']}: read {pull['bytes']:,} bytes "
+                    f"from durable storage in {ms:.1f} ms"
+                )
+            elif pull["source"] == pull["node"]:
                 lines.append(
                     f"    rank {pull['rank']} on node {pull['node']}: its node's own memory, "
                     f"no network ({ms:.1f} ms)"

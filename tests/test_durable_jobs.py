@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import warnings
 
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from safetensors.torch import load_file
 
 from peerckpt.persist.durable import DurableStore
+from peerckpt.persist.interop import PeerckptReader, export_safetensors
 from peerckpt.persist.manifest import META_KEY
 from peerckpt.runtime import restore
 
@@ -25,6 +29,10 @@ def _ddp_job():
 
 def _digest_from_checkpoint(job, ckpt, rank: int) -> str:
     """Rebuild rank ``rank``'s model and optimizer from the checkpoint alone; their digest."""
+    return str(job.digest(*_restore_from_checkpoint(job, ckpt, rank)))
+
+
+def _restore_from_checkpoint(job, ckpt, rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     image, records = ckpt.slot_image(rank)
     slot = torch.frombuffer(image, dtype=torch.uint8)
     holder = nn.Module()
@@ -35,7 +43,7 @@ def _digest_from_checkpoint(job, ckpt, rank: int) -> str:
     source = restore.ChunkSource(records, slot=slot)
     restore.restore_objects(objs, objs, source, {rank: meta}, rank, rank, 4, resharded=False)
     assert meta["step"] == ckpt.step
-    return str(job.digest(holder, optim))
+    return holder, optim
 
 
 def test_a_job_flushes_committed_steps_that_reload_bit_exact(tmp_path) -> None:
@@ -62,6 +70,18 @@ def test_a_job_flushes_committed_steps_that_reload_bit_exact(tmp_path) -> None:
         assert ckpt.verify() == []
         for rank in range(4):
             assert _digest_from_checkpoint(job, ckpt, rank) == logged[(rank, step)]
+    # Other tools read the same bits: a safetensors export and dcp.load through the reader.
+    model, _ = _restore_from_checkpoint(job, store.open(), 0)
+    ours = model.state_dict()
+    export_safetensors(url, str(tmp_path / "m.safetensors"), prefix="model")
+    exported = load_file(str(tmp_path / "m.safetensors"))
+    assert sorted(exported) == sorted(ours)
+    assert all(torch.equal(exported[k], v) for k, v in ours.items())
+    state = {"model": {k: torch.zeros_like(v) for k, v in ours.items()}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group here: DCP loads as one rank
+        dcp.load(state, storage_reader=PeerckptReader(url))
+    assert all(torch.equal(state["model"][k], v) for k, v in ours.items())
 
 
 def _logged_digests(out) -> dict[tuple[int, int], str]:

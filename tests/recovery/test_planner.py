@@ -17,7 +17,14 @@ from hypothesis import strategies as st
 
 from peerckpt.errors import RecoveryFailed, StateMismatch
 from peerckpt.recovery.chunks import Box, extract_box, flat_shards_to_boxes, intersect, place_box
-from peerckpt.recovery.planner import HeldChunk, Read, WantedChunk, itemsize, plan_reads
+from peerckpt.recovery.planner import (
+    STORAGE,
+    HeldChunk,
+    Read,
+    WantedChunk,
+    itemsize,
+    plan_reads,
+)
 
 Layout = dict[int, list[tuple[int, Box]]]  # rank → (tensor index, box)
 
@@ -246,6 +253,14 @@ def test_copy_on_the_same_node_beats_the_network() -> None:
         (1, 0, rows(0, 4)),
         (1, 1, rows(4, 4)),
     ]
+
+
+def test_storage_is_read_only_for_what_no_memory_copy_holds() -> None:
+    # Rank 0's rows survive in node 3's memory and in storage; rank 1's only in storage.
+    held = {0: [held_chunk("w", rows(0, 4))], 1: [held_chunk("w", rows(4, 4))]}
+    holders = {0: {STORAGE, 3}, 1: {STORAGE}}
+    plan = plan_reads(held, holders, {0: [wanted_chunk("w", FULL)]}, {0: 5}, {0: None})
+    assert [(r.source_node, r.source_rank) for r in plan[0]] == [(3, 0), (STORAGE, 1)]
 
 
 def test_network_reads_balance_bytes_over_peer_nodes() -> None:

@@ -1,0 +1,123 @@
+"""Durable checkpoints read by other tools: full tensors, safetensors, dcp.load."""
+
+from __future__ import annotations
+
+import secrets
+import warnings
+
+import crc32c
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.api import CheckpointException
+
+from peerckpt.persist.durable import DurableStore
+from peerckpt.persist.interop import PeerckptReader, export_safetensors, full_tensors
+from peerckpt.persist.manifest import META_KEY, ChunkRecord
+
+
+def _record(key: str, t: torch.Tensor, offsets, global_shape, scope="global") -> ChunkRecord:
+    raw = t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes() if t.numel() else b""
+    dtype = str(t.dtype).removeprefix("torch.")
+    return ChunkRecord(
+        key,
+        dtype,
+        tuple(global_shape),
+        tuple(offsets),
+        tuple(t.shape),
+        0,
+        len(raw),
+        crc32c.crc32c(raw),
+        scope,
+    )
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    """A (6, 4) weight cut in uneven row shards over 3 ranks, a replicated bias, blobs."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(6, 4), torch.randn(4).to(torch.bfloat16)
+    cuts = [(0, 3), (3, 2), (5, 1)]
+    store = DurableStore(f"memory://peerckpt-interop-{secrets.token_hex(4)}/ckpt")
+    layouts, pieces = {}, []
+    for rank, (start, n) in enumerate(cuts):
+        shard = weight[start : start + n]
+        blob = torch.tensor(list(f"rank {rank}".encode()), dtype=torch.uint8)
+        records = [
+            _record("model/w", shard, (start, 0), (6, 4)),
+            _record("model/b", bias, (0,), (4,)),
+            _record("optim/state/model.w/exp_avg", shard * 2, (start, 0), (6, 4)),
+            _record(META_KEY, blob, (0,), tuple(blob.shape), scope="rank"),
+        ]
+        layouts[rank] = records
+        for record, t in zip(records, [shard, bias, shard * 2, blob], strict=True):
+            pieces.append((rank, record, t.contiguous().view(torch.uint8).numpy().tobytes()))
+    seen, unique = set(), []
+    for rank, record, raw in pieces:  # what assign_writers would give one writer
+        key = (record.key, record.scope, rank if record.scope == "rank" else None, record.offsets)
+        if key not in seen:
+            seen.add(key)
+            unique.append((rank, record, raw))
+    store.write_part(4, 0, unique)
+    store.commit(4, epoch=0, layouts=layouts)
+    yield store, weight, bias
+    store.fs.rm(store.root, recursive=True)
+
+
+def test_full_tensors_are_assembled_from_every_shard(sharded) -> None:
+    store, weight, bias = sharded
+    tensors = full_tensors(store.open())
+    assert sorted(tensors) == ["model.b", "model.w", "optim.state.model.w.exp_avg"]
+    assert torch.equal(tensors["model.w"], weight) and torch.equal(tensors["model.b"], bias)
+    assert torch.equal(tensors["optim.state.model.w.exp_avg"], weight * 2)
+    only = full_tensors(store.open(), prefix="model")
+    assert sorted(only) == ["b", "w"]
+
+
+def test_export_writes_a_safetensors_file_of_full_tensors(sharded, tmp_path) -> None:
+    store, weight, bias = sharded
+    out = tmp_path / "model.safetensors"
+    export_safetensors(store.url, str(out), prefix="model")
+    loaded = load_file(str(out))
+    assert sorted(loaded) == ["b", "w"]
+    assert torch.equal(loaded["w"], weight) and torch.equal(loaded["b"], bias)
+    assert loaded["b"].dtype == torch.bfloat16
+
+
+def test_dcp_load_through_the_reader_equals_our_own_load(sharded) -> None:
+    store, _, _ = sharded
+    state = {"model": {"w": torch.zeros(6, 4), "b": torch.zeros(4, dtype=torch.bfloat16)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP says it loads on one rank
+        dcp.load(state, storage_reader=PeerckptReader(store.url))
+    ours = full_tensors(store.open())
+    assert torch.equal(state["model"]["w"], ours["model.w"])
+    assert torch.equal(state["model"]["b"], ours["model.b"])
+
+
+def test_a_corrupted_chunk_fails_dcp_load_naming_it(sharded) -> None:
+    store, _, _ = sharded
+    chunk = next(c for c in store.open().chunks(1) if c.record.key == "model/w")
+    path = store.step_path(4, chunk.file)
+    raw = bytearray(store.fs.cat_file(path))
+    raw[chunk.record.byte_offset] ^= 0xFF
+    store.fs.pipe_file(path, bytes(raw))
+    state = {"model": {"w": torch.zeros(6, 4)}}
+    # DCP wraps the reader's error (in a BaseException) with the rank it happened on.
+    with (
+        pytest.raises(CheckpointException, match="'model/w' of step 4 fails verification"),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore")
+        dcp.load(state, storage_reader=PeerckptReader(store.url))
+
+
+def test_peerckpt_export_command(sharded, tmp_path, capsys) -> None:
+    from peerckpt.cli import main
+
+    store, weight, _ = sharded
+    out = tmp_path / "all.safetensors"
+    assert main(["export", store.url, "--to", "safetensors", "--out", str(out)]) == 0
+    assert "wrote 3 tensors" in capsys.readouterr().out
+    assert torch.equal(load_file(str(out))["model.w"], weight)
