@@ -34,8 +34,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def _persist(args: argparse.Namespace) -> dict[str, object] | None:
     if not args.persist:
-        if args.persist_every or args.persist_interval or args.keep:
-            raise PeerckptError("--persist-every, --persist-interval and --keep need --persist URL")
+        if args.persist_every or args.persist_interval or args.keep or args.allow_older:
+            raise PeerckptError(
+                "--persist-every, --persist-interval, --keep and --allow-older need --persist URL"
+            )
         return None
     from peerckpt.recovery.flush import PersistConfig
 
@@ -43,7 +45,9 @@ def _persist(args: argparse.Namespace) -> dict[str, object] | None:
     if every is None and args.persist_interval is None:
         every = 100
     try:
-        config = PersistConfig(args.persist, every, args.persist_interval, args.keep)
+        config = PersistConfig(
+            args.persist, every, args.persist_interval, args.keep, allow_older=args.allow_older
+        )
     except ValueError as exc:
         raise PeerckptError(str(exc)) from None
     return config.to_msg()
@@ -96,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     run.add_argument("--persist-interval", type=float, default=None, help="flush every S seconds")
     run.add_argument("--keep", type=int, default=None, help="committed checkpoints to keep")
+    run.add_argument(
+        "--allow-older",
+        action="store_true",
+        help="on a cold start, verify the latest checkpoint first and fall back to older "
+        "committed steps if it is damaged",
+    )
     run.add_argument("--report", default=None, help="write the job's report here as JSON")
     run.add_argument("--job", default=None, help="the job's name (default: random)")
     run.add_argument("script", help="the training script")

@@ -25,6 +25,8 @@ Formats are msgpack and raw bytes; nothing read from storage is unpickled.
 from __future__ import annotations
 
 import contextlib
+import io
+import os
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -146,6 +148,15 @@ class DurableManifest:
         return sum(c.record.nbytes for c in self.unique_chunks().values())
 
 
+def _sync(f: Any) -> None:
+    """fsync a local file before it is closed; object stores are durable once written."""
+    try:
+        f.flush()
+        os.fsync(f.fileno())
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        pass
+
+
 def _pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
@@ -176,6 +187,7 @@ class DurableStore:
         tmp = f"{path}.tmp"
         with self.fs.open(tmp, "wb") as f:
             f.write(data)
+            _sync(f)
         self.fs.mv(tmp, path)
 
     # -- writing ----------------------------------------------------------------------------
@@ -185,6 +197,11 @@ class DurableStore:
         """Write one writer's chunks: the data file, then its index. Every piece is checked
         against its recorded checksum first; a corrupt copy is never written."""
         self.fs.makedirs(self.step_path(step), exist_ok=True)
+        # Rewriting a step (a job restarted from an older one) uncommits it first, so that no
+        # reader ever pairs the old manifest with new data.
+        for stale in (MARKER, MANIFEST):
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self.step_path(step, stale))
         name = f"data-n{node}.bin"
         stored: list[tuple[int, StoredChunk]] = []
         offset = 0
@@ -198,6 +215,7 @@ class DurableStore:
                 f.write(data)
                 stored.append((rank, StoredChunk(name, replace(record, byte_offset=offset))))
                 offset += record.nbytes
+            _sync(f)  # the data is on disk before the part (and later the marker) says so
         part = {
             "format": FORMAT_VERSION,
             "node": node,

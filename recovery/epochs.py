@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from peerckpt.errors import CheckpointError, NoCheckpoint, RecoveryFailed
-from peerckpt.persist.durable import DurableStore
+from peerckpt.persist.durable import DurableCheckpoint, DurableStore
 from peerckpt.recovery.elastic import grown, old_layout_summary, replaced, shrunk
 from peerckpt.recovery.membership import CommitTracker, Membership, RankAssignment
 from peerckpt.recovery.plan import plan_sources
@@ -95,6 +95,28 @@ class EpochChanges:
         self.state = "running"
         self._maybe_grow()
 
+    def _durable_to_restore(self, url: str) -> DurableCheckpoint:
+        """The latest committed step; with ``allow_older``, the latest that verifies."""
+        store = DurableStore(url)
+        assert self.flusher is not None
+        if not self.flusher.config.allow_older:
+            return store.open()  # damage is found (and named) as the ranks load it
+        steps = store.committed_steps()
+        for step in reversed(steps):
+            ckpt = store.open(step)
+            problems = ckpt.verify()
+            if not problems:
+                return ckpt
+            log.warning(
+                "step %d in %s is damaged (%s); --allow-older: trying the step before it",
+                step,
+                url,
+                problems[0],
+            )
+        if steps:
+            raise CheckpointError(f"every committed step in {url} ({steps}) is damaged")
+        raise NoCheckpoint(f"no committed checkpoint in {url}")
+
     def _cold_start(self, assignments: dict[int, RankAssignment]) -> bool:
         """A job starting with a durable checkpoint restores its latest committed step from
         storage, resharded into this job's topology. False if there is none to restore."""
@@ -102,9 +124,9 @@ class EpochChanges:
             return False
         url = self.flusher.config.url
         try:
-            ckpt = DurableStore(url).open()
-        except NoCheckpoint:
-            log.info("no committed checkpoint in %s: a fresh start", url)
+            ckpt = self._durable_to_restore(url)
+        except NoCheckpoint as exc:
+            log.info("%s: a fresh start", exc)
             return False
         except (CheckpointError, OSError) as exc:
             self._fail(f"cannot read the durable checkpoints in {url}: {exc}")

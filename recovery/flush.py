@@ -36,6 +36,7 @@ class PersistConfig:
     interval: float | None = None  # seconds
     keep: int | None = None  # committed steps kept (None: all)
     rate: float | None = None  # bytes per second per writer (None: as fast as it goes)
+    allow_older: bool = False  # cold start: skip damaged steps (verified first) for older ones
 
     def __post_init__(self) -> None:
         if self.every is None and self.interval is None:
@@ -52,6 +53,7 @@ class PersistConfig:
             "interval": self.interval,
             "keep": self.keep,
             "rate": self.rate,
+            "allow_older": self.allow_older,
         }
 
     @classmethod
@@ -59,7 +61,12 @@ class PersistConfig:
         if not msg or not msg.get("url"):
             return None
         return cls(
-            msg["url"], msg.get("every"), msg.get("interval"), msg.get("keep"), msg.get("rate")
+            msg["url"],
+            msg.get("every"),
+            msg.get("interval"),
+            msg.get("keep"),
+            msg.get("rate"),
+            bool(msg.get("allow_older")),
         )
 
 

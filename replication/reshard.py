@@ -22,7 +22,13 @@ from typing import Any
 
 import crc32c
 
-from peerckpt.errors import ChecksumMismatch, PeerUnavailable, ProtocolError, RecoveryFailed
+from peerckpt.errors import (
+    ChecksumMismatch,
+    CorruptCheckpoint,
+    PeerUnavailable,
+    ProtocolError,
+    RecoveryFailed,
+)
 from peerckpt.persist.durable import DurableStore
 from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest, align, chunk_name
 from peerckpt.recovery.chunks import Box, contiguous_range, copy_box, extract_box, place_box
@@ -185,7 +191,13 @@ def _read_storage(
         where = (chunk.file, chunk.record.byte_offset)
         data = cache.get(where)
         if data is None:
-            data = cache[where] = ckpt.read(chunk)
+            try:
+                data = cache[where] = ckpt.read(chunk)
+            except CorruptCheckpoint as exc:
+                raise RecoveryFailed(
+                    f"{exc}; start the job with --allow-older (persist_allow_older=True) to "
+                    "fall back to the newest intact committed step"
+                ) from None
         p = piece(read)
         copy_box(data, src, p.dst, p.dst_box, p.region, p.itemsize)
         total += read["nbytes"]

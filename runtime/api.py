@@ -70,9 +70,10 @@ def resilient(
     persist_every: int | None = None,
     persist_interval: float | None = None,
     keep: int | None = None,
+    persist_allow_older: bool = False,
     pg_timeout_s: float = 1800.0,
     suspect_s: float = 15.0,
-    abort_grace_s: float = 5.0,
+    abort_grace_s: float = 10.0,
     abort_timeout_s: float = 60.0,
 ) -> Any:
     """Make a training function survive the loss of ranks and nodes.
@@ -81,7 +82,9 @@ def resilient(
     ``peerckpt run --replicas K`` overrides it). ``persist`` is a URL (a path, ``file://``,
     ``s3://``) where the agents write committed steps in the background, every
     ``persist_every`` steps (default 100) and/or ``persist_interval`` seconds, keeping the
-    newest ``keep`` (``peerckpt run --persist`` overrides it). ``pg_timeout_s`` is the process groups'
+    newest ``keep`` (``peerckpt run --persist`` overrides it). A job started again finds the
+    latest committed step there and restores it; with ``persist_allow_older`` it verifies it
+    first and falls back to older steps if it is damaged. ``pg_timeout_s`` is the process groups'
     timeout (a failure is normally acted on long before it); ``suspect_s`` is how long a rank
     whose collective failed waits for the coordinator's verdict before treating the error as
     its own. A rank told to abort that has not left the epoch after ``abort_grace_s`` cuts
@@ -96,7 +99,9 @@ def resilient(
         if persist_every is None and persist_interval is None:
             persist_every = 100
         try:
-            persisted = PersistConfig(persist, persist_every, persist_interval, keep).to_msg()
+            persisted = PersistConfig(
+                persist, persist_every, persist_interval, keep, allow_older=persist_allow_older
+            ).to_msg()
         except ValueError as exc:
             raise ConfigurationError(str(exc)) from None
     elif persist_every is not None or persist_interval is not None or keep is not None:

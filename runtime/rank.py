@@ -55,7 +55,7 @@ class RankRuntime(Tracking):
         persist: dict[str, Any] | None = None,
         pg_timeout_s: float = 1800.0,
         suspect_s: float = 15.0,
-        abort_grace_s: float = 5.0,
+        abort_grace_s: float = 10.0,
         abort_timeout_s: float = 60.0,
     ) -> None:
         self.abort_grace_s = abort_grace_s

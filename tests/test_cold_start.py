@@ -90,3 +90,37 @@ def s3_url(monkeypatch) -> Iterator[str]:
 
 def test_a_restarted_job_loads_the_latest_s3_checkpoint_into_fewer_ranks(tmp_path, s3_url) -> None:
     _cold_start_4_to_2(tmp_path, s3_url)
+
+
+def test_a_damaged_checkpoint_is_refused_by_name_and_allow_older_falls_back(tmp_path) -> None:
+    url = f"file://{tmp_path}/ckpt"
+    first = tmp_path / "first"
+    run = run_job(
+        first, script_args=["--steps", "12"], extra=["--persist", url, "--persist-every", "5"]
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    store = DurableStore(url)
+    assert store.committed_steps()[-2:] == [5, 10]
+    victim = next(c for c in store.open(10).chunks(0) if c.record.key.startswith("model/"))
+    path = tmp_path / "ckpt" / "step-000000000010" / victim.file
+    raw = bytearray(path.read_bytes())
+    raw[victim.record.byte_offset + 3] ^= 0x10  # bit rot on the storage
+    path.write_bytes(bytes(raw))
+
+    refused = run_job(
+        tmp_path / "second", script_args=["--steps", "16"], nodes=1, extra=["--persist", url]
+    )
+    assert refused.returncode == 1
+    reason = refused.report["reason"]
+    assert f"{victim.record.key!r} of step 10 fails verification" in reason
+    assert victim.file in reason and "--allow-older" in reason
+
+    third = tmp_path / "third"
+    run = run_job(
+        third, script_args=["--steps", "16"], nodes=1, extra=["--persist", url, "--allow-older"]
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    assert "step 10 in" in run.log and "is damaged" in run.log
+    committed = {e["digest"] for e in _lines(first / "rank0.jsonl") if e["step"] == 5}
+    restored = _lines(third / "restored.jsonl")
+    assert [r["step"] for r in restored] == [5, 5] and {r["digest"] for r in restored} == committed

@@ -39,10 +39,10 @@ def _assert_ddp_restores_match(out: Path, world: int) -> None:
         assert before and r["digest"] in before[-1], f"rank {r['rank']} restored other bits"
 
 
-def _assert_full_restore_matches(out: Path, world: int) -> None:
+def _assert_full_restore_matches(out: Path, world: int, log: str = "") -> None:
     full = _lines(out / "full.jsonl")
     [restored] = _lines(out / "restored.jsonl")
-    assert restored["world"] == world
+    assert restored["world"] == world, log[-6000:]
     committed = [
         f for f in full if f["step"] == restored["restored"] and f["epoch"] < restored["epoch"]
     ]
@@ -109,7 +109,7 @@ def test_dtensor_shard0_on_four_ranks_restores_as_shard1_on_two(tmp_path) -> Non
         extra=["--min-nodes", "1"],
     )
     assert run.returncode == 0, run.log[-4000:]
-    _assert_full_restore_matches(tmp_path, world=2)
+    _assert_full_restore_matches(tmp_path, world=2, log=run.log)
 
 
 def test_fsdp2_model_and_adamw_state_four_ranks_to_two(tmp_path) -> None:
@@ -121,7 +121,7 @@ def test_fsdp2_model_and_adamw_state_four_ranks_to_two(tmp_path) -> None:
         extra=["--min-nodes", "1"],
     )
     assert run.returncode == 0, run.log[-4000:]
-    _assert_full_restore_matches(tmp_path, world=2)
+    _assert_full_restore_matches(tmp_path, world=2, log=run.log)
 
 
 def test_irregular_flat_shards_four_ranks_to_three(tmp_path) -> None:
@@ -133,7 +133,7 @@ def test_irregular_flat_shards_four_ranks_to_three(tmp_path) -> None:
         extra=["--min-nodes", "1"],
     )
     assert run.returncode == 0, run.log[-4000:]
-    _assert_full_restore_matches(tmp_path, world=3)
+    _assert_full_restore_matches(tmp_path, world=3, log=run.log)
 
 
 def test_the_sampler_delivers_every_index_once_across_a_shrink_and_a_grow(tmp_path) -> None:

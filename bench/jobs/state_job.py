@@ -1,6 +1,6 @@
 """A job whose whole state is a big DTensor model, for the resharding benchmark.
 
-usage: state_job.py OUT_DIR [--mib-per-rank M] [--tensors T] [--steps N] [--sleep S]
+usage: state_job.py OUT_DIR [--mib-per-rank M] [--tensors T] [--steps N] [--sleep S] [--work K]
 
 The model holds T frozen float32 parameters, each a DTensor ``Shard(0)`` over all ranks, of
 M MiB per rank in total at the starting world size (``--world``). Their bit patterns are
@@ -9,7 +9,8 @@ layout can be checked exactly without gathering. After a restore, every rank app
 ``{"epoch", "rank", "world", "restored", "track_s", "nbytes", "exact"}`` to
 OUT_DIR/restored.jsonl, where ``track_s`` is the time ``ctx.track`` took (the whole
 resharding restore: wants, plan, transfers, copy into place); then the job runs two more
-steps and ends.
+steps and ends. Each step does ``--work`` matmuls (one thread) and sleeps ``--sleep``;
+its wall-clock span goes to OUT_DIR/steps-rank<r>.jsonl.
 """
 
 import argparse
@@ -75,10 +76,21 @@ def run(ctx: peerckpt.Context, args: argparse.Namespace) -> None:
         }
         with open(os.path.join(args.out, "restored.jsonl"), "a") as f:
             f.write(json.dumps(line) + "\n")
+    torch.set_num_threads(1)
+    a = torch.randn(384, 384, generator=torch.Generator().manual_seed(rank))
+    log = open(os.path.join(args.out, f"steps-rank{rank}.jsonl"), "a")  # noqa: SIM115
     for step in ctx.steps(args.steps):
         if ctx.restored_step is not None and step > ctx.restored_step + 2:
             break
+        t0 = time.time()
+        b = a
+        for _ in range(args.work):  # a fixed amount of compute per step, like a training step
+            b = torch.tanh(b @ a)
         time.sleep(args.sleep)
+        log.write(json.dumps({"step": step, "epoch": ctx.epoch, "t0": t0, "t1": time.time()}))
+        log.write("\n")
+        log.flush()
+    log.close()
 
 
 if __name__ == "__main__":
@@ -89,5 +101,6 @@ if __name__ == "__main__":
     parser.add_argument("--world", type=int, default=4, help="the starting world size")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--sleep", type=float, default=0.2)
+    parser.add_argument("--work", type=int, default=0, help="matmuls per step")
     args = parser.parse_args()
     peerckpt.resilient()(run)(args)

@@ -205,3 +205,12 @@ def test_inspect_lists_steps_and_tensors_and_verify_finds_damage(tmp_path, capsy
     out = capsys.readouterr().out
     assert "verification FAILED for 1 of 6 chunk(s)" in out and "'model/s' of step 8" in out
     assert main(["inspect", str(tmp_path / "ckpt"), "--step", "7", "--verify"]) == 0
+
+
+def test_the_persist_config_survives_its_message_form() -> None:
+    from peerckpt.recovery.flush import PersistConfig
+
+    config = PersistConfig("s3://b/x", 10, 30.0, 3, 1e8, allow_older=True)
+    assert PersistConfig.from_msg(config.to_msg()) == config
+    with pytest.raises(ValueError, match="persist_every"):
+        PersistConfig("file:///x")

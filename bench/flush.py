@@ -1,0 +1,173 @@
+"""Durable flushes: do they slow training, and how close to the disk do they write?
+
+    python bench/flush.py [--mib-per-rank 256] [--steps 60] [--every 10] [--runs 3]
+
+One run measures, on this machine:
+
+* the disk's raw write bandwidth: 1 GiB in 16 MiB writes to a new file, then fsync;
+* a 2-node × 1-rank job (``bench/jobs/state_job.py``: a fixed amount of matmul work per step,
+  one thread, and a DTensor state of ``--mib-per-rank`` per rank), run twice: without a
+  durable tier, and with ``--persist file://… --persist-every N``. From the second run's
+  report every flush's window (start → commit) and size give the flush bandwidth; every
+  step's wall-clock span says whether it ran while a flush did.
+
+Results: ``bench/results/flush.json``; keys ``step_s_without_persist``,
+``step_s_during_flush``, ``step_s_with_persist_idle``, ``flush_slowdown`` (during flush /
+without persist − 1), ``flush_gbps``, ``disk_write_gbps``, ``flush_vs_disk``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import median_of, scratch_dir, write_result
+
+REPO = Path(__file__).resolve().parent.parent
+JOB = Path(__file__).resolve().parent / "jobs" / "state_job.py"
+
+
+def disk_write_gbps(directory: Path, nbytes: int = 1 << 30) -> float:
+    """Write ``nbytes`` to a new file in 16 MiB pieces and fsync it; GB/s."""
+    block = os.urandom(16 << 20)
+    path = directory / "disk-ceiling.bin"
+    start = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        for _ in range(nbytes // len(block)):
+            f.write(block)
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return nbytes / seconds / 1e9
+
+
+def run_job(args: argparse.Namespace, out: Path, persist: str | None) -> dict[str, Any]:
+    out.mkdir(parents=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "peerckpt",
+        "run",
+        "--nodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--job",
+        f"benchflush{os.getpid()}_{'p' if persist else 'n'}{len(list(out.parent.iterdir()))}",
+        "--report",
+        str(out / "report.json"),
+    ]
+    if persist:
+        argv += ["--persist", persist, "--persist-every", str(args.every)]
+    argv += [
+        str(JOB),
+        str(out),
+        "--world",
+        "2",
+        "--mib-per-rank",
+        str(args.mib_per_rank),
+        "--steps",
+        str(args.steps),
+        "--sleep",
+        "0",
+        "--work",
+        str(args.work),
+    ]
+    env = dict(os.environ, PEERCKPT_LOG_LEVEL="WARNING")
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise SystemExit(f"the job failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    steps = [
+        json.loads(line)
+        for rank in (0, 1)
+        for line in (out / f"steps-rank{rank}.jsonl").read_text().splitlines()
+    ]
+    report = json.loads((out / "report.json").read_text())
+    return {"steps": steps, "flushes": report.get("flushes", [])}
+
+
+def analyse(args: argparse.Namespace, plain: dict[str, Any], persisted: dict[str, Any]) -> dict:
+    skip = 5  # warm-up steps: first allocations and the first snapshots
+    base = [s["t1"] - s["t0"] for s in plain["steps"] if s["step"] >= skip]
+    windows = [
+        (f["started_at"], f["committed_at"])
+        for f in persisted["flushes"]
+        if f["state"] == "committed"
+    ]
+    during, idle = [], []
+    for s in persisted["steps"]:
+        if s["step"] < skip:
+            continue
+        busy = any(s["t0"] < end and s["t1"] > start for start, end in windows)
+        (during if busy else idle).append(s["t1"] - s["t0"])
+    committed = [f for f in persisted["flushes"] if f["state"] == "committed"]
+    rates = [f["nbytes"] / (f["committed_at"] - f["started_at"]) / 1e9 for f in committed]
+    return {
+        "step_s_without_persist": statistics.median(base),
+        "step_s_during_flush": statistics.median(during) if during else None,
+        "step_s_with_persist_idle": statistics.median(idle) if idle else None,
+        "steps_during_flush": len(during),
+        "flushes_committed": len(committed),
+        "flushes_failed": len([f for f in persisted["flushes"] if f["state"] == "failed"]),
+        "flush_bytes": committed[0]["nbytes"] if committed else 0,
+        "flush_gbps_runs": rates,
+        "flush_gbps": statistics.median(rates) if rates else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib-per-rank", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--every", type=int, default=10, help="flush every N steps")
+    parser.add_argument("--work", type=int, default=60, help="matmuls per step")
+    parser.add_argument("--runs", type=int, default=3, help="disk ceiling repetitions")
+    parser.add_argument("--tensors", type=int, default=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    with scratch_dir("flush") as scratch:
+        base = Path(scratch)
+        disk, disk_runs = median_of(args.runs, lambda: disk_write_gbps(base))
+        print(f"disk write with fsync: {disk:.2f} GB/s (runs {[round(x, 2) for x in disk_runs]})")
+        plain = run_job(args, base / "plain", None)
+        persisted = run_job(args, base / "persist", f"file://{base}/ckpt")
+    result = analyse(args, plain, persisted)
+    result.update(
+        disk_write_gbps=disk,
+        disk_write_gbps_runs=disk_runs,
+        state_bytes=2 * args.mib_per_rank << 20,
+        every=args.every,
+        steps=args.steps,
+    )
+    base_s, during = result["step_s_without_persist"], result["step_s_during_flush"]
+    result["flush_slowdown"] = during / base_s - 1 if during else None
+    result["flush_vs_disk"] = result["flush_gbps"] / disk if result["flush_gbps"] else None
+    path = write_result("flush", result)
+    print(f"step time without persist        {base_s * 1000:8.1f} ms")
+    if during:
+        print(
+            f"step time while a flush runs     {during * 1000:8.1f} ms  "
+            f"({result['flush_slowdown']:+.1%}, {result['steps_during_flush']} steps)"
+        )
+    if result["step_s_with_persist_idle"]:
+        print(
+            f"step time with persist, idle     {result['step_s_with_persist_idle'] * 1000:8.1f} ms"
+        )
+    if result["flush_gbps"]:
+        print(
+            f"flush {result['flush_bytes'] / 2**20:.0f} MiB: {result['flush_gbps']:.2f} GB/s, "
+            f"{result['flush_vs_disk']:.0%} of the disk's {disk:.2f} GB/s "
+            f"({result['flushes_committed']} flushes, {result['flushes_failed']} failed)"
+        )
+    print(f"written {path}")
+
+
+if __name__ == "__main__":
+    main()
