@@ -25,6 +25,7 @@ test-all: $(STAMP)
 # Benchmarks: each writes bench/results/<name>.json; docs/performance.md keeps the table.
 bench: $(STAMP)
 	$(PY) bench/reshard.py
+	$(PY) bench/flush.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -9,7 +9,9 @@ One run measures, on this machine:
   one thread, and a DTensor state of ``--mib-per-rank`` per rank), run twice: without a
   durable tier, and with ``--persist file://… --persist-every N``. From the second run's
   report every flush's window (start → commit) and size give the flush bandwidth; every
-  step's wall-clock span says whether it ran while a flush did.
+  step's wall-clock span says whether it ran while a flush did;
+* the same job with persist and the ranks idle (sleeping instead of computing): the flush
+  bandwidth when the low-priority writers get a core.
 
 Results: ``bench/results/flush.json``; keys ``step_s_without_persist``,
 ``step_s_during_flush``, ``step_s_with_persist_idle``, ``flush_slowdown`` (during flush /
@@ -49,7 +51,9 @@ def disk_write_gbps(directory: Path, nbytes: int = 1 << 30) -> float:
     return nbytes / seconds / 1e9
 
 
-def run_job(args: argparse.Namespace, out: Path, persist: str | None) -> dict[str, Any]:
+def run_job(
+    args: argparse.Namespace, out: Path, persist: str | None, work: int, sleep: float
+) -> dict[str, Any]:
     out.mkdir(parents=True)
     argv = [
         sys.executable,
@@ -77,9 +81,9 @@ def run_job(args: argparse.Namespace, out: Path, persist: str | None) -> dict[st
         "--steps",
         str(args.steps),
         "--sleep",
-        "0",
+        str(sleep),
         "--work",
-        str(args.work),
+        str(work),
     ]
     env = dict(os.environ, PEERCKPT_LOG_LEVEL="WARNING")
     proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -136,9 +140,19 @@ def main() -> None:
         base = Path(scratch)
         disk, disk_runs = median_of(args.runs, lambda: disk_write_gbps(base))
         print(f"disk write with fsync: {disk:.2f} GB/s (runs {[round(x, 2) for x in disk_runs]})")
-        plain = run_job(args, base / "plain", None)
-        persisted = run_job(args, base / "persist", f"file://{base}/ckpt")
+        plain = run_job(args, base / "plain", None, args.work, 0.0)
+        persisted = run_job(args, base / "persist", f"file://{base}/ckpt", args.work, 0.0)
+        # The same flushes with the ranks idle (they sleep instead of computing): what the
+        # writers do when they get a core, as on a GPU node whose CPUs are mostly free.
+        idle = run_job(args, base / "idle", f"file://{base}/ckpt-idle", 0, 0.2)
     result = analyse(args, plain, persisted)
+    idle_rates = [
+        f["nbytes"] / (f["committed_at"] - f["started_at"]) / 1e9
+        for f in idle["flushes"]
+        if f["state"] == "committed"
+    ]
+    result["flush_gbps_idle_runs"] = idle_rates
+    result["flush_gbps_idle"] = statistics.median(idle_rates) if idle_rates else None
     result.update(
         disk_write_gbps=disk,
         disk_write_gbps_runs=disk_runs,
@@ -149,6 +163,8 @@ def main() -> None:
     base_s, during = result["step_s_without_persist"], result["step_s_during_flush"]
     result["flush_slowdown"] = during / base_s - 1 if during else None
     result["flush_vs_disk"] = result["flush_gbps"] / disk if result["flush_gbps"] else None
+    idle_gbps = result["flush_gbps_idle"]
+    result["flush_idle_vs_disk"] = idle_gbps / disk if idle_gbps else None
     path = write_result("flush", result)
     print(f"step time without persist        {base_s * 1000:8.1f} ms")
     if during:
@@ -165,6 +181,11 @@ def main() -> None:
             f"flush {result['flush_bytes'] / 2**20:.0f} MiB: {result['flush_gbps']:.2f} GB/s, "
             f"{result['flush_vs_disk']:.0%} of the disk's {disk:.2f} GB/s "
             f"({result['flushes_committed']} flushes, {result['flushes_failed']} failed)"
+        )
+    if idle_gbps:
+        print(
+            f"flush with the ranks idle: {idle_gbps:.2f} GB/s, "
+            f"{result['flush_idle_vs_disk']:.0%} of the disk"
         )
     print(f"written {path}")
 
