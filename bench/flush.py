@@ -10,8 +10,8 @@ One run measures, on this machine:
   durable tier, and with ``--persist file://… --persist-every N``. From the second run's
   report every flush's window (start → commit) and size give the flush bandwidth; every
   step's wall-clock span says whether it ran while a flush did;
-* the same job with persist and the ranks idle (sleeping instead of computing): the flush
-  bandwidth when the low-priority writers get a core.
+* the same job with persist and the ranks idle (1 s steps of sleep): the flush bandwidth when
+  the low-priority writers get a core.
 
 Results: ``bench/results/flush.json``; keys ``step_s_without_persist``,
 ``step_s_during_flush``, ``step_s_with_persist_idle``, ``flush_slowdown`` (during flush /
@@ -52,7 +52,12 @@ def disk_write_gbps(directory: Path, nbytes: int = 1 << 30) -> float:
 
 
 def run_job(
-    args: argparse.Namespace, out: Path, persist: str | None, work: int, sleep: float
+    args: argparse.Namespace,
+    out: Path,
+    persist: str | None,
+    work: int,
+    sleep: float,
+    steps: int | None = None,
 ) -> dict[str, Any]:
     out.mkdir(parents=True)
     argv = [
@@ -79,7 +84,7 @@ def run_job(
         "--mib-per-rank",
         str(args.mib_per_rank),
         "--steps",
-        str(args.steps),
+        str(steps or args.steps),
         "--sleep",
         str(sleep),
         "--work",
@@ -142,9 +147,10 @@ def main() -> None:
         print(f"disk write with fsync: {disk:.2f} GB/s (runs {[round(x, 2) for x in disk_runs]})")
         plain = run_job(args, base / "plain", None, args.work, 0.0)
         persisted = run_job(args, base / "persist", f"file://{base}/ckpt", args.work, 0.0)
-        # The same flushes with the ranks idle (they sleep instead of computing): what the
-        # writers do when they get a core, as on a GPU node whose CPUs are mostly free.
-        idle = run_job(args, base / "idle", f"file://{base}/ckpt-idle", 0, 0.2)
+        # The same flushes with the ranks idle (1 s steps of sleep, so that the per-step
+        # snapshot and replication of the state leave the cores free most of the time): what
+        # the writers do when they get a core, as on a GPU node whose CPUs are mostly free.
+        idle = run_job(args, base / "idle", f"file://{base}/ckpt-idle", 0, 1.0, steps=31)
     result = analyse(args, plain, persisted)
     idle_rates = [
         f["nbytes"] / (f["committed_at"] - f["started_at"]) / 1e9
