@@ -271,7 +271,11 @@ class Coordinator(EpochChanges):
             try:
                 by_node = self.rounds.add(m, tracker, req["round"], req["rank"], req["chunks"])
             except RecoveryFailed as exc:
-                self._fail(str(exc))
+                event = self.events[-1] if self.events else {}
+                if event.get("epoch") != m.epoch or not self._storage_fallback(
+                    event, dict(m.ranks), str(exc)
+                ):
+                    self._fail(str(exc))
                 return {}
             if by_node is not None:
                 for node, reads in by_node.items():

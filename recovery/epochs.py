@@ -117,6 +117,71 @@ class EpochChanges:
             raise CheckpointError(f"every committed step in {url} ({steps}) is damaged")
         raise NoCheckpoint(f"no committed checkpoint in {url}")
 
+    def _restore_from_storage(
+        self,
+        ckpt: DurableCheckpoint,
+        url: str,
+        event: dict[str, Any],
+        epoch: int,
+        gen: int,
+        assignments: dict[int, RankAssignment],
+    ) -> None:
+        """Open ``epoch`` restoring durable step ``ckpt`` into ``assignments``: the stored step
+        becomes the committed state, storage its only holder, and the ranks reshard it."""
+        m = ckpt.manifest
+        layouts = {r: [c.record.to_msg() for c in cs] for r, cs in m.ranks.items()}
+        self.tracker = CommitTracker(
+            epoch=epoch - 1,
+            ranks=frozenset(layouts),
+            gen=gen - 1,
+            committed_step=m.step,
+            committed_gen=gen - 1,
+            committed_holders={r: {STORAGE} for r in layouts},
+            committed_layouts=layouts,
+        )
+        event.update(
+            restore_step=m.step, mode="reshard", epoch=epoch, url=url, old_world=m.world_size
+        )
+        self._open_epoch(
+            epoch,
+            assignments,
+            m.step,
+            {},
+            "reshard",
+            gen=gen,
+            previous={},
+            old_world=m.world_size,
+            restore_url=url,
+        )
+
+    def _storage_fallback(
+        self, event: dict[str, Any], assignments: dict[int, RankAssignment], why: str
+    ) -> bool:
+        """No memory copy of some state survived: go on from the latest durable step instead.
+
+        The steps after it are trained again (deterministically, so the bits come out the
+        same). False if there is no durable tier, no checkpoint, or this epoch already
+        restored from storage.
+        """
+        m = self.membership
+        if self.flusher is None or m is None or m.restore_url is not None:
+            return False
+        url = self.flusher.config.url
+        try:
+            ckpt = self._durable_to_restore(url)
+        except (CheckpointError, OSError) as exc:
+            log.error("no memory copy survived (%s) and storage cannot help: %s", why, exc)
+            return False
+        log.warning(
+            "no memory copy survived (%s); falling back to durable step %d in %s",
+            why,
+            ckpt.step,
+            url,
+        )
+        event["fallback"] = f"{why}; restored durable step {ckpt.step}"
+        self._restore_from_storage(ckpt, url, event, m.epoch + 1, m.gen + 1, assignments)
+        return True
+
     def _cold_start(self, assignments: dict[int, RankAssignment]) -> bool:
         """A job starting with a durable checkpoint restores its latest committed step from
         storage, resharded into this job's topology. False if there is none to restore."""
@@ -131,52 +196,26 @@ class EpochChanges:
         except (CheckpointError, OSError) as exc:
             self._fail(f"cannot read the durable checkpoints in {url}: {exc}")
             return True
-        m = ckpt.manifest
-        layouts = {r: [c.record.to_msg() for c in cs] for r, cs in m.ranks.items()}
-        self.tracker = CommitTracker(
-            epoch=-1,
-            ranks=frozenset(layouts),
-            gen=0,
-            committed_step=m.step,
-            committed_gen=0,
-            committed_holders={r: {STORAGE} for r in layouts},
-            committed_layouts=layouts,
-        )
         event: dict[str, Any] = {
             "kind": "cold_start",
             "ranks": [],
             "nodes": [],
-            "reason": f"restored step {m.step} from {url}",
+            "reason": f"restored step {ckpt.step} from {url}",
             "lost": {},
             "detected_at": time.time(),
             "from_epoch": -1,
             "pulls": [],
             "resumed_at": None,
-            "restore_step": m.step,
-            "mode": "reshard",
-            "epoch": 0,
-            "url": url,
-            "old_world": m.world_size,
         }
         self.events.append(event)
         log.info(
             "cold start: restoring step %d (%d ranks) from %s into %d ranks",
-            m.step,
-            m.world_size,
+            ckpt.step,
+            ckpt.manifest.world_size,
             url,
             len(assignments),
         )
-        self._open_epoch(
-            0,
-            assignments,
-            m.step,
-            {},
-            "reshard",
-            gen=1,
-            previous={},
-            old_world=m.world_size,
-            restore_url=url,
-        )
+        self._restore_from_storage(ckpt, url, event, 0, 1, assignments)
         return True
 
     def _recover(self, kind: str, ranks: set[int], nodes: set[int], reason: str) -> None:
@@ -264,7 +303,8 @@ class EpochChanges:
                     {r: a.node for r, a in old.ranks.items()},
                 )
             except RecoveryFailed as exc:
-                self._fail(str(exc))
+                if not self._storage_fallback(event, assignments, str(exc)):
+                    self._fail(str(exc))
                 return
         event["restore_step"] = restore
         event["mode"] = mode

@@ -27,6 +27,7 @@ class FailureRow:
     pulls: list[dict[str, Any]] = field(default_factory=list)
     superseded: bool = False  # another failure opened a newer epoch before this one resumed
     change: str = ""  # how the world changed, if it did
+    fallback: str = ""  # why the state came from durable storage instead of memory
 
 
 def _matches(action: dict[str, Any], event: dict[str, Any]) -> bool:
@@ -64,6 +65,7 @@ def failure_rows(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -> l
                 recovered_s=resumed - t0 if resumed else None,
                 restore_step=event.get("restore_step"),
                 pulls=sorted(event.get("pulls", []), key=lambda p: p["rank"]),
+                fallback=event.get("fallback", ""),
                 superseded=resumed is None
                 and any(e.get("from_epoch") == event.get("epoch") for e in events),
                 change=(
@@ -87,6 +89,8 @@ def format_failures(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -
         lines.append(head + (f"; {row.change}" if row.change else ""))
         if row.detected_s is not None:
             lines.append(f"    detected {row.detected_s * 1000:.0f} ms after the kill")
+        if row.fallback:
+            lines.append(f"    no memory copy survived: {row.fallback}")
         if row.superseded:
             lines.append(
                 "    repaired together with the next failure, which struck before this recovery ended"

@@ -127,6 +127,8 @@ class Tracking:
         finally:
             os.close(fd)
             self.channel.notify("release", epoch=a.epoch, rank=a.rank, round=round_)
+        # The model is the same model, whatever the world size: its DDP buckets too.
+        ddp.apply_layouts(state, metas[primary].get("ddp", {}))
         self._restored = metas[primary]
         log.info(
             "restored %s from step %s into a new layout (world %d, was %d): %.3f s planning "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import warnings
 
 import torch
@@ -17,6 +18,10 @@ from peerckpt.persist.manifest import META_KEY
 from peerckpt.runtime import restore
 
 from .conftest import JOBS, run_job
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
 
 
 def _ddp_job():
@@ -150,3 +155,48 @@ def test_a_writer_killed_mid_flush_never_commits_that_step(tmp_path) -> None:
     store = DurableStore(url)
     assert 10 in store.all_steps()  # the partial step is there, and never loaded
     assert store.open().step == max(committed)
+
+
+def test_losing_every_memory_copy_falls_back_to_the_durable_step_bit_exact(tmp_path) -> None:
+    # Both nodes die at once: every rank and every replica is gone. With a durable tier the
+    # spares restore its latest step and train the rest again, reaching the same bits.
+    url = f"file://{tmp_path}/ckpt"
+    args = ["--steps", "25", "--sleep", "0.02"]
+    reference = run_job(tmp_path / "reference", script_args=args)
+    assert reference.returncode == 0, reference.log[-4000:]
+    run = run_job(
+        tmp_path / "chaos",
+        script_args=args,
+        spares=4,
+        chaos="kill node=0 at=12; kill node=1 at=12",
+        extra=["--persist", url, "--persist-every", "5"],
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    fallbacks = [e for e in run.report["events"] if e.get("fallback")]
+    assert len(fallbacks) == 1 and "no surviving copy" in fallbacks[0]["fallback"]
+    restored = fallbacks[0]["restore_step"]
+    assert restored in (5, 10)  # the latest durable step when the nodes died
+    assert {p["source"] for p in fallbacks[0]["pulls"]} == {-1}
+    assert "no memory copy survived" in run.log
+    final = json.loads((tmp_path / "chaos" / "final.json").read_text())
+    expected = json.loads((tmp_path / "reference" / "final.json").read_text())
+    assert final["digest"] == expected["digest"]
+    ref = {e["step"]: e["digest"] for e in _lines(tmp_path / "reference" / "rank0.jsonl")}
+    for entry in _lines(tmp_path / "chaos" / "rank0.jsonl"):
+        assert entry["digest"] == ref[entry["step"]], f"step {entry['step']}"
+
+
+def test_losing_every_memory_copy_without_a_durable_tier_names_what_was_lost(tmp_path) -> None:
+    run = run_job(
+        tmp_path,
+        script_args=["--steps", "25", "--sleep", "0.02"],
+        spares=4,
+        chaos="kill node=0 at=12; kill node=1 at=12",
+    )
+    assert run.returncode == 1
+    # Which ranks it names depends on which node's loss was handled first; either way every
+    # copy of them is gone, and the error says so and what would have saved them.
+    reason = run.report["reason"]
+    lost = r"no surviving copy of the committed snapshot of rank\(s\) \[[0-3, ]+\]"
+    assert re.search(lost, reason), reason
+    assert "--replicas" in reason and "persist=" in reason
