@@ -31,11 +31,11 @@ from peerckpt.errors import CheckpointError, ConfigurationError, RecoveryFailed,
 from peerckpt.recovery.elastic import ReshardRounds
 from peerckpt.recovery.epochs import EpochChanges
 from peerckpt.recovery.flush import FlushScheduler, PersistConfig
+from peerckpt.recovery.liveness import Liveness
 from peerckpt.recovery.membership import CommitTracker, Membership
 from peerckpt.replication.placement import RingPlacement
 
 log = logging.getLogger("peerckpt.coordinator")
-FINISH_FLUSH_S = 300.0  # how long a finished job waits for its last flush
 
 
 @dataclass
@@ -58,7 +58,7 @@ class ProcInfo:
     alive: bool = True
 
 
-class Coordinator(EpochChanges):
+class Coordinator(EpochChanges, Liveness):
     """The job's single source of truth. All handlers hold ``_lock`` while they decide."""
 
     def __init__(
@@ -342,29 +342,6 @@ class Coordinator(EpochChanges):
             self._fail(f"rank {req['rank']} raised: {req['message']}")
             return {}
 
-    def replication_failed(self, req: dict[str, Any]) -> dict[str, Any]:
-        """A snapshot could not be mirrored to a buddy; the step cannot commit without it.
-
-        If the buddy refused it (out of memory, checksums), the job fails now with that
-        reason. If the buddy could not be reached, its node is probably gone and will be
-        declared lost; should it still look alive after one heartbeat timeout while the step
-        is still uncommitted, the job fails rather than wait forever.
-        """
-        with self._lock:
-            if self.membership is None or req["epoch"] != self.membership.epoch:
-                return {}
-            message = (
-                f"replicating rank {req['rank']}'s snapshot of step {req['step']} to node "
-                f"{req['buddy']} failed: {req['message']}"
-            )
-            log.warning("%s", message)
-            if req.get("fatal"):
-                self._fail(message)
-            else:
-                deadline = time.monotonic() + self.heartbeat_timeout
-                self._stuck.append((deadline, req["epoch"], req["step"], message))
-            return {}
-
     def stop(self, req: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             if self.state in ("starting", "running"):
@@ -393,34 +370,6 @@ class Coordinator(EpochChanges):
                 "flushes": self.flusher.records() if self.flusher else [],
                 "flush_skipped": list(self.flusher.skipped) if self.flusher else [],
             }
-
-    # -- liveness -------------------------------------------------------------------------
-    def check_heartbeats(self) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if self.state == "finishing" and now - self._finishing_since > FINISH_FLUSH_S:
-                log.warning(
-                    "the last flush did not finish in %.0f s; ending anyway", FINISH_FLUSH_S
-                )
-                self._finish()
-            for deadline, epoch, step, message in list(self._stuck):
-                if (
-                    self.membership is None
-                    or epoch != self.membership.epoch
-                    or (self.tracker is not None and (self.tracker.committed_step or -1) >= step)
-                ):
-                    self._stuck.remove((deadline, epoch, step, message))
-                elif now > deadline:
-                    self._fail(
-                        f"{message}; the buddy still looks alive, so the step can never commit"
-                    )
-            for node, agent in list(self.agents.items()):
-                if agent.alive and now - agent.last_heartbeat > self.heartbeat_timeout:
-                    self._lose_node(
-                        node,
-                        f"no heartbeat for {now - agent.last_heartbeat:.1f} s "
-                        f"(timeout {self.heartbeat_timeout} s)",
-                    )
 
     def close(self) -> None:
         """End every agent's event stream (the process is stopping)."""
