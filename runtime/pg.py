@@ -152,6 +152,12 @@ class ProcessGroupLifecycle:
             mine = inode in owned if owned is not None else inode not in baseline
             if mine and _shutdown_socket(fd, inode, hosts):
                 cut += 1
+        if everything:
+            # Last resort before the process gives up: also abort the groups themselves. Seen
+            # under heavy load: a DDP all_reduce stayed blocked after every socket was cut.
+            for group in list(dist.distributed_c10d._world.pg_map.keys()):
+                with contextlib.suppress(Exception):
+                    group.abort()
         log.info("aborted the process group of epoch %s (%d connections cut)", self.epoch, cut)
         return cut
 
