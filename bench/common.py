@@ -7,6 +7,8 @@ import os
 import platform
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -117,6 +119,18 @@ def scratch_dir(name: str) -> tempfile.TemporaryDirectory[str]:
     """A temporary directory on the local disk (not tmpfs), removed when closed."""
     base = os.environ.get("PEERCKPT_BENCH_DIR") or tempfile.gettempdir()
     return tempfile.TemporaryDirectory(prefix=f".bench-{name}-", dir=base)
+
+
+def run_peerckpt(args: list[str], log_level: str = "WARNING") -> subprocess.CompletedProcess[str]:
+    """``peerckpt run ARGS…`` from the repository; exit the benchmark if the job fails."""
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PEERCKPT_LOG_LEVEL=log_level)
+    argv = [sys.executable, "-m", "peerckpt", "run", *args]
+    proc = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        log = (proc.stdout + proc.stderr)[-3000:]
+        raise SystemExit(f"the peerckpt job failed ({proc.returncode}):\n{log}")
+    return proc
 
 
 def write_result(name: str, result: dict[str, Any]) -> Path:

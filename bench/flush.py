@@ -25,16 +25,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import scratch_dir, write_result
+from common import run_peerckpt, scratch_dir, write_result
 
-REPO = Path(__file__).resolve().parent.parent
 JOB = Path(__file__).resolve().parent / "jobs" / "state_job.py"
 
 
@@ -78,10 +76,6 @@ def run_job(
 ) -> dict[str, Any]:
     out.mkdir(parents=True)
     argv = [
-        sys.executable,
-        "-m",
-        "peerckpt",
-        "run",
         "--nodes",
         "2",
         "--nproc-per-node",
@@ -107,10 +101,7 @@ def run_job(
         "--work",
         str(work),
     ]
-    env = dict(os.environ, PEERCKPT_LOG_LEVEL="WARNING")
-    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise SystemExit(f"the job failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    run_peerckpt(argv)
     steps = [
         json.loads(line)
         for rank in (0, 1)

@@ -27,7 +27,6 @@ import os
 import re
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,13 +44,13 @@ from common import (
     disk_read_gbps,
     drop_page_cache,
     memcpy_gbps,
+    run_peerckpt,
     scratch_dir,
     socket_gbps,
     write_result,
 )
 from jobs.state_job import COLS, pattern, rows_per_tensor
 
-REPO = Path(__file__).resolve().parent.parent
 JOB = Path(__file__).resolve().parent / "jobs" / "state_job.py"
 
 
@@ -60,10 +59,6 @@ def peerckpt_run(args: argparse.Namespace, out: Path, index: int) -> dict[str, A
     out.mkdir(parents=True)
     report = out / "report.json"
     argv = [
-        sys.executable,
-        "-m",
-        "peerckpt",
-        "run",
         "--nodes",
         "4",
         "--nproc-per-node",
@@ -85,11 +80,7 @@ def peerckpt_run(args: argparse.Namespace, out: Path, index: int) -> dict[str, A
         "--tensors",
         str(args.tensors),
     ]
-    env = dict(os.environ, PEERCKPT_LOG_LEVEL="INFO")
-    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        log = (proc.stdout + proc.stderr)[-3000:]
-        raise SystemExit(f"the peerckpt job failed ({proc.returncode}):\n{log}")
+    proc = run_peerckpt(argv, log_level="INFO")
     lines = [json.loads(x) for x in (out / "restored.jsonl").read_text().splitlines()]
     final = [x for x in lines if x["world"] == 2 and x["epoch"] == max(y["epoch"] for y in lines)]
     # The ranks log their restore's two phases: planning and gathering (the agents' work),

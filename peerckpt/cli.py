@@ -41,15 +41,9 @@ def _persist(args: argparse.Namespace) -> dict[str, object] | None:
         return None
     from peerckpt.recovery.flush import PersistConfig
 
-    every = args.persist_every
-    if every is None and args.persist_interval is None:
-        every = 100
-    try:
-        config = PersistConfig(
-            args.persist, every, args.persist_interval, args.keep, allow_older=args.allow_older
-        )
-    except ValueError as exc:
-        raise PeerckptError(str(exc)) from None
+    config = PersistConfig.from_settings(
+        args.persist, args.persist_every, args.persist_interval, args.keep, args.allow_older
+    )
     return config.to_msg()
 
 

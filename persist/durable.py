@@ -311,29 +311,44 @@ class DurableStore:
     def committed_steps(self) -> list[int]:
         return [s for s in self.all_steps() if self._manifest_if_committed(s) is not None]
 
-    def latest_step(self) -> int | None:
-        """The latest committed step: ``latest`` if it names a committed step, else a scan."""
+    def _latest(self) -> tuple[int, bytes] | None:
+        """The latest committed step and its manifest: what ``latest`` names, unless a newer
+        step was committed after it (the pointer is written last, so it can lag)."""
+        found = None
         with contextlib.suppress(FileNotFoundError, ValueError):
             step = int(self.fs.cat_file(self._path(LATEST)).decode().strip())
-            if self._manifest_if_committed(step) is not None:
-                newer = [s for s in self.all_steps() if s > step]
-                if not newer:
-                    return step
-        committed = self.committed_steps()
-        return committed[-1] if committed else None
+            raw = self._manifest_if_committed(step)
+            if raw is not None:
+                found = (step, raw)
+        floor = found[0] if found else -1
+        for step in reversed(self.all_steps()):
+            if step <= floor:
+                break
+            raw = self._manifest_if_committed(step)
+            if raw is not None:
+                return step, raw
+        return found
+
+    def latest_step(self) -> int | None:
+        """The latest committed step, or None."""
+        latest = self._latest()
+        return latest[0] if latest else None
 
     def open(self, step: int | None = None) -> DurableCheckpoint:
         """The committed checkpoint of ``step`` (default: the latest)."""
         if step is None:
-            step = self.latest_step()
-            if step is None:
+            latest = self._latest()
+            if latest is None:
                 raise NoCheckpoint(f"no committed checkpoint in {self.url}")
-        raw = self._manifest_if_committed(step)
-        if raw is None:
-            raise NoCheckpoint(
-                f"step {step} in {self.url} is not committed (no valid {MARKER} marker); "
-                f"committed steps: {self.committed_steps()}"
-            )
+            step, raw = latest
+        else:
+            found = self._manifest_if_committed(step)
+            if found is None:
+                raise NoCheckpoint(
+                    f"step {step} in {self.url} is not committed (no valid {MARKER} marker); "
+                    f"committed steps: {self.committed_steps()}"
+                )
+            raw = found
         return DurableCheckpoint(self, DurableManifest.from_msg(_unpack(raw, MANIFEST)))
 
 

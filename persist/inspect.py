@@ -6,14 +6,7 @@ from collections import defaultdict
 
 from peerckpt.persist.durable import DurableStore
 from peerckpt.persist.manifest import META_KEY
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+from peerckpt.replication.arena import human
 
 
 def inspect(url: str, step: int | None = None, verify: bool = False) -> tuple[list[str], bool]:

@@ -196,18 +196,7 @@ class EpochChanges:
         except (CheckpointError, OSError) as exc:
             self._fail(f"cannot read the durable checkpoints in {url}: {exc}")
             return True
-        event: dict[str, Any] = {
-            "kind": "cold_start",
-            "ranks": [],
-            "nodes": [],
-            "reason": f"restored step {ckpt.step} from {url}",
-            "lost": {},
-            "detected_at": time.time(),
-            "from_epoch": -1,
-            "pulls": [],
-            "resumed_at": None,
-        }
-        self.events.append(event)
+        event = self._event("cold_start", set(), set(), f"restored step {ckpt.step} from {url}")
         log.info(
             "cold start: restoring step %d (%d ranks) from %s into %d ranks",
             ckpt.step,
@@ -260,16 +249,16 @@ class EpochChanges:
         self._change(event, assignments, previous)
 
     def _event(self, kind: str, ranks: set[int], nodes: set[int], reason: str) -> dict[str, Any]:
-        assert self.membership is not None
+        """Record a membership event (before the first epoch: a cold start, nothing lost)."""
         old = self.membership
         event: dict[str, Any] = {
             "kind": kind,
             "ranks": sorted(ranks),
             "nodes": sorted(nodes),
             "reason": reason,
-            "lost": {r: old.ranks[r].node for r in sorted(ranks)},
+            "lost": {r: old.ranks[r].node for r in sorted(ranks)} if old else {},
             "detected_at": time.time(),
-            "from_epoch": old.epoch,
+            "from_epoch": old.epoch if old else -1,
             "pulls": [],
             "resumed_at": None,
         }

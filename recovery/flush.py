@@ -20,11 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from peerckpt.errors import CheckpointError
+from peerckpt.errors import CheckpointError, ConfigurationError
 from peerckpt.persist.durable import DurableStore, assign_writers
 from peerckpt.persist.manifest import ChunkRecord
 
 log = logging.getLogger("peerckpt.coordinator")
+DEFAULT_EVERY = 100  # steps between flushes when neither steps nor seconds are given
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,26 @@ class PersistConfig:
             raise ValueError(f"persist_every must be at least 1, got {self.every}")
         if self.keep is not None and self.keep < 1:
             raise ValueError(f"keep must be at least 1, got {self.keep}")
+
+    @classmethod
+    def from_settings(
+        cls,
+        url: str,
+        every: int | None,
+        interval: float | None,
+        keep: int | None,
+        allow_older: bool = False,
+    ) -> PersistConfig:
+        """The config a user asked for: every 100 steps unless told steps or seconds.
+
+        Raises ConfigurationError naming a bad setting.
+        """
+        if every is None and interval is None:
+            every = DEFAULT_EVERY
+        try:
+            return cls(url, every, interval, keep, allow_older=allow_older)
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
 
     def to_msg(self) -> dict[str, Any]:
         return {

@@ -96,14 +96,9 @@ def resilient(
     if persist is not None:
         from peerckpt.recovery.flush import PersistConfig
 
-        if persist_every is None and persist_interval is None:
-            persist_every = 100
-        try:
-            persisted = PersistConfig(
-                persist, persist_every, persist_interval, keep, allow_older=persist_allow_older
-            ).to_msg()
-        except ValueError as exc:
-            raise ConfigurationError(str(exc)) from None
+        persisted = PersistConfig.from_settings(
+            persist, persist_every, persist_interval, keep, persist_allow_older
+        ).to_msg()
     elif persist_every is not None or persist_interval is not None or keep is not None:
         raise ConfigurationError("persist_every, persist_interval and keep need persist=URL")
 

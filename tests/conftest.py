@@ -92,14 +92,18 @@ class JobRun:
         found: dict[tuple[int, int], set[str]] = {}
         for path in sorted(self.out.glob("rank*.jsonl")):
             rank = int(path.stem[4:])
-            for line in path.read_text().splitlines():
-                entry = json.loads(line)
+            for entry in read_jsonl(path):
                 found.setdefault((rank, entry["step"]), set()).add(entry["digest"])
         return found
 
     def final(self) -> dict[str, Any]:
         result: dict[str, Any] = json.loads((self.out / "final.json").read_text())
         return result
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records a job script appended to ``path`` (none if it never wrote it)."""
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def launch(

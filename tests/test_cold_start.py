@@ -8,7 +8,6 @@ first job had at that step.
 
 from __future__ import annotations
 
-import json
 import socket
 from collections.abc import Iterator
 
@@ -16,11 +15,7 @@ import pytest
 
 from peerckpt.persist.durable import DurableStore
 
-from .conftest import run_job
-
-
-def _lines(path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()]
+from .conftest import read_jsonl, run_job
 
 
 def _cold_start_4_to_2(tmp_path, url: str) -> None:
@@ -36,7 +31,7 @@ def _cold_start_4_to_2(tmp_path, url: str) -> None:
     # 0, 5, 10 may be the latest, and it must be what the job reported it wrote last.
     written = [f["step"] for f in run.report["flushes"] if f["state"] == "committed"]
     assert step is not None and step == written[-1] and step % 5 == 0
-    committed = {e["digest"] for e in _lines(first / "rank0.jsonl") if e["step"] == step}
+    committed = {e["digest"] for e in read_jsonl(first / "rank0.jsonl") if e["step"] == step}
     run = run_job(
         second,
         script_args=["--steps", "16"],
@@ -44,14 +39,14 @@ def _cold_start_4_to_2(tmp_path, url: str) -> None:
         extra=["--persist", url, "--persist-every", "5"],
     )
     assert run.returncode == 0, run.log[-4000:]
-    restored = _lines(second / "restored.jsonl")
+    restored = read_jsonl(second / "restored.jsonl")
     assert sorted(r["rank"] for r in restored) == [0, 1]
     for r in restored:
         assert r["step"] == step and r["world"] == 2 and {r["digest"]} == committed
     [event] = run.report["events"]
     assert event["kind"] == "cold_start" and event["old_world"] == 4
     assert {p["source"] for p in event["pulls"]} == {-1}  # every byte from storage
-    resumed = [e["step"] for e in _lines(second / "rank0.jsonl")]
+    resumed = [e["step"] for e in read_jsonl(second / "rank0.jsonl")]
     assert resumed[0] == step + 1 and resumed[-1] == 15
     assert DurableStore(url).latest_step() > step  # and it goes on writing checkpoints
 
@@ -121,6 +116,6 @@ def test_a_damaged_checkpoint_is_refused_by_name_and_allow_older_falls_back(tmp_
     )
     assert run.returncode == 0, run.log[-4000:]
     assert "step 10 in" in run.log and "is damaged" in run.log
-    committed = {e["digest"] for e in _lines(first / "rank0.jsonl") if e["step"] == 5}
-    restored = _lines(third / "restored.jsonl")
+    committed = {e["digest"] for e in read_jsonl(first / "rank0.jsonl") if e["step"] == 5}
+    restored = read_jsonl(third / "restored.jsonl")
     assert [r["step"] for r in restored] == [5, 5] and {r["digest"] for r in restored} == committed

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 import warnings
 
@@ -17,11 +16,7 @@ from peerckpt.persist.interop import PeerckptReader, export_safetensors
 from peerckpt.persist.manifest import META_KEY
 from peerckpt.runtime import restore
 
-from .conftest import JOBS, run_job
-
-
-def _lines(path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()]
+from .conftest import JOBS, read_jsonl, run_job
 
 
 def _ddp_job():
@@ -64,19 +59,9 @@ def test_a_job_flushes_committed_steps_that_reload_bit_exact(tmp_path) -> None:
     store = DurableStore(url)
     assert store.committed_steps() == flushed[-2:]  # keep=2
     assert store.all_steps() == flushed[-2:]  # nothing half-written left behind
-    job = _ddp_job()
-    logged = {}
-    for rank in range(4):
-        for line in (tmp_path / f"rank{rank}.jsonl").read_text().splitlines():
-            entry = json.loads(line)
-            logged[(rank, entry["step"])] = entry["digest"]
-    for step in store.committed_steps():
-        ckpt = store.open(step)
-        assert ckpt.verify() == []
-        for rank in range(4):
-            assert _digest_from_checkpoint(job, ckpt, rank) == logged[(rank, step)]
+    assert _assert_committed_steps_reload(url, tmp_path) == flushed[-2:]
     # Other tools read the same bits: a safetensors export and dcp.load through the reader.
-    model, _ = _restore_from_checkpoint(job, store.open(), 0)
+    model, _ = _restore_from_checkpoint(_ddp_job(), store.open(), 0)
     ours = model.state_dict()
     export_safetensors(url, str(tmp_path / "m.safetensors"), prefix="model")
     exported = load_file(str(tmp_path / "m.safetensors"))
@@ -90,12 +75,11 @@ def test_a_job_flushes_committed_steps_that_reload_bit_exact(tmp_path) -> None:
 
 
 def _logged_digests(out) -> dict[tuple[int, int], str]:
-    logged = {}
-    for rank in range(4):
-        for line in (out / f"rank{rank}.jsonl").read_text().splitlines():
-            entry = json.loads(line)
-            logged[(rank, entry["step"])] = entry["digest"]
-    return logged
+    return {
+        (rank, entry["step"]): entry["digest"]
+        for rank in range(4)
+        for entry in read_jsonl(out / f"rank{rank}.jsonl")
+    }
 
 
 def _assert_committed_steps_reload(url: str, out) -> list[int]:
@@ -178,11 +162,9 @@ def test_losing_every_memory_copy_falls_back_to_the_durable_step_bit_exact(tmp_p
     assert restored in (5, 10)  # the latest durable step when the nodes died
     assert {p["source"] for p in fallbacks[0]["pulls"]} == {-1}
     assert "no memory copy survived" in run.log
-    final = json.loads((tmp_path / "chaos" / "final.json").read_text())
-    expected = json.loads((tmp_path / "reference" / "final.json").read_text())
-    assert final["digest"] == expected["digest"]
-    ref = {e["step"]: e["digest"] for e in _lines(tmp_path / "reference" / "rank0.jsonl")}
-    for entry in _lines(tmp_path / "chaos" / "rank0.jsonl"):
+    assert run.final()["digest"] == reference.final()["digest"]
+    ref = {e["step"]: e["digest"] for e in read_jsonl(tmp_path / "reference" / "rank0.jsonl")}
+    for entry in read_jsonl(tmp_path / "chaos" / "rank0.jsonl"):
         assert entry["digest"] == ref[entry["step"]], f"step {entry['step']}"
 
 

@@ -16,24 +16,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from .conftest import REPO, launch, run_job
-
-
-def _lines(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+from .conftest import REPO, launch, read_jsonl, run_job
 
 
 def _assert_ddp_restores_match(out: Path, world: int) -> None:
     """Every rank of the new world restored exactly the state the old world committed."""
     steps: dict[tuple[int, int], set[str]] = collections.defaultdict(set)
     for path in out.glob("rank*.jsonl"):
-        for entry in _lines(path):
+        for entry in read_jsonl(path):
             steps[(entry["epoch"], entry["step"])].add(entry["digest"])
-    restored = _lines(out / "restored.jsonl")
+    restored = read_jsonl(out / "restored.jsonl")
     assert sorted(r["rank"] for r in restored) == list(range(world))
     for r in restored:
         assert r["world"] == world
@@ -42,8 +37,8 @@ def _assert_ddp_restores_match(out: Path, world: int) -> None:
 
 
 def _assert_full_restore_matches(out: Path, world: int, log: str = "") -> None:
-    full = _lines(out / "full.jsonl")
-    [restored] = _lines(out / "restored.jsonl")
+    full = read_jsonl(out / "full.jsonl")
+    [restored] = read_jsonl(out / "restored.jsonl")
     assert restored["world"] == world, log[-6000:]
     committed = [
         f for f in full if f["step"] == restored["restored"] and f["epoch"] < restored["epoch"]
@@ -160,7 +155,7 @@ def test_the_sampler_delivers_every_index_once_across_a_shrink_and_a_grow(tmp_pa
         extra=["--min-nodes", "1"],
     )
     assert run.returncode == 0, run.log[-4000:]
-    records = [e for p in tmp_path.glob("rank*.jsonl") for e in _lines(p)]
+    records = [e for p in tmp_path.glob("rank*.jsonl") for e in read_jsonl(p)]
     assert {r["world"] for r in records} == {4, 2}
     assert [e["kind"] for e in run.report["events"]] == ["node", "grow"]
     final = {}
