@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import math
 import os
 import sys
+from fractions import Fraction
 
 from peerckpt.errors import PeerckptError
+from peerckpt.replication.placement import STRATEGY_NAMES
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -45,6 +49,95 @@ def _persist(args: argparse.Namespace) -> dict[str, object] | None:
         args.persist, args.persist_every, args.persist_interval, args.keep, args.allow_older
     )
     return config.to_msg()
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from peerckpt.replication.survival import plan
+
+    _check_plan_args(args)
+    names = STRATEGY_NAMES if args.strategy == "all" else (args.strategy,)
+    plans = plan(args.nodes, args.replicas, args.failures, names)
+    size = args.state_bytes
+    if args.json:
+        out = {
+            "nodes": args.nodes,
+            "replicas": args.replicas,
+            "failures": args.failures,
+            "failure_sets": plans[0].failure_sets,
+            "state_bytes": size,
+            "strategies": [
+                {
+                    "strategy": p.strategy,
+                    "recoverable_sets": p.recoverable_sets,
+                    "probability": str(p.probability),
+                    "percent": float(p.probability * 100),
+                    "memory_per_node_most": p.memory.most,
+                    "memory_per_node_least": p.memory.least,
+                    "memory_per_node_mean": str(p.memory.mean),
+                    "bytes_per_node_most": None if size is None else p.memory.most * size,
+                }
+                for p in plans
+            ],
+        }
+        print(json.dumps(out, indent=2))
+        return 0
+    from peerckpt.replication.arena import human
+
+    print(
+        f"{args.nodes} nodes, {args.replicas} replica(s) per snapshot ({args.replicas + 1} "
+        f"copies), {args.failures} simultaneous node failure(s): {plans[0].failure_sets:,} "
+        "equally likely sets of failed nodes"
+    )
+    size_text = "" if size is None else f" = {size:,} bytes ({human(size)})"
+    print(f"S = one node's snapshot{size_text}")
+    rows = [("strategy", "recoverable sets", "probability", "percent", "memory per node")]
+    for p in plans:
+        memory = f"{p.memory.most}·S"
+        if size is not None:
+            memory += f" = {p.memory.most * size:,} bytes ({human(p.memory.most * size)})"
+        if p.memory.least != p.memory.most:
+            memory = f"up to {memory} (least {p.memory.least}·S, mean {p.memory.mean}·S)"
+        recoverable = f"{p.recoverable_sets:,}/{p.failure_sets:,}"
+        rows.append((p.strategy, recoverable, str(p.probability), _percent(p.probability), memory))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print(
+            "  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True)),
+            row[4],
+            sep="  ",
+        )
+    return 0
+
+
+def _check_plan_args(args: argparse.Namespace) -> None:
+    if args.nodes < 1:
+        raise PeerckptError(f"--nodes {args.nodes}: a job needs at least 1 node")
+    if args.replicas < 0:
+        raise PeerckptError(f"--replicas {args.replicas}: use 0 (no copies) or more")
+    if args.replicas >= args.nodes:
+        raise PeerckptError(
+            f"--replicas {args.replicas} needs at least {args.replicas + 1} nodes, since every "
+            f"copy lives on a node of its own; use --replicas {args.nodes - 1} or fewer, or "
+            f"more --nodes"
+        )
+    if not 0 <= args.failures <= args.nodes:
+        raise PeerckptError(
+            f"--failures {args.failures}: between 0 and the {args.nodes} nodes can fail; "
+            f"use --failures from 0 to {args.nodes}"
+        )
+    if args.state_bytes is not None and args.state_bytes < 1:
+        raise PeerckptError(f"--state-bytes {args.state_bytes}: a snapshot has 1 byte or more")
+
+
+def _percent(p: Fraction) -> str:
+    """Percent to 4 decimals; only a certainty prints as 100% and only an impossibility as 0%."""
+    units = math.floor(p * 10**6 + Fraction(1, 2))
+    # Rounding must not turn a near-certainty into a certainty, nor a slim chance into none.
+    if p < 1:
+        units = min(units, 10**6 - 1)
+    if p > 0:
+        units = max(units, 1)
+    return f"{units // 10**4}.{units % 10**4:04d}%"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,6 +238,30 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="only this tracked object's tensors, named as in its state_dict (e.g. model)",
     )
+    plan = sub.add_parser(
+        "plan",
+        help="compare buddy placements: odds of surviving node failures, memory per node",
+        description="For n nodes, k replicas and f nodes failing at once (every set of f "
+        "equally likely), print each placement strategy's exact probability that every "
+        "snapshot still has a copy in memory, and the snapshot memory a node must hold.",
+    )
+    plan.add_argument("--nodes", type=int, required=True, help="nodes (failure domains)")
+    plan.add_argument("--replicas", type=int, required=True, help="buddies per snapshot, as in run")
+    plan.add_argument("--failures", type=int, required=True, help="nodes failing at once")
+    plan.add_argument(
+        "--strategy",
+        choices=[*STRATEGY_NAMES, "all"],
+        default="all",
+        help="which placement (default: all)",
+    )
+    plan.add_argument(
+        "--state-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="one node's snapshot size, to print memory in bytes",
+    )
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("PEERCKPT_LOG_LEVEL", "INFO"),
@@ -166,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             total = sum(t.numel() * t.element_size() for t in tensors.values())
             print(f"wrote {len(tensors)} tensors ({total:,} bytes) to {args.out}")
             return 0
+        if args.command == "plan":
+            return _plan(args)
         if args.command == "join":
             from peerckpt.runtime.join import join as join_job
 

@@ -29,7 +29,7 @@ import grpc
 
 from peerckpt.errors import CheckpointError, ConfigurationError, RecoveryFailed, StaleEpoch
 from peerckpt.recovery.elastic import ReshardRounds
-from peerckpt.recovery.epochs import EpochChanges
+from peerckpt.recovery.epochs import DeferredRecovery, EpochChanges
 from peerckpt.recovery.flush import FlushScheduler, PersistConfig
 from peerckpt.recovery.liveness import Liveness
 from peerckpt.recovery.membership import CommitTracker, Membership
@@ -70,8 +70,12 @@ class Coordinator(EpochChanges, Liveness):
         store_addr: str = "",
         min_nodes: int | None = None,
         persist: PersistConfig | None = None,
+        spares: int = 0,
     ) -> None:
         self.min_nodes = min_nodes  # None: the world never shrinks
+        self.spares_started = spares  # started by the launcher; each joins once it has warmed up
+        self.spares_joined = 0
+        self._deferred: DeferredRecovery | None = None
         # Durable checkpoints: from `peerckpt run --persist`, else from the script's decorator.
         self.flusher = FlushScheduler(persist) if persist is not None else None
         self._finishing_since = 0.0
@@ -157,9 +161,13 @@ class Coordinator(EpochChanges, Liveness):
                 persist = PersistConfig.from_msg(req.get("persist"))  # @resilient(persist=…)
                 self.flusher = FlushScheduler(persist) if persist is not None else None
             log.info("%s pid %d joined on node %d", req["role"], req["pid"], req["node"])
+            if req["role"] == "spare":
+                self.spares_joined += 1
             if self.state == "starting":
                 self._maybe_open_first_epoch()
             self._maybe_grow()
+            if req["role"] == "spare":
+                self._retry_deferred()
             return {}
 
     # -- failures -------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from peerckpt.errors import CheckpointError, NoCheckpoint, RecoveryFailed
@@ -26,6 +27,21 @@ if TYPE_CHECKING:
     from peerckpt.replication.placement import RingPlacement
 
 log = logging.getLogger("peerckpt.coordinator")
+
+SPARE_WAIT_S = 60.0  # how long a recovery waits for spares the launcher started to join
+
+
+@dataclass
+class DeferredRecovery:
+    """Ranks lost while too few spares had joined but more were still starting."""
+
+    kind: str
+    ranks: set[int]
+    nodes: set[int]
+    reason: str
+    detected_at: float
+    deadline: float  # time.monotonic(): then the recovery goes on with what has joined
+    never_joined: int = 0  # spares given up on when the wait ran out
 
 
 class EpochChanges:
@@ -45,6 +61,9 @@ class EpochChanges:
     done: set[int]
     resumed: set[int]
     snapshot_bytes: dict[int, int]
+    spares_started: int
+    spares_joined: int
+    _deferred: DeferredRecovery | None
 
     flusher: FlushScheduler | None
 
@@ -207,22 +226,49 @@ class EpochChanges:
         self._restore_from_storage(ckpt, url, event, 0, 1, assignments)
         return True
 
-    def _recover(self, kind: str, ranks: set[int], nodes: set[int], reason: str) -> None:
+    def _recover(
+        self,
+        kind: str,
+        ranks: set[int],
+        nodes: set[int],
+        reason: str,
+        deferred: DeferredRecovery | None = None,
+    ) -> None:
         if self.state != "running" or self.membership is None or self.tracker is None:
             return
+        if deferred is None and self._deferred is not None:
+            # A recovery is waiting for spares: this loss joins it (one epoch change for both).
+            d = self._deferred
+            d.ranks |= ranks
+            d.nodes |= nodes
+            d.reason = f"{d.reason}; {reason}"
+            d.kind = "node" if "node" in (d.kind, kind) else d.kind
+            self._retry_deferred()
+            return
         old = self.membership
+        spares = self._joined_spares()
+        starting = self.spares_started - self.spares_joined
+        if len(spares) < len(ranks) and starting > 0:
+            if deferred is None:
+                deferred = DeferredRecovery(
+                    kind, ranks, nodes, reason, time.time(), time.monotonic() + SPARE_WAIT_S
+                )
+                log.warning(
+                    "lost rank(s) %s (%s); %d spare(s) joined, %d still starting: the "
+                    "recovery waits up to %.0f s for them",
+                    sorted(deferred.ranks),
+                    deferred.reason,
+                    len(spares),
+                    starting,
+                    SPARE_WAIT_S,
+                )
+            if time.monotonic() < deferred.deadline:
+                self._deferred = deferred
+                return
         event = self._event(kind, ranks, nodes, reason)
-        spares = sorted(
-            (
-                p
-                for p in self.procs.values()
-                if p.role == "spare"
-                and p.alive
-                and self._member_rank(p) is None
-                and self.agents[p.node].alive
-            ),
-            key=lambda p: (not self.agents[p.node].spare_node, p.node, p.pid),
-        )
+        if deferred is not None:
+            event["detected_at"] = deferred.detected_at
+            event["waited_for_spares_s"] = round(time.time() - deferred.detected_at, 3)
         if len(spares) >= len(ranks):
             assignments, previous = replaced(old.ranks, ranks, [(p.node, p.pid) for p in spares])
             for rank, spare in zip(sorted(ranks), spares, strict=False):
@@ -241,12 +287,48 @@ class EpochChanges:
                 return
             event["shrunk_to"] = len(assignments)
         else:
+            missing = starting or (deferred.never_joined if deferred else 0)
+            never = f" ({missing} more never joined)" if missing else ""
             self._fail(
                 f"lost rank(s) {sorted(ranks)} ({reason}) and only {len(spares)} spare(s) are "
-                "left; start the job with more --spares, or let it shrink with --min-nodes"
+                f"left{never}; start the job with more --spares, or let it shrink with --min-nodes"
             )
             return
         self._change(event, assignments, previous)
+
+    def _joined_spares(self) -> list[ProcInfo]:
+        """Spares ready to take a rank: alive, on a live node, not in the membership."""
+        return sorted(
+            (
+                p
+                for p in self.procs.values()
+                if p.role == "spare"
+                and p.alive
+                and self._member_rank(p) is None
+                and self.agents[p.node].alive
+            ),
+            key=lambda p: (not self.agents[p.node].spare_node, p.node, p.pid),
+        )
+
+    def _retry_deferred(self, force: bool = False) -> None:
+        """A spare joined (or the wait ran out, ``force``): go on with a deferred recovery."""
+        d = self._deferred
+        if d is None:
+            return
+        short = len(self._joined_spares()) < len(d.ranks)
+        if not force and short and self.spares_started > self.spares_joined:
+            return  # more are coming; keep waiting
+        self._deferred = None
+        if force:
+            log.warning(
+                "%d spare(s) did not join within %.0f s; recovering without them",
+                self.spares_started - self.spares_joined,
+                SPARE_WAIT_S,
+            )
+            d.never_joined = self.spares_started - self.spares_joined
+            self.spares_started = self.spares_joined  # they are not coming
+            d.deadline = 0.0
+        self._recover(d.kind, d.ranks, d.nodes, d.reason, deferred=d)
 
     def _event(self, kind: str, ranks: set[int], nodes: set[int], reason: str) -> dict[str, Any]:
         """Record a membership event (before the first epoch: a cold start, nothing lost)."""

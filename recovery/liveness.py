@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from peerckpt.recovery.coordinator import AgentInfo
+    from peerckpt.recovery.epochs import DeferredRecovery
     from peerckpt.recovery.membership import CommitTracker, Membership
 
 log = logging.getLogger("peerckpt.coordinator")
@@ -35,12 +36,14 @@ class Liveness:
     _lock: threading.RLock
     _stuck: list[tuple[float, int, int, str]]
     _finishing_since: float
+    _deferred: DeferredRecovery | None
 
     if TYPE_CHECKING:  # provided by Coordinator
 
         def _fail(self, reason: str) -> None: ...
         def _finish(self) -> None: ...
         def _lose_node(self, node: int, reason: str) -> None: ...
+        def _retry_deferred(self, force: bool = False) -> None: ...
 
     def replication_failed(self, req: dict[str, Any]) -> dict[str, Any]:
         """A snapshot could not be mirrored to a buddy; the step cannot commit without it.
@@ -73,6 +76,8 @@ class Liveness:
                     "the last flush did not finish in %.0f s; ending anyway", FINISH_FLUSH_S
                 )
                 self._finish()
+            if self._deferred is not None and now > self._deferred.deadline:
+                self._retry_deferred(force=True)
             for deadline, epoch, step, message in list(self._stuck):
                 if (
                     self.membership is None

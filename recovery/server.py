@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=None)
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0)
     parser.add_argument("--min-nodes", type=int, default=None)
+    parser.add_argument("--spares", type=int, default=0, help="spares the launcher starts")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--persist", default=None, help="durable checkpoints, as JSON")
     args = parser.parse_args(argv)
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         args.heartbeat_timeout,
         f"{args.host}:{store.port}",
         min_nodes=args.min_nodes,
+        spares=args.spares,
         persist=PersistConfig.from_msg(json.loads(args.persist)) if args.persist else None,
     )
     unary, streams = coordinator.handlers()

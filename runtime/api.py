@@ -72,6 +72,7 @@ def resilient(
     keep: int | None = None,
     persist_allow_older: bool = False,
     pg_timeout_s: float = 1800.0,
+    backend: str | None = None,
     suspect_s: float = 15.0,
     abort_grace_s: float = 10.0,
     abort_timeout_s: float = 60.0,
@@ -84,7 +85,10 @@ def resilient(
     ``persist_every`` steps (default 100) and/or ``persist_interval`` seconds, keeping the
     newest ``keep`` (``peerckpt run --persist`` overrides it). A job started again finds the
     latest committed step there and restores it; with ``persist_allow_older`` it verifies it
-    first and falls back to older steps if it is damaged. ``pg_timeout_s`` is the process groups'
+    first and falls back to older steps if it is damaged. ``backend`` is what each epoch's
+    process group is initialised with (as in ``init_process_group``; default
+    ``"cpu:gloo,cuda:nccl"`` where CUDA is available, else ``"gloo"``; ``"gloo"`` lets several
+    ranks share one GPU). ``pg_timeout_s`` is the process groups'
     timeout (a failure is normally acted on long before it); ``suspect_s`` is how long a rank
     whose collective failed waits for the coordinator's verdict before treating the error as
     its own. A rank told to abort that has not left the epoch after ``abort_grace_s`` cuts
@@ -113,6 +117,7 @@ def resilient(
                     replicas=replicas,
                     persist=persisted,
                     pg_timeout_s=pg_timeout_s,
+                    backend=backend,
                     suspect_s=suspect_s,
                     abort_grace_s=abort_grace_s,
                     abort_timeout_s=abort_timeout_s,

@@ -232,11 +232,16 @@ def layout(tensors: list[CapturedTensor], blob_nbytes: int) -> tuple[list[ChunkR
     return [*chunks, meta], offset + blob_nbytes
 
 
-def write_slot(slot: torch.Tensor, chunks: list[ChunkRecord], captured: Captured) -> None:
-    """Copy captured tensors and the blob into ``slot`` at the offsets of ``chunks``."""
+def write_slot(
+    slot: torch.Tensor, chunks: list[ChunkRecord], captured: Captured, non_blocking: bool = False
+) -> None:
+    """Copy captured tensors and the blob into ``slot`` at the offsets of ``chunks``.
+
+    ``non_blocking``: device tensors are copied asynchronously on the current streams (the
+    caller waits for them); host tensors are always copied at once."""
     for chunk, t in zip(chunks, captured.tensors, strict=False):
         if chunk.nbytes:
-            chunk_view(slot, chunk).copy_(t.tensor)
+            chunk_view(slot, chunk).copy_(t.tensor, non_blocking=non_blocking)
     meta = chunks[-1]
     blob = torch.frombuffer(bytearray(captured.blob), dtype=torch.uint8)
     slot[meta.byte_offset : meta.byte_offset + meta.nbytes].copy_(blob)

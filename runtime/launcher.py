@@ -118,6 +118,8 @@ class LocalLauncher:
             argv += ["--replicas", str(spec.replicas)]
         if spec.min_nodes is not None:
             argv += ["--min-nodes", str(spec.min_nodes)]
+        if spec.spares:
+            argv += ["--spares", str(spec.spares)]
         if spec.persist:
             argv += ["--persist", json.dumps(spec.persist)]
         self.coordinator = procs.spawn(argv, procs.env(), ready=True)

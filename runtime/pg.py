@@ -90,8 +90,9 @@ def _shutdown_socket(fd: int, inode: str, hosts: set[str]) -> bool:
 class ProcessGroupLifecycle:
     """Creates, aborts and destroys the default process group of each epoch."""
 
-    def __init__(self, job: str, timeout_s: float = 1800.0) -> None:
+    def __init__(self, job: str, timeout_s: float = 1800.0, backend: str | None = None) -> None:
         self.job = job
+        self._backend = backend
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.epoch: int | None = None
         self._baseline: set[str] = set()
@@ -102,6 +103,8 @@ class ProcessGroupLifecycle:
         self._retired: list[object] = []
 
     def backend(self) -> str:
+        if self._backend is not None:
+            return self._backend
         return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
     def begin(self, epoch: int, store_addr: str, hosts: set[str]) -> None:

@@ -54,6 +54,7 @@ class RankRuntime(Tracking):
         replicas: int | None = None,
         persist: dict[str, Any] | None = None,
         pg_timeout_s: float = 1800.0,
+        backend: str | None = None,
         suspect_s: float = 15.0,
         abort_grace_s: float = 10.0,
         abort_timeout_s: float = 60.0,
@@ -90,7 +91,7 @@ class RankRuntime(Tracking):
             replicas,
             persist,
         )
-        self.pg = ProcessGroupLifecycle(env.job, pg_timeout_s)
+        self.pg = ProcessGroupLifecycle(env.job, pg_timeout_s, backend)
         self.engine = SnapshotEngine(self.channel)
         self._stop = threading.Event()
         self._watchdog = threading.Thread(

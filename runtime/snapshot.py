@@ -7,6 +7,9 @@ committed, so at most one snapshot per rank is in flight. The copy runs on a nam
 runtime calls from an optimizer step pre-hook: the optimizer must not change state that is
 still being copied.
 
+On a GPU the copy runs on a side CUDA stream into the slot registered as pinned memory
+(``runtime/cuda_copy.py``), and the optimizer step waits for it on the GPU, not in Python.
+
 When the copy is done the engine tells the agent, which checksums and replicates the slot.
 """
 
@@ -23,6 +26,7 @@ import torch
 from peerckpt.errors import CommitTimeout, MembershipChanged
 from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.replication.arena import map_segment
+from peerckpt.runtime import cuda_copy
 from peerckpt.runtime.capture import Captured, layout, write_slot
 from peerckpt.runtime.channel import AgentChannel
 
@@ -37,8 +41,17 @@ class MappedSlot:
         self._mm = map_segment(path)
         self.size = len(self._mm)
         self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.pinned = False
+
+    def pin(self) -> None:
+        """Register the mapping with CUDA once, before the first device-to-host copy."""
+        if not self.pinned:
+            self.pinned = cuda_copy.pin(self.tensor)
 
     def close(self) -> None:
+        if self.pinned:
+            cuda_copy.unpin(self.tensor)
+            self.pinned = False
         del self.tensor
         try:
             self._mm.close()
@@ -51,6 +64,7 @@ class _Job:
     epoch: int
     step: int
     captured: Captured
+    ready: cuda_copy.Events  # per CUDA device: the training stream's point of the snapshot
 
 
 class SnapshotEngine:
@@ -71,6 +85,8 @@ class SnapshotEngine:
         self.committed_step: int | None = None
         self._awaiting: tuple[int, int] | None = None  # (slot, step) written, not committed
         self._busy = False
+        self._copies_queued: cuda_copy.Events | None = None  # the job's device copies, queued
+        self._side = cuda_copy.SideStreams()
         self._aborted = False
         self._error: BaseException | None = None
         self.stall_s = 0.0
@@ -124,10 +140,27 @@ class SnapshotEngine:
     def take(self, step: int, captured: Captured) -> None:
         """Queue a snapshot of ``step``; returns at once unless the previous copy still runs."""
         self.wait_copy()
+        ready = cuda_copy.record_ready([t.tensor for t in captured.tensors])
         with self._cond:
             self._busy = True
             self.last_taken = step
-        self._queue.put(_Job(self.epoch, step, captured))
+        self._queue.put(_Job(self.epoch, step, captured, ready))
+
+    def guard_step(self) -> None:
+        """Called before ``optimizer.step()``: the step must not change state still being
+        copied. CPU state: wait for the copy. CUDA state: once the copies are queued on the
+        side streams, the training streams wait for them on the GPU and Python goes on."""
+        with self._cond:
+            if not self._busy:
+                self._raise_pending()
+                return
+            start = time.perf_counter()
+            while self._busy and self._copies_queued is None and not self._aborted:
+                self._cond.wait()
+            if self._busy and self._copies_queued is not None:
+                cuda_copy.wait_on_training_streams(self._copies_queued)
+            self.stall_s += time.perf_counter() - start
+            self._raise_pending()
 
     def wait_copy(self) -> None:
         """Block until no copy is in flight. Raise if the epoch ended or the copy failed."""
@@ -183,6 +216,7 @@ class SnapshotEngine:
             finally:
                 with self._cond:
                     self._busy = False
+                    self._copies_queued = None
                     self._cond.notify_all()
 
     def _write(self, job: _Job) -> None:
@@ -203,7 +237,16 @@ class SnapshotEngine:
             target = 0 if self.committed_index is None else 1 - self.committed_index
         chunks, used = self._chunks(job.captured)
         slot = self._ensure_slot(target, used)
-        write_slot(slot.tensor, chunks, job.captured)
+        if job.ready:
+            slot.pin()
+        with self._side.copying(job.ready) as done:
+            write_slot(slot.tensor, chunks, job.captured, non_blocking=bool(job.ready))
+        if done:
+            with self._cond:
+                self._copies_queued = done
+                self._cond.notify_all()
+            for event in done.values():
+                event.synchronize()
         manifest = SnapshotManifest(self.rank, job.step, job.epoch, tuple(chunks), used)
         with self._cond:
             if self._aborted or job.epoch != self.epoch:

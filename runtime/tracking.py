@@ -142,7 +142,7 @@ class Tracking:
         )
 
     def _before_optimizer_step(self, *args: Any) -> None:
-        self.engine.wait_copy()
+        self.engine.guard_step()
 
     def steps(self, total: int) -> Iterator[int]:
         assert self.assignment is not None

@@ -3,6 +3,7 @@ a resumable data loader, and a record of the model+optimizer digest after every 
 
 usage: ddp_job.py OUT_DIR [--steps N] [--sleep S] [--slow-rank R --slow-s S]
                  [--raise-rank R --raise-at STEP] [--pg-timeout S]
+                 [--device cuda --backend gloo]
 Each rank appends ``{"step", "epoch", "digest", "loss"}`` lines to OUT_DIR/rank<r>.jsonl and
 rank 0 writes OUT_DIR/final.json at the end.
 """
@@ -76,15 +77,15 @@ def build() -> nn.Module:
 def digest(model: nn.Module, optim: torch.optim.Optimizer) -> str:
     h = hashlib.sha256()
     for t in model.state_dict().values():
-        h.update(t.numpy().tobytes())
+        h.update(t.cpu().numpy().tobytes())
     for state in optim.state_dict()["state"].values():
         for v in state.values():
-            h.update(v.numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
+            h.update(v.cpu().numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
     return h.hexdigest()
 
 
 def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
-    model = DistributedDataParallel(build())
+    model = DistributedDataParallel(build().to(args.device))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = Tokens(ctx.rank)
     if args.sampler:
@@ -123,7 +124,7 @@ def run_steps(ctx, model, optim, data, log, args) -> None:
             grown_at = step if grown_at is None else grown_at
             if step >= grown_at + args.after:
                 break
-        x = data.next()
+        x = data.next().to(args.device)
         logits = model(x[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, 64), x[:, 1:].reshape(-1))
         if ctx.rank == args.slow_rank:
@@ -169,8 +170,17 @@ if __name__ == "__main__":
         help="once restored into a world this big, stop after --after steps",
     )
     parser.add_argument("--after", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: every rank on cuda:0")
+    parser.add_argument("--backend", default=None, help="the process groups' backend")
     args = parser.parse_args()
-    final = peerckpt.resilient(pg_timeout_s=args.pg_timeout)(train)(args)
+    if args.device != "cpu":
+        # Bit-exact runs on a GPU: deterministic kernels, and attention through the math path.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+    resilient = peerckpt.resilient(pg_timeout_s=args.pg_timeout, backend=args.backend)
+    final = resilient(train)(args)
     if int(os.environ["RANK"]) == 0:
         with open(os.path.join(args.out, "final.json"), "w") as f:
             json.dump({"digest": final}, f)

@@ -10,8 +10,15 @@ from peerckpt.recovery.coordinator import Coordinator
 from peerckpt.recovery.rpc import RpcClient, RpcServer
 
 
-def _job(spares: int = 1) -> Coordinator:
-    c = Coordinator("j", world_size=4, replicas=1, store_addr="127.0.0.1:1")
+def _job(spares: int = 1, started: int | None = None) -> Coordinator:
+    """A 2 x 2 job whose launcher started ``started`` spares (default: all joined)."""
+    c = Coordinator(
+        "j",
+        world_size=4,
+        replicas=1,
+        store_addr="127.0.0.1:1",
+        spares=spares if started is None else started,
+    )
     for node in (0, 1):
         c.register_agent({"node": node, "data_addr": f"127.0.0.1:{1000 + node}"})
     c.register_agent({"node": 2, "data_addr": "127.0.0.1:1002", "spare_node": True})
@@ -90,6 +97,36 @@ def test_without_a_spare_the_job_fails_with_a_reason() -> None:
     assert c.state == "failed"
     assert "only 0 spare(s)" in c.reason and "--spares" in c.reason and "--min-nodes" in c.reason
     assert _events(c, 1)[-1]["type"] == "shutdown"
+
+
+def test_a_loss_waits_for_spares_still_starting_then_recovers_them_together() -> None:
+    # Two spares were started; one has joined. Rank 1 dies, then rank 3: the first recovery
+    # takes the joined spare, the second waits for the one still warming up (seen on a fast
+    # machine: the job had failed with "only 0 spare(s) are left").
+    c = _job(spares=1, started=2)
+    _commit(c, 0, 7)
+    _events(c, 0)
+    c.proc_lost({"node": 0, "pid": 101, "reason": "exited"})
+    assert _events(c, 0)[-1]["epoch"] == 1
+    c.proc_lost({"node": 1, "pid": 103, "reason": "exited"})
+    assert c.state == "running" and _events(c, 0) == []  # waiting, not failed
+    c.proc_joined({"node": 2, "pid": 201, "role": "spare"})
+    m = _events(c, 0)[-1]
+    assert m["epoch"] == 2 and m["ranks"][3] == [2, 201] and m["ranks"][1] == [2, 200]
+    assert c.events[-1]["ranks"] == [3] and c.events[-1]["waited_for_spares_s"] >= 0
+
+
+def test_a_spare_that_never_joins_ends_the_wait_with_a_clear_reason() -> None:
+    c = _job(spares=0, started=1)
+    _commit(c, 0, 2)
+    c.proc_lost({"node": 0, "pid": 100, "reason": "exited"})
+    c.proc_lost({"node": 1, "pid": 102, "reason": "exited"})  # joins the waiting recovery
+    assert c.state == "running"
+    assert c._deferred is not None and c._deferred.ranks == {0, 2}
+    c._deferred.deadline -= 120.0  # the wait has run out
+    c.check_heartbeats()
+    assert c.state == "failed"
+    assert "lost rank(s) [0, 2]" in c.reason and "1 more never joined" in c.reason
 
 
 def test_the_job_succeeds_when_every_rank_of_the_epoch_is_done() -> None:

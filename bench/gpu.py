@@ -1,0 +1,160 @@
+"""The CUDA snapshot path: how fast device state reaches the slot, and what training pays.
+
+    python bench/gpu.py [--sizes 256,1024] [--steps 40] [--runs 5] [--step-ms 200]
+
+Needs a CUDA device (it exits saying so without one; CI has none). One run measures:
+
+* the device-to-host ceilings for 1 GiB: into page-locked memory from torch's allocator
+  (the copy engine's speed), into pageable memory, and into a shared-memory mapping
+  registered with ``cudaHostRegister`` (what a snapshot slot is);
+* a 1-rank CUDA training loop (``bench/jobs/gpu_job.py``: an MLP whose parameters and AdamW
+  state hold each size, the batch chosen so that a step takes about ``--step-ms``), without
+  peerckpt and under ``peerckpt run`` with a snapshot of the whole state every step; the
+  median step time of each (first quarter of the steps dropped as warm-up), ``--runs`` times.
+
+Results: ``bench/results/gpu.json``; keys per size ``step_s_plain``, ``step_s_peerckpt``,
+``stall_fraction`` ((peerckpt − plain) / plain), ``snapshot_gbps_needed`` (state / step time),
+and ``d2h_gbps`` (pinned, pageable, registered shm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "jobs"))
+from common import median_of, run_peerckpt, scratch_dir, write_result
+
+JOB = Path(__file__).resolve().parent / "jobs" / "gpu_job.py"
+
+
+def d2h_gbps(dst: torch.Tensor, src: torch.Tensor, runs: int = 5) -> float:
+    def once() -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        return src.numel() / (time.perf_counter() - start) / 1e9
+
+    once()
+    return median_of(runs, once)[0]
+
+
+def ceilings(nbytes: int = 1 << 30) -> dict[str, float]:
+    from peerckpt.runtime import cuda_copy
+
+    src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.empty(nbytes, dtype=torch.uint8)
+    pageable.fill_(0)
+    result = {"pinned": d2h_gbps(pinned, src), "pageable": d2h_gbps(pageable, src)}
+    del pinned, pageable
+    with open("/dev/shm/peerckpt-bench-gpu", "w+b") as f:
+        f.truncate(nbytes)
+        mm = mmap.mmap(f.fileno(), nbytes)
+    try:
+        shm = torch.frombuffer(mm, dtype=torch.uint8)
+        shm.fill_(0)
+        if cuda_copy.pin(shm):
+            result["registered_shm"] = d2h_gbps(shm, src)
+            cuda_copy.unpin(shm)
+        del shm
+    finally:
+        mm.close()
+        Path("/dev/shm/peerckpt-bench-gpu").unlink()
+    return result
+
+
+def calibrate(mib: int, step_s: float) -> int:
+    """The batch at which one training step of the ``mib`` model takes about ``step_s``."""
+    import gpu_job
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = gpu_job.build(mib)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    hidden = model[0].in_features
+    batch = 1024
+    while True:
+        x = torch.randn(batch, hidden, device="cuda")
+        gpu_job.train_step(model, optim, x)
+        start = time.perf_counter()
+        for _ in range(3):
+            gpu_job.train_step(model, optim, x)
+        took = (time.perf_counter() - start) / 3
+        if took >= step_s / 4 or batch >= 1 << 20:
+            break
+        batch *= 2
+    del model, optim
+    torch.cuda.empty_cache()
+    return max(1, int(batch * step_s / took))
+
+
+def steady(times: list[float]) -> float:
+    return statistics.median(times[len(times) // 4 :])
+
+
+def run_size(mib: int, batch: int, steps: int, runs: int) -> dict[str, Any]:
+    plain, peer, stalls = [], [], []
+    for _ in range(runs):
+        with scratch_dir("gpu") as tmp:
+            out = Path(tmp)
+            common = [str(out), "--mib", str(mib), "--batch", str(batch), "--steps", str(steps)]
+            subprocess.run([sys.executable, str(JOB), *common, "--plain"], check=True)
+            run_peerckpt(["--nodes", "1", "--nproc-per-node", "1", str(JOB), *common])
+            a = json.loads((out / "steps-plain.json").read_text())
+            b = json.loads((out / "steps-peerckpt.json").read_text())
+        plain.append(steady(a["times"]))
+        peer.append(steady(b["times"]))
+        stalls.append(b["stall_s"] / len(b["times"]))
+    step_plain, step_peer = statistics.median(plain), statistics.median(peer)
+    return {
+        "state_bytes": a["state_bytes"],
+        "batch": batch,
+        "step_s_plain": step_plain,
+        "step_s_peerckpt": step_peer,
+        "stall_fraction": (step_peer - step_plain) / step_plain,
+        "optimizer_hook_wait_s": statistics.median(stalls),
+        "snapshot_gbps_needed": a["state_bytes"] / step_plain / 1e9,
+        "runs_plain": plain,
+        "runs_peerckpt": peer,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="256,1024", help="MiB of state per rank")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--step-ms", type=float, default=200.0)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/gpu.py needs a CUDA device; this machine has none")
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "d2h_gbps": ceilings()}
+    print(f"device-to-host 1 GiB, GB/s: {result['d2h_gbps']}", flush=True)
+    for mib in map(int, args.sizes.split(",")):
+        batch = calibrate(mib, args.step_ms / 1000)
+        row = run_size(mib, batch, args.steps, args.runs)
+        result[f"{mib}MiB"] = row
+        print(
+            f"{mib} MiB: step {row['step_s_plain'] * 1e3:.1f} ms plain, "
+            f"{row['step_s_peerckpt'] * 1e3:.1f} ms with a snapshot every step "
+            f"(stall {row['stall_fraction']:+.2%}; the optimizer hook waited "
+            f"{row['optimizer_hook_wait_s'] * 1e3:.2f} ms per step)",
+            flush=True,
+        )
+    path = write_result("gpu", result)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
