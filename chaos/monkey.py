@@ -68,6 +68,7 @@ class ChaosMonkey:
 
     def _run(self) -> None:
         pending = list(self.actions)
+        due_since: dict[int, float] = {}  # step → when actions at it became due (for after=)
         while pending and not self._stop.wait(self._poll_s):
             try:
                 status = self._status.call("Status", timeout=2.0)
@@ -82,6 +83,9 @@ class ChaosMonkey:
                 action = pending[0]
                 due = action.at == 0 or (committed is not None and committed >= action.at - 1)
                 if not due:
+                    break
+                since = due_since.setdefault(action.at, time.monotonic())
+                if time.monotonic() - since < action.after:
                     break
                 record = self._fire(action, status)
                 if record is None:

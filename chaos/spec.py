@@ -5,6 +5,7 @@ Grammar (clauses separated by ``;``)::
     kill rank=R at=S      SIGKILL the process that is rank R, while the job runs step S
     kill node=N at=S      SIGKILL node N's agent and every process on it (its memory is lost)
     add node at=S         start a new node (an agent and --nproc-per-node ranks) that joins
+    … after=T             (on kill actions) T seconds later than that, e.g. once a flush ended
 
 "While the job runs step S" means: as soon as step S-1 is committed (``at=0``: as soon as the
 first epoch starts). Each action fires once.
@@ -16,7 +17,10 @@ from dataclasses import dataclass
 
 from peerckpt.errors import ConfigurationError
 
-_GRAMMAR = "'kill rank=R at=S', 'kill node=N at=S' or 'add node at=S', separated by ';'"
+_GRAMMAR = (
+    "'kill rank=R at=S', 'kill node=N at=S' (either with 'after=SECONDS') or 'add node at=S', "
+    "separated by ';'"
+)
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,7 @@ class ChaosAction:
     target: int
     at: int
     text: str
+    after: float = 0.0  # seconds to wait once the action is due
 
 
 def parse_chaos(spec: str) -> list[ChaosAction]:
@@ -44,18 +49,19 @@ def parse_chaos(spec: str) -> list[ChaosAction]:
             continue
         if not words or words[0] != "kill":
             raise ConfigurationError(f"chaos clause {clause!r}: unknown action; use {_GRAMMAR}")
-        fields: dict[str, int] = {}
+        fields: dict[str, float] = {}
         for word in words[1:]:
             key, sep, value = word.partition("=")
-            if not sep or key not in ("rank", "node", "at") or key in fields:
+            if not sep or key not in ("rank", "node", "at", "after") or key in fields:
                 raise ConfigurationError(
                     f"chaos clause {clause!r}: bad field {word!r}; use {_GRAMMAR}"
                 )
             try:
-                fields[key] = int(value)
+                fields[key] = float(value) if key == "after" else int(value)
             except ValueError:
+                kind_of = "a number of seconds" if key == "after" else "an integer"
                 raise ConfigurationError(
-                    f"chaos clause {clause!r}: {key} must be an integer, not {value!r}"
+                    f"chaos clause {clause!r}: {key} must be {kind_of}, not {value!r}"
                 ) from None
             if fields[key] < 0:
                 raise ConfigurationError(f"chaos clause {clause!r}: {key} must be ≥ 0")
@@ -64,6 +70,8 @@ def parse_chaos(spec: str) -> list[ChaosAction]:
                 f"chaos clause {clause!r}: name exactly one of rank= or node=, and at=; use {_GRAMMAR}"
             )
         kind = "kill_rank" if "rank" in fields else "kill_node"
-        target = fields["rank"] if "rank" in fields else fields["node"]
-        actions.append(ChaosAction(kind, target, fields["at"], clause))
+        target = int(fields["rank"] if "rank" in fields else fields["node"])
+        actions.append(
+            ChaosAction(kind, target, int(fields["at"]), clause, fields.get("after", 0.0))
+        )
     return actions

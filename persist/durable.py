@@ -64,27 +64,26 @@ def assign_writers(
     it; the biggest chunks are placed first, each on the candidate with the fewest bytes so
     far (then the lowest node). Returns node → [(rank whose copy it reads, chunk)].
     """
-    candidates: dict[tuple[Any, ...], tuple[int, ChunkRecord, set[int]]] = {}
+    # unique chunk → (its record, node → the first rank whose copy of it that node holds)
+    candidates: dict[tuple[Any, ...], tuple[ChunkRecord, dict[int, int]]] = {}
     for rank in sorted(layouts):
         nodes = set(holders.get(rank, ()))
         for record in layouts[rank]:
             key = unique_key(rank, record)
-            if key in candidates:
-                candidates[key][2].update(nodes)
-            else:
-                candidates[key] = (rank, record, set(nodes))
+            readers = candidates.setdefault(key, (record, {}))[1]
+            for node in nodes:
+                readers.setdefault(node, rank)
     load: dict[int, int] = {}
     plan: dict[int, list[tuple[int, ChunkRecord]]] = {}
-    order = sorted(candidates.items(), key=lambda kv: (-kv[1][1].nbytes, kv[0]))
-    for key, (rank, record, nodes) in order:
-        if not nodes:
+    order = sorted(candidates.items(), key=lambda kv: (-kv[1][0].nbytes, kv[0]))
+    for key, (record, readers) in order:
+        if not readers:
             raise CheckpointError(
-                f"chunk {key[0]!r} of rank {rank} has no holder to write it from; its memory "
-                "copies are gone"
+                f"chunk {key[0]!r} has no holder to write it from; its memory copies are gone"
             )
-        node = min(nodes, key=lambda n: (load.get(n, 0), n))
+        node = min(readers, key=lambda n: (load.get(n, 0), n))
         load[node] = load.get(node, 0) + record.nbytes
-        plan.setdefault(node, []).append((rank, record))
+        plan.setdefault(node, []).append((readers[node], record))
     return plan
 
 

@@ -33,6 +33,7 @@ from peerckpt.recovery.epochs import DeferredRecovery, EpochChanges
 from peerckpt.recovery.flush import FlushScheduler, PersistConfig
 from peerckpt.recovery.liveness import Liveness
 from peerckpt.recovery.membership import CommitTracker, Membership
+from peerckpt.recovery.planner import STORAGE
 from peerckpt.replication.placement import RingPlacement
 
 log = logging.getLogger("peerckpt.coordinator")
@@ -255,7 +256,7 @@ class Coordinator(EpochChanges, Liveness):
                 self.tracker.epoch,
                 self.tracker.committed_gen,
                 self.tracker.committed_layouts,
-                self.tracker.committed_holders,
+                {r: h - {STORAGE} for r, h in self.tracker.committed_holders.items()},
             )
         except CheckpointError as exc:
             log.warning("step %d cannot be flushed: %s", step, exc)
@@ -281,7 +282,7 @@ class Coordinator(EpochChanges, Liveness):
             except RecoveryFailed as exc:
                 event = self.events[-1] if self.events else {}
                 if event.get("epoch") != m.epoch or not self._storage_fallback(
-                    event, dict(m.ranks), str(exc)
+                    event, dict(m.ranks), str(exc), dict(m.previous)
                 ):
                     self._fail(str(exc))
                 return {}

@@ -174,16 +174,22 @@ class EpochChanges:
         )
 
     def _storage_fallback(
-        self, event: dict[str, Any], assignments: dict[int, RankAssignment], why: str
+        self,
+        event: dict[str, Any],
+        assignments: dict[int, RankAssignment],
+        why: str,
+        previous: dict[int, int | None],
     ) -> bool:
-        """No memory copy of some state survived: go on from the latest durable step instead.
+        """No memory copy of some state survived: storage fills the gap.
 
-        The steps after it are trained again (deterministically, so the bits come out the
-        same). False if there is no durable tier, no checkpoint, or this epoch already
-        restored from storage.
+        If the latest durable step is the committed step, only what no memory copy holds is
+        read from storage, the rest from the peers' memory. Otherwise the job goes on from the
+        durable step, and the steps after it are trained again (deterministically, so the
+        bits come out the same). False if there is no durable tier, no checkpoint, or this
+        epoch already reads from storage.
         """
-        m = self.membership
-        if self.flusher is None or m is None or m.restore_url is not None:
+        m, tracker = self.membership, self.tracker
+        if self.flusher is None or m is None or tracker is None or m.restore_url is not None:
             return False
         url = self.flusher.config.url
         try:
@@ -191,6 +197,31 @@ class EpochChanges:
         except (CheckpointError, OSError) as exc:
             log.error("no memory copy survived (%s) and storage cannot help: %s", why, exc)
             return False
+        if ckpt.step == tracker.committed_step and _same_chunks(ckpt, tracker):
+            log.warning(
+                "no memory copy survived (%s); step %d is also in %s: reading what was lost "
+                "from there and the rest from memory",
+                why,
+                ckpt.step,
+                url,
+            )
+            event["fallback"] = f"{why}; read the lost chunks of step {ckpt.step} from storage"
+            event["partial"] = True
+            for holders in tracker.committed_holders.values():
+                holders.add(STORAGE)  # the planner reads storage only where memory has none
+            event.update(restore_step=ckpt.step, mode="reshard", epoch=m.epoch + 1, url=url)
+            self._open_epoch(
+                m.epoch + 1,
+                assignments,
+                ckpt.step,
+                {},
+                "reshard",
+                gen=m.gen + 1,
+                previous=previous,
+                old_world=len(tracker.committed_layouts),
+                restore_url=url,
+            )
+            return True
         log.warning(
             "no memory copy survived (%s); falling back to durable step %d in %s",
             why,
@@ -369,12 +400,12 @@ class EpochChanges:
             try:
                 sources = plan_sources(
                     {r: a.node for r, a in assignments.items()},
-                    {r: set(h) for r, h in tracker.committed_holders.items()},
+                    {r: set(h) - {STORAGE} for r, h in tracker.committed_holders.items()},
                     self.snapshot_bytes,
                     {r: a.node for r, a in old.ranks.items()},
                 )
             except RecoveryFailed as exc:
-                if not self._storage_fallback(event, assignments, str(exc)):
+                if not self._storage_fallback(event, assignments, str(exc), previous):
                     self._fail(str(exc))
                 return
         event["restore_step"] = restore
@@ -446,3 +477,15 @@ class EpochChanges:
             rank_nodes,
         )
         self._broadcast(self.membership.to_msg())
+
+
+def _same_chunks(ckpt: DurableCheckpoint, tracker: CommitTracker) -> bool:
+    """Does the durable step hold every rank's chunks as the committed layout describes them?"""
+    stored = {r: {_box(c.record.to_msg()) for c in cs} for r, cs in ckpt.manifest.ranks.items()}
+    committed = {r: {_box(c) for c in cs} for r, cs in tracker.committed_layouts.items()}
+    return stored == committed
+
+
+def _box(chunk: list[Any]) -> tuple[Any, ...]:
+    """(key, offsets, lengths) of a chunk record in its message form."""
+    return (chunk[0], tuple(chunk[3]), tuple(chunk[4]))

@@ -168,6 +168,49 @@ def test_losing_every_memory_copy_falls_back_to_the_durable_step_bit_exact(tmp_p
         assert entry["digest"] == ref[entry["step"]], f"step {entry['step']}"
 
 
+def test_state_with_no_memory_copy_left_is_read_from_storage_and_the_rest_from_peers(
+    tmp_path,
+) -> None:
+    # 3 nodes x 1 rank, one replica each (ring: node 0 -> 1 -> 2 -> 0). Every rank waits at
+    # step 12, after step 11 was committed and flushed; then nodes 0 and 1 die together. Rank
+    # 0's copies (nodes 0 and 1) are gone; ranks 1 and 2 survive on node 2. The durable step is
+    # the committed step, so only what node 2 lacks comes from storage — rank 0's own state
+    # (the model and optimizer are the same on every DDP rank, and node 2 has them) — and no
+    # step is trained again.
+    url = f"file://{tmp_path}/ckpt"
+    args = ["--steps", "20", "--pause-at", "12", "--pause-s", "6"]
+    reference = run_job(tmp_path / "reference", script_args=args, nodes=3, nproc=1)
+    assert reference.returncode == 0, reference.log[-4000:]
+    run = run_job(
+        tmp_path / "chaos",
+        script_args=args,
+        nodes=3,
+        nproc=1,
+        spares=2,
+        chaos="kill node=0 at=12 after=3; kill node=1 at=12 after=3",
+        extra=["--persist", url, "--persist-every", "11"],
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    [event] = [e for e in run.report["events"] if e.get("fallback")]
+    assert event["partial"] and event["restore_step"] == 11, event
+    pulls = event["pulls"]
+    storage = {p["rank"]: p["bytes"] for p in pulls if p["source"] == -1}
+    memory = {p["rank"]: p["bytes"] for p in pulls if p["source"] == 2}
+    # Every rank reads rank 0's own state (each gets every old rank's, to reshard Stateful
+    # objects), and that alone comes from storage: a few KB; the model and optimizer, from
+    # node 2's memory, are 15 times as much.
+    assert set(storage) == set(memory) == {0, 1, 2}, pulls
+    assert len(set(storage.values())) == 1, pulls
+    assert all(storage[r] * 10 < memory[r] for r in storage), pulls
+    assert "reading what was lost from there and the rest from memory" in run.log
+    ref = {e["step"]: e["digest"] for e in read_jsonl(tmp_path / "reference" / "rank0.jsonl")}
+    steps = [e["step"] for e in read_jsonl(tmp_path / "chaos" / "rank0.jsonl")]
+    assert steps == list(range(20)), "a step was trained twice or skipped"
+    for entry in read_jsonl(tmp_path / "chaos" / "rank0.jsonl"):
+        assert entry["digest"] == ref[entry["step"]], f"step {entry['step']}"
+    assert run.final()["digest"] == reference.final()["digest"]
+
+
 def test_losing_every_memory_copy_without_a_durable_tier_names_what_was_lost(tmp_path) -> None:
     run = run_job(
         tmp_path,

@@ -16,6 +16,11 @@ def test_rank_and_node_kills_parse_in_order() -> None:
     ]
 
 
+def test_a_kill_can_wait_seconds_after_its_step() -> None:
+    [action] = parse_chaos("kill node=0 at=12 after=2.5")
+    assert (action.kind, action.target, action.at, action.after) == ("kill_node", 0, 12, 2.5)
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
@@ -25,6 +30,7 @@ def test_rank_and_node_kills_parse_in_order() -> None:
         ("kill rank=x at=3", "rank must be an integer"),
         ("kill rank=1 at=3 at=4", "bad field 'at=4'"),
         ("kill rank=-1 at=3", "must be ≥ 0"),
+        ("kill rank=1 at=3 after=soon", "after must be a number of seconds"),
     ],
 )
 def test_bad_clauses_are_named_with_the_grammar(spec: str, message: str) -> None:

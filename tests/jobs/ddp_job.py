@@ -124,6 +124,8 @@ def run_steps(ctx, model, optim, data, log, args) -> None:
             grown_at = step if grown_at is None else grown_at
             if step >= grown_at + args.after:
                 break
+        if step == args.pause_at:
+            time.sleep(args.pause_s)  # every rank: nothing commits meanwhile
         x = data.next().to(args.device)
         logits = model(x[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, 64), x[:, 1:].reshape(-1))
@@ -170,6 +172,8 @@ if __name__ == "__main__":
         help="once restored into a world this big, stop after --after steps",
     )
     parser.add_argument("--after", type=int, default=5)
+    parser.add_argument("--pause-at", type=int, default=-1, help="every rank sleeps at this step")
+    parser.add_argument("--pause-s", type=float, default=0.0)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: every rank on cuda:0")
     parser.add_argument("--backend", default=None, help="the process groups' backend")
     args = parser.parse_args()
