@@ -30,10 +30,25 @@ def _run(args: argparse.Namespace) -> int:
         job=args.job,
         min_nodes=args.min_nodes,
         persist=_persist(args),
+        placement=args.placement,
+        racks=_racks(args.racks, args.nodes),
     )
     result = LocalLauncher(spec).run()
     print(format_report(result), file=sys.stderr)
     return result.exit_code
+
+
+def _racks(text: str | None, nodes: int) -> dict[int, str] | None:
+    """``--racks a,a,b,b``: the rack of node 0, 1, 2, … (the spare node is a rack of its own)."""
+    if not text:
+        return None
+    racks = [r.strip() for r in text.split(",")]
+    if len(racks) != nodes or not all(racks):
+        raise PeerckptError(
+            f"--racks names {len(racks)} rack(s) for {nodes} node(s); give one non-empty name "
+            "per node, in node order, e.g. --racks a,a,b,b for 4 nodes in two racks"
+        )
+    return dict(enumerate(racks))
 
 
 def _persist(args: argparse.Namespace) -> dict[str, object] | None:
@@ -168,6 +183,18 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=5.0,
         help="seconds without a heartbeat before a node is declared lost",
+    )
+    run.add_argument(
+        "--placement",
+        choices=("ring", "group", "mixed"),
+        default="ring",
+        help="how buddies are chosen (see `peerckpt plan` for what each survives)",
+    )
+    run.add_argument(
+        "--racks",
+        default=None,
+        metavar="R0,R1,…",
+        help="the rack of each node, in node order: copies go to distinct racks where possible",
     )
     run.add_argument(
         "--min-nodes",

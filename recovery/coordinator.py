@@ -34,7 +34,7 @@ from peerckpt.recovery.flush import FlushScheduler, PersistConfig
 from peerckpt.recovery.liveness import Liveness
 from peerckpt.recovery.membership import CommitTracker, Membership
 from peerckpt.recovery.planner import STORAGE
-from peerckpt.replication.placement import RingPlacement
+from peerckpt.replication.placement import Placement, RingPlacement
 
 log = logging.getLogger("peerckpt.coordinator")
 
@@ -72,6 +72,7 @@ class Coordinator(EpochChanges, Liveness):
         min_nodes: int | None = None,
         persist: PersistConfig | None = None,
         spares: int = 0,
+        placement: Placement | None = None,
     ) -> None:
         self.min_nodes = min_nodes  # None: the world never shrinks
         self.spares_started = spares  # started by the launcher; each joins once it has warmed up
@@ -85,7 +86,7 @@ class Coordinator(EpochChanges, Liveness):
         self.replicas = replicas
         self.heartbeat_timeout = heartbeat_timeout
         self.store_addr = store_addr
-        self.placement = RingPlacement()
+        self.placement: Placement = placement or RingPlacement()
         self._lock = threading.RLock()
         self.agents: dict[int, AgentInfo] = {}
         self.procs: dict[tuple[int, int], ProcInfo] = {}

@@ -24,7 +24,7 @@ from peerckpt.recovery.planner import STORAGE
 if TYPE_CHECKING:
     from peerckpt.recovery.coordinator import AgentInfo, ProcInfo
     from peerckpt.recovery.flush import FlushScheduler
-    from peerckpt.replication.placement import RingPlacement
+    from peerckpt.replication.placement import Placement
 
 log = logging.getLogger("peerckpt.coordinator")
 
@@ -51,7 +51,7 @@ class EpochChanges:
     procs: dict[tuple[int, int], ProcInfo]
     membership: Membership | None
     tracker: CommitTracker | None
-    placement: RingPlacement
+    placement: Placement
     state: str
     world_size: int
     replicas: int | None

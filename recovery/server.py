@@ -16,6 +16,7 @@ import sys
 from peerckpt.recovery.coordinator import Coordinator
 from peerckpt.recovery.flush import PersistConfig
 from peerckpt.recovery.rpc import RpcServer
+from peerckpt.replication.placement import placement_by_name
 from peerckpt.runtime.env import service_process, stop_on_signals
 
 log = logging.getLogger("peerckpt.coordinator")
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0)
     parser.add_argument("--min-nodes", type=int, default=None)
     parser.add_argument("--spares", type=int, default=0, help="spares the launcher starts")
+    parser.add_argument("--placement", default="ring")
+    parser.add_argument("--racks", default=None, help="node → rack, as JSON")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--persist", default=None, help="durable checkpoints, as JSON")
     args = parser.parse_args(argv)
@@ -45,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.host}:{store.port}",
         min_nodes=args.min_nodes,
         spares=args.spares,
+        placement=placement_by_name(
+            args.placement,
+            {int(n): r for n, r in json.loads(args.racks).items()} if args.racks else None,
+        ),
         persist=PersistConfig.from_msg(json.loads(args.persist)) if args.persist else None,
     )
     unary, streams = coordinator.handlers()

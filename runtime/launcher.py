@@ -58,6 +58,8 @@ class JobSpec:
     env: dict[str, str] = field(default_factory=dict)
     job: str | None = None
     persist: dict[str, Any] | None = None  # PersistConfig.to_msg(), from --persist
+    placement: str = "ring"
+    racks: dict[int, str] | None = None  # node → rack
 
 
 @dataclass
@@ -120,6 +122,9 @@ class LocalLauncher:
             argv += ["--min-nodes", str(spec.min_nodes)]
         if spec.spares:
             argv += ["--spares", str(spec.spares)]
+        argv += ["--placement", spec.placement]
+        if spec.racks:
+            argv += ["--racks", json.dumps(spec.racks)]
         if spec.persist:
             argv += ["--persist", json.dumps(spec.persist)]
         self.coordinator = procs.spawn(argv, procs.env(), ready=True)

@@ -18,6 +18,7 @@ step from the rank's own slot (or from what the agent pulled from a peer).
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import sys
@@ -164,9 +165,14 @@ class RankRuntime(Tracking):
             with self._cond:
                 if self._cond.wait_for(lambda: self._unwound >= epoch, timeout=wait_s):
                     return
+            # Where every thread is: what the collective that did not return was waiting on.
+            faulthandler.dump_traceback(all_threads=True)
             if not final:
                 log.warning(
-                    "still inside aborted epoch %d after %.0f s; cutting harder", epoch, wait_s
+                    "still inside aborted epoch %d after %.0f s (the threads' stacks are above); "
+                    "cutting harder",
+                    epoch,
+                    wait_s,
                 )
                 self.pg.abort(everything=True)
             else:

@@ -90,3 +90,15 @@ def test_bad_input_is_refused_naming_the_problem(args: list[str], message: str) 
     run = _plan(*args)
     assert run.returncode == 2
     assert message in run.stderr and run.stdout == ""
+
+
+def test_run_refuses_racks_that_do_not_name_every_node() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "peerckpt", "run", "--nodes", "4", "--racks", "a,b", "x.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode != 0
+    assert "--racks names 2 rack(s) for 4 node(s)" in run.stderr

@@ -22,14 +22,18 @@ import pytest
 from .conftest import REPO, launch, read_jsonl, run_job
 
 
-def _assert_ddp_restores_match(out: Path, world: int) -> None:
-    """Every rank of the new world restored exactly the state the old world committed."""
+def _assert_ddp_restores_match(out: Path, world: int, log: str = "") -> None:
+    """Every rank of the new world restored exactly the state the old world committed.
+    On failure, the job's warnings and errors (and any stacks a stuck rank dumped)."""
     steps: dict[tuple[int, int], set[str]] = collections.defaultdict(set)
     for path in out.glob("rank*.jsonl"):
         for entry in read_jsonl(path):
             steps[(entry["epoch"], entry["step"])].add(entry["digest"])
     restored = read_jsonl(out / "restored.jsonl")
-    assert sorted(r["rank"] for r in restored) == list(range(world))
+    problems = "\n".join(
+        x for x in log.splitlines() if " ERROR " in x or " WARNING " in x or "File " in x
+    )
+    assert sorted(r["rank"] for r in restored) == list(range(world)), problems[-8000:]
     for r in restored:
         assert r["world"] == world
         before = [d for (e, s), d in steps.items() if s == r["step"] and e < r["epoch"]]
@@ -55,7 +59,7 @@ def test_a_node_lost_without_spares_shrinks_two_nodes_to_one(tmp_path) -> None:
         extra=["--min-nodes", "1"],
     )
     assert run.returncode == 0, run.log[-4000:]
-    _assert_ddp_restores_match(tmp_path, world=2)
+    _assert_ddp_restores_match(tmp_path, world=2, log=run.log)
     [event] = run.report["events"]
     assert event["mode"] == "reshard" and event["shrunk_to"] == 2
 
@@ -68,7 +72,7 @@ def test_a_rank_lost_without_spares_shrinks_four_ranks_to_three(tmp_path) -> Non
         extra=["--min-nodes", "1"],
     )
     assert run.returncode == 0, run.log[-4000:]
-    _assert_ddp_restores_match(tmp_path, world=3)
+    _assert_ddp_restores_match(tmp_path, world=3, log=run.log)
 
 
 def test_shrinking_below_min_nodes_fails_with_the_reason(tmp_path) -> None:

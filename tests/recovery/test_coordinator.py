@@ -8,6 +8,7 @@ from peerckpt.errors import AuthenticationError
 from peerckpt.persist.manifest import ChunkRecord
 from peerckpt.recovery.coordinator import Coordinator
 from peerckpt.recovery.rpc import RpcClient, RpcServer
+from peerckpt.replication.placement import placement_by_name
 
 
 def _job(spares: int = 1, started: int | None = None) -> Coordinator:
@@ -169,3 +170,17 @@ def test_a_node_whose_heartbeats_stop_is_declared_lost() -> None:
     assert event["kind"] == "node" and event["nodes"] == [1]
     assert "no heartbeat for" in event["reason"]
     assert _events(c, 0)[-1]["restore_step"] == 3
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [("ring", {0: [1], 1: [2], 2: [3], 3: [0]}), ("group", {0: [1], 1: [0], 2: [3], 3: [2]})],
+)
+def test_the_coordinator_places_buddies_with_the_strategy_it_was_given(name, expected) -> None:
+    c = Coordinator(
+        "j", world_size=4, replicas=1, store_addr="127.0.0.1:1", placement=placement_by_name(name)
+    )
+    for node in range(4):
+        c.register_agent({"node": node, "data_addr": f"127.0.0.1:{1000 + node}"})
+        c.proc_joined({"node": node, "pid": 100 + node, "role": "rank", "rank": node})
+    assert _events(c, 0)[-1]["placement"] == expected
