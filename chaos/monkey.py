@@ -34,6 +34,10 @@ class FaultTarget(Protocol):
         """Start a new node that joins the job; return its index."""
         ...
 
+    def corrupt_replicas(self, rank: int) -> list[str]:
+        """Flip a byte in every replica of ``rank``'s snapshot; return the segments' names."""
+        ...
+
 
 class StatusSource(Protocol):
     def call(self, method: str, timeout: float = 10.0, **args: Any) -> dict[str, Any]: ...
@@ -105,6 +109,11 @@ class ChaosMonkey:
             log.warning("chaos: %s (committed step %s)", action.text, status["committed_step"])
             record["fired_at"] = time.time()
             record["node"] = self._target.add_node()
+            return record
+        if action.kind == "corrupt_rank":
+            log.warning("chaos: %s (committed step %s)", action.text, status["committed_step"])
+            record["fired_at"] = time.time()
+            record["segments"] = self._target.corrupt_replicas(action.target)
             return record
         if action.kind == "kill_rank":
             assignment = status["ranks"].get(action.target)

@@ -5,7 +5,8 @@ Grammar (clauses separated by ``;``)::
     kill rank=R at=S      SIGKILL the process that is rank R, while the job runs step S
     kill node=N at=S      SIGKILL node N's agent and every process on it (its memory is lost)
     add node at=S         start a new node (an agent and --nproc-per-node ranks) that joins
-    … after=T             (on kill actions) T seconds later than that, e.g. once a flush ended
+    corrupt rank=R at=S   flip a byte in every replica of rank R's snapshot (on its buddies)
+    … after=T             (on kill and corrupt actions) T seconds later, e.g. once a flush ended
 
 "While the job runs step S" means: as soon as step S-1 is committed (``at=0``: as soon as the
 first epoch starts). Each action fires once.
@@ -18,8 +19,8 @@ from dataclasses import dataclass
 from peerckpt.errors import ConfigurationError
 
 _GRAMMAR = (
-    "'kill rank=R at=S', 'kill node=N at=S' (either with 'after=SECONDS') or 'add node at=S', "
-    "separated by ';'"
+    "'kill rank=R at=S', 'kill node=N at=S', 'corrupt rank=R at=S' (each with an optional "
+    "'after=SECONDS') or 'add node at=S', separated by ';'"
 )
 
 
@@ -27,7 +28,7 @@ _GRAMMAR = (
 class ChaosAction:
     """One fault to inject."""
 
-    kind: str  # "kill_rank", "kill_node" or "add_node"
+    kind: str  # "kill_rank", "kill_node", "corrupt_rank" or "add_node"
     target: int
     at: int
     text: str
@@ -47,7 +48,7 @@ def parse_chaos(spec: str) -> list[ChaosAction]:
                 raise ConfigurationError(f"chaos clause {clause!r}: use 'add node at=S'")
             actions.append(ChaosAction("add_node", -1, int(at[0][3:]), clause))
             continue
-        if not words or words[0] != "kill":
+        if not words or words[0] not in ("kill", "corrupt"):
             raise ConfigurationError(f"chaos clause {clause!r}: unknown action; use {_GRAMMAR}")
         fields: dict[str, float] = {}
         for word in words[1:]:
@@ -69,7 +70,12 @@ def parse_chaos(spec: str) -> list[ChaosAction]:
             raise ConfigurationError(
                 f"chaos clause {clause!r}: name exactly one of rank= or node=, and at=; use {_GRAMMAR}"
             )
-        kind = "kill_rank" if "rank" in fields else "kill_node"
+        if words[0] == "corrupt" and "rank" not in fields:
+            raise ConfigurationError(f"chaos clause {clause!r}: use 'corrupt rank=R at=S'")
+        if words[0] == "corrupt":
+            kind = "corrupt_rank"
+        else:
+            kind = "kill_rank" if "rank" in fields else "kill_node"
         target = int(fields["rank"] if "rank" in fields else fields["node"])
         actions.append(
             ChaosAction(kind, target, int(fields["at"]), clause, fields.get("after", 0.0))

@@ -346,9 +346,20 @@ class Coordinator(EpochChanges, Liveness):
 
     def rank_error(self, req: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
-            if self.membership is not None and req["epoch"] < self.membership.epoch:
+            m = self.membership
+            if m is not None and req["epoch"] < m.epoch:
                 log.info("ignoring an error of ended epoch %d: %s", req["epoch"], req["message"])
                 return {}
+            event = self.events[-1] if self.events else {}
+            if (
+                m is not None
+                and req["message"].startswith("RecoveryFailed")
+                and event.get("epoch") == m.epoch
+                and self._storage_fallback(
+                    event, dict(m.ranks), req["message"], dict(m.previous), partial=False
+                )
+            ):
+                return {}  # every memory copy of a rank failed its checksum: storage has one
             self._fail(f"rank {req['rank']} raised: {req['message']}")
             return {}
 

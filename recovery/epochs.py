@@ -179,6 +179,7 @@ class EpochChanges:
         assignments: dict[int, RankAssignment],
         why: str,
         previous: dict[int, int | None],
+        partial: bool = True,
     ) -> bool:
         """No memory copy of some state survived: storage fills the gap.
 
@@ -186,7 +187,8 @@ class EpochChanges:
         read from storage, the rest from the peers' memory. Otherwise the job goes on from the
         durable step, and the steps after it are trained again (deterministically, so the
         bits come out the same). False if there is no durable tier, no checkpoint, or this
-        epoch already reads from storage.
+        epoch already reads from storage. ``partial=False``: always the whole job from storage
+        (when a surviving memory copy turned out corrupt, memory is not trusted for that step).
         """
         m, tracker = self.membership, self.tracker
         if self.flusher is None or m is None or tracker is None or m.restore_url is not None:
@@ -197,7 +199,7 @@ class EpochChanges:
         except (CheckpointError, OSError) as exc:
             log.error("no memory copy survived (%s) and storage cannot help: %s", why, exc)
             return False
-        if ckpt.step == tracker.committed_step and _same_chunks(ckpt, tracker):
+        if partial and ckpt.step == tracker.committed_step and _same_chunks(ckpt, tracker):
             log.warning(
                 "no memory copy survived (%s); step %d is also in %s: reading what was lost "
                 "from there and the rest from memory",

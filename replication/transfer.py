@@ -145,8 +145,8 @@ def fetch(
     bad = manifest.bad_chunks(view)
     if bad:
         raise ChecksumMismatch(
-            f"the copy of rank {rank} step {step} held by {conn.peer} fails verification in "
-            f"{len(bad)} chunk(s), first {bad[:3]}; it is not restored from"
+            f"the copy of rank {rank} step {step} held by {conn.peer} fails verification (its "
+            f"crc32c checksum) in {len(bad)} chunk(s), first {bad[:3]}; it is not restored from"
         )
     return manifest
 

@@ -11,6 +11,7 @@ socket of the job. Its exit status is the job's.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ from peerckpt.chaos.monkey import ChaosMonkey
 from peerckpt.chaos.spec import parse_chaos
 from peerckpt.errors import ConfigurationError, PeerckptError
 from peerckpt.recovery.rpc import RpcClient
-from peerckpt.replication.arena import sweep
+from peerckpt.replication.arena import SHM_DIR, segment_prefix, sweep
 from peerckpt.runtime.processes import ProcessSet
 from peerckpt.runtime.report import format_failures
 
@@ -177,6 +178,22 @@ class LocalLauncher:
     def kill_node(self, node: int) -> None:
         self.procs.kill_node(node)
         sweep(self.job, node)  # the node's memory is gone with it
+
+    def corrupt_replicas(self, rank: int) -> list[str]:
+        """Flip the first byte of every replica segment of ``rank`` (on its buddies' nodes), as a
+        bad DIMM or a stray write would; the chunk's checksum no longer matches."""
+        pattern = os.path.join(SHM_DIR, f"{segment_prefix(self.job)}n*-r{rank}-g*")
+        flipped = []
+        for path in sorted(glob.glob(pattern)):
+            try:
+                with open(path, "r+b") as f:
+                    first = f.read(1)
+                    f.seek(0)
+                    f.write(bytes([first[0] ^ 0xFF]))
+            except (OSError, IndexError):
+                continue  # released meanwhile
+            flipped.append(os.path.basename(path))
+        return flipped
 
     def add_node(self) -> int:
         """Start one more node (agent and --nproc-per-node processes) that joins the job."""

@@ -211,6 +211,43 @@ def test_state_with_no_memory_copy_left_is_read_from_storage_and_the_rest_from_p
     assert run.final()["digest"] == reference.final()["digest"]
 
 
+def test_a_replica_corrupted_in_memory_is_never_restored_and_storage_is_used(tmp_path) -> None:
+    # Rank 2's only other copy (node 0's replica) gets a flipped byte, then its node dies.
+    # The pull fails its checksum; the job goes back to the durable step, and ends bit-exact.
+    url = f"file://{tmp_path}/ckpt"
+    args = ["--steps", "25", "--sleep", "0.02"]
+    reference = run_job(tmp_path / "reference", script_args=args)
+    assert reference.returncode == 0, reference.log[-4000:]
+    run = run_job(
+        tmp_path / "chaos",
+        script_args=args,
+        spares=2,
+        chaos="corrupt rank=2 at=12; kill node=1 at=12",
+        extra=["--persist", url, "--persist-every", "5"],
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    [corrupt] = [c for c in run.report["chaos"] if c["kind"] == "corrupt_rank"]
+    assert corrupt["segments"] and all("-n0-r2-" in s for s in corrupt["segments"])
+    [event] = [e for e in run.report["events"] if e.get("fallback")]
+    assert "no valid copy of rank 2" in event["fallback"] and "checksum" in event["fallback"]
+    assert {p["source"] for p in event["pulls"]} == {-1}  # memory is not trusted for it
+    assert run.final()["digest"] == reference.final()["digest"]
+
+
+def test_a_corrupted_only_copy_without_a_durable_tier_stops_naming_rank_and_cause(
+    tmp_path,
+) -> None:
+    run = run_job(
+        tmp_path,
+        script_args=["--steps", "25", "--sleep", "0.02"],
+        spares=2,
+        chaos="corrupt rank=2 at=12; kill node=1 at=12",
+    )
+    assert run.returncode == 1
+    reason = run.report["reason"]
+    assert "no valid copy of rank 2" in reason and "checksum" in reason, reason
+
+
 def test_losing_every_memory_copy_without_a_durable_tier_names_what_was_lost(tmp_path) -> None:
     run = run_job(
         tmp_path,

@@ -16,6 +16,13 @@ def test_rank_and_node_kills_parse_in_order() -> None:
     ]
 
 
+def test_corrupt_names_a_rank() -> None:
+    [action] = parse_chaos("corrupt rank=3 at=7")
+    assert (action.kind, action.target, action.at) == ("corrupt_rank", 3, 7)
+    with pytest.raises(ConfigurationError, match="corrupt rank=R at=S"):
+        parse_chaos("corrupt node=1 at=7")
+
+
 def test_a_kill_can_wait_seconds_after_its_step() -> None:
     [action] = parse_chaos("kill node=0 at=12 after=2.5")
     assert (action.kind, action.target, action.at, action.after) == ("kill_node", 0, 12, 2.5)
