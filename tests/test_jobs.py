@@ -149,3 +149,33 @@ def test_a_script_that_dies_before_joining_fails_the_job_at_once(tmp_path) -> No
     assert run.report["state"] == "failed"
     assert re.search(r"rank \d \(exit status 1\)", run.report["reason"])  # whichever died first
     assert "exited before the job started" in run.report["reason"]
+
+
+def test_two_nodes_lost_at_once_with_two_replicas_recover_from_the_third(tmp_path) -> None:
+    """4 nodes x 1 rank, --replicas 2 (ring: each rank's state on its node and the next two).
+    Nodes 1 and 2 die together: every rank still has a copy on node 0 or node 3."""
+    args = ["--steps", "20"]
+    reference = run_job(tmp_path / "reference", script_args=args, nodes=4, nproc=1)
+    assert reference.returncode == 0, reference.log[-4000:]
+    run = run_job(
+        tmp_path / "chaos",
+        script_args=args,
+        nodes=4,
+        nproc=1,
+        spares=2,
+        chaos="kill node=1 at=8; kill node=2 at=8",
+        extra=["--replicas", "2"],
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    assert sorted(r for e in run.report["events"] for r in e["ranks"]) == [1, 2]
+    assert not any(e.get("fallback") for e in run.report["events"])
+    # Node 2's loss may be handled after node 1's recovery (which could still read node 2);
+    # the recovery that completes reads only memory that survived both: nodes 0 and 3, and
+    # the spare node 4 where the first recovery put rank 1.
+    last = run.report["events"][-1]
+    pulls = [p for p in last["pulls"] if p["bytes"] > 0]
+    assert pulls and {p["source"] for p in pulls} <= {0, 3, 4}, last["pulls"]
+    assert run.final() == reference.final()
+    expected, got = reference.digests(), run.digests()
+    for key, digests in got.items():
+        assert digests == expected[key], f"rank {key[0]} step {key[1]} differs"
