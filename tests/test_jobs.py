@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from .conftest import JOBS, REPO, JobRun, launch, run_job
 
 
@@ -151,6 +153,7 @@ def test_a_script_that_dies_before_joining_fails_the_job_at_once(tmp_path) -> No
     assert "exited before the job started" in run.report["reason"]
 
 
+@pytest.mark.slow  # nine processes on two cores: make test-all
 def test_two_nodes_lost_at_once_with_two_replicas_recover_from_the_third(tmp_path) -> None:
     """4 nodes x 1 rank, --replicas 2 (ring: each rank's state on its node and the next two).
     Nodes 1 and 2 die together: every rank still has a copy on node 0 or node 3."""
