@@ -144,20 +144,30 @@ class EpochChanges:
         epoch: int,
         gen: int,
         assignments: dict[int, RankAssignment],
+        previous: dict[int, int | None] | None = None,
+        with_memory: bool = False,
     ) -> None:
-        """Open ``epoch`` restoring durable step ``ckpt`` into ``assignments``: the stored step
-        becomes the committed state, storage its only holder, and the ranks reshard it."""
+        """Open ``epoch`` restoring durable step ``ckpt`` into ``assignments``, resharded.
+
+        Normally the stored step becomes the committed state, storage its only holder.
+        ``with_memory`` (the stored step *is* the committed step): storage joins the memory
+        holders, and the planner reads it only where no memory copy survived."""
         m = ckpt.manifest
-        layouts = {r: [c.record.to_msg() for c in cs] for r, cs in m.ranks.items()}
-        self.tracker = CommitTracker(
-            epoch=epoch - 1,
-            ranks=frozenset(layouts),
-            gen=gen - 1,
-            committed_step=m.step,
-            committed_gen=gen - 1,
-            committed_holders={r: {STORAGE} for r in layouts},
-            committed_layouts=layouts,
-        )
+        if with_memory:
+            assert self.tracker is not None
+            for holders in self.tracker.committed_holders.values():
+                holders.add(STORAGE)
+        else:
+            layouts = {r: [c.record.to_msg() for c in cs] for r, cs in m.ranks.items()}
+            self.tracker = CommitTracker(
+                epoch=epoch - 1,
+                ranks=frozenset(layouts),
+                gen=gen - 1,
+                committed_step=m.step,
+                committed_gen=gen - 1,
+                committed_holders={r: {STORAGE} for r in layouts},
+                committed_layouts=layouts,
+            )
         event.update(
             restore_step=m.step, mode="reshard", epoch=epoch, url=url, old_world=m.world_size
         )
@@ -168,7 +178,7 @@ class EpochChanges:
             {},
             "reshard",
             gen=gen,
-            previous={},
+            previous=previous or {},
             old_world=m.world_size,
             restore_url=url,
         )
@@ -209,19 +219,8 @@ class EpochChanges:
             )
             event["fallback"] = f"{why}; read the lost chunks of step {ckpt.step} from storage"
             event["partial"] = True
-            for holders in tracker.committed_holders.values():
-                holders.add(STORAGE)  # the planner reads storage only where memory has none
-            event.update(restore_step=ckpt.step, mode="reshard", epoch=m.epoch + 1, url=url)
-            self._open_epoch(
-                m.epoch + 1,
-                assignments,
-                ckpt.step,
-                {},
-                "reshard",
-                gen=m.gen + 1,
-                previous=previous,
-                old_world=len(tracker.committed_layouts),
-                restore_url=url,
+            self._restore_from_storage(
+                ckpt, url, event, m.epoch + 1, m.gen + 1, assignments, previous, with_memory=True
             )
             return True
         log.warning(

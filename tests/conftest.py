@@ -19,12 +19,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+
+from peerckpt.replication.arena import Arena
+from peerckpt.runtime.snapshot import SnapshotEngine
 
 REPO = Path(__file__).resolve().parent.parent
 JOBS = REPO / "tests" / "jobs"
@@ -165,9 +169,59 @@ def run_job(out: Path, *args: Any, timeout: float = 240.0, **kwargs: Any) -> Job
     return JobRun(proc.returncode, report, out, log)
 
 
+def run_with_reference(out: Path, script_args: list[str], **kwargs: Any) -> tuple[JobRun, JobRun]:
+    """A fault-free run of the job in the same topology (``nodes``, ``nproc``), then the run
+    with ``kwargs`` (chaos, spares, extra flags). Returns (reference, run)."""
+    topology = {k: kwargs[k] for k in ("nodes", "nproc") if k in kwargs}
+    reference = run_job(out / "reference", script_args=script_args, **topology)
+    assert reference.returncode == 0, reference.log[-4000:]
+    return reference, run_job(out / "chaos", script_args=script_args, **kwargs)
+
+
+def assert_same_digests(run: JobRun, reference: JobRun) -> None:
+    """Every digest any rank recorded (steps trained again included) and the final one equal
+    the fault-free run's."""
+    expected = reference.digests()
+    for key, digests in run.digests().items():
+        assert digests == expected[key], f"rank {key[0]} step {key[1]} differs"
+    assert run.final() == reference.final()
+
+
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
     """One fault-free run of the DDP job, shared by every chaos test that compares bits."""
     run = run_job(tmp_path_factory.mktemp("reference"), script_args=["--steps", "30"])
     assert run.returncode == 0, run.log[-4000:]
     return run
+
+
+class FakeAgent:
+    """Stands in for the agent link: allocates real segments, records snapshot notices."""
+
+    def __init__(self) -> None:
+        self.arena = Arena(job_name(), node=0)
+        self.notices: list[dict[str, Any]] = []
+
+    def request(self, kind: str, timeout: float = 60.0, **f: Any) -> dict[str, Any]:
+        assert kind == "alloc"
+        seg = self.arena.create(f"o{f['rank']}-{f['slot']}", f["nbytes"], "test slot")
+        return {"path": seg.path, "size": seg.size}
+
+    def notify(self, kind: str, body: Any = None, **fields: Any) -> None:
+        self.notices.append({"type": kind, **fields})
+
+    def wait_notices(self, n: int, timeout: float = 10.0) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while len(self.notices) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.notices
+
+
+@pytest.fixture
+def agent_engine() -> Iterator[tuple[FakeAgent, SnapshotEngine]]:
+    agent = FakeAgent()
+    engine = SnapshotEngine(agent, commit_timeout_s=30.0)  # type: ignore[arg-type]
+    engine.begin_epoch(0, rank=0, committed_index=None, committed_step=None, committed_path=None)
+    yield agent, engine
+    engine.close()
+    agent.arena.destroy()

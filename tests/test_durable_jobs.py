@@ -16,7 +16,7 @@ from peerckpt.persist.interop import PeerckptReader, export_safetensors
 from peerckpt.persist.manifest import META_KEY
 from peerckpt.runtime import restore
 
-from .conftest import JOBS, read_jsonl, run_job
+from .conftest import JOBS, assert_same_digests, read_jsonl, run_job, run_with_reference
 
 
 def _ddp_job():
@@ -145,12 +145,9 @@ def test_losing_every_memory_copy_falls_back_to_the_durable_step_bit_exact(tmp_p
     # Both nodes die at once: every rank and every replica is gone. With a durable tier the
     # spares restore its latest step and train the rest again, reaching the same bits.
     url = f"file://{tmp_path}/ckpt"
-    args = ["--steps", "25", "--sleep", "0.02"]
-    reference = run_job(tmp_path / "reference", script_args=args)
-    assert reference.returncode == 0, reference.log[-4000:]
-    run = run_job(
-        tmp_path / "chaos",
-        script_args=args,
+    reference, run = run_with_reference(
+        tmp_path,
+        ["--steps", "25", "--sleep", "0.02"],
         spares=4,
         chaos="kill node=0 at=12; kill node=1 at=12",
         extra=["--persist", url, "--persist-every", "5"],
@@ -162,10 +159,7 @@ def test_losing_every_memory_copy_falls_back_to_the_durable_step_bit_exact(tmp_p
     assert restored in (5, 10)  # the latest durable step when the nodes died
     assert {p["source"] for p in fallbacks[0]["pulls"]} == {-1}
     assert "no memory copy survived" in run.log
-    assert run.final()["digest"] == reference.final()["digest"]
-    ref = {e["step"]: e["digest"] for e in read_jsonl(tmp_path / "reference" / "rank0.jsonl")}
-    for entry in read_jsonl(tmp_path / "chaos" / "rank0.jsonl"):
-        assert entry["digest"] == ref[entry["step"]], f"step {entry['step']}"
+    assert_same_digests(run, reference)
 
 
 def test_state_with_no_memory_copy_left_is_read_from_storage_and_the_rest_from_peers(
@@ -178,12 +172,9 @@ def test_state_with_no_memory_copy_left_is_read_from_storage_and_the_rest_from_p
     # (the model and optimizer are the same on every DDP rank, and node 2 has them) — and no
     # step is trained again.
     url = f"file://{tmp_path}/ckpt"
-    args = ["--steps", "20", "--pause-at", "12", "--pause-s", "6"]
-    reference = run_job(tmp_path / "reference", script_args=args, nodes=3, nproc=1)
-    assert reference.returncode == 0, reference.log[-4000:]
-    run = run_job(
-        tmp_path / "chaos",
-        script_args=args,
+    reference, run = run_with_reference(
+        tmp_path,
+        ["--steps", "20", "--pause-at", "12", "--pause-s", "6"],
         nodes=3,
         nproc=1,
         spares=2,
@@ -203,24 +194,18 @@ def test_state_with_no_memory_copy_left_is_read_from_storage_and_the_rest_from_p
     assert len(set(storage.values())) == 1, pulls
     assert all(storage[r] * 10 < memory[r] for r in storage), pulls
     assert "reading what was lost from there and the rest from memory" in run.log
-    ref = {e["step"]: e["digest"] for e in read_jsonl(tmp_path / "reference" / "rank0.jsonl")}
     steps = [e["step"] for e in read_jsonl(tmp_path / "chaos" / "rank0.jsonl")]
     assert steps == list(range(20)), "a step was trained twice or skipped"
-    for entry in read_jsonl(tmp_path / "chaos" / "rank0.jsonl"):
-        assert entry["digest"] == ref[entry["step"]], f"step {entry['step']}"
-    assert run.final()["digest"] == reference.final()["digest"]
+    assert_same_digests(run, reference)
 
 
 def test_a_replica_corrupted_in_memory_is_never_restored_and_storage_is_used(tmp_path) -> None:
     # Rank 2's only other copy (node 0's replica) gets a flipped byte, then its node dies.
     # The pull fails its checksum; the job goes back to the durable step, and ends bit-exact.
     url = f"file://{tmp_path}/ckpt"
-    args = ["--steps", "25", "--sleep", "0.02"]
-    reference = run_job(tmp_path / "reference", script_args=args)
-    assert reference.returncode == 0, reference.log[-4000:]
-    run = run_job(
-        tmp_path / "chaos",
-        script_args=args,
+    reference, run = run_with_reference(
+        tmp_path,
+        ["--steps", "25", "--sleep", "0.02"],
         spares=2,
         chaos="corrupt rank=2 at=12; kill node=1 at=12",
         extra=["--persist", url, "--persist-every", "5"],
@@ -231,7 +216,7 @@ def test_a_replica_corrupted_in_memory_is_never_restored_and_storage_is_used(tmp
     [event] = [e for e in run.report["events"] if e.get("fallback")]
     assert "no valid copy of rank 2" in event["fallback"] and "checksum" in event["fallback"]
     assert {p["source"] for p in event["pulls"]} == {-1}  # memory is not trusted for it
-    assert run.final()["digest"] == reference.final()["digest"]
+    assert_same_digests(run, reference)
 
 
 def test_a_corrupted_only_copy_without_a_durable_tier_stops_naming_rank_and_cause(

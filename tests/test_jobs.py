@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from .conftest import JOBS, REPO, JobRun, launch, run_job
+from .conftest import JOBS, REPO, JobRun, assert_same_digests, launch, run_job, run_with_reference
 
 
 def _assert_bit_exact(run: JobRun, reference: JobRun, steps: int = 30) -> None:
@@ -157,12 +157,9 @@ def test_a_script_that_dies_before_joining_fails_the_job_at_once(tmp_path) -> No
 def test_two_nodes_lost_at_once_with_two_replicas_recover_from_the_third(tmp_path) -> None:
     """4 nodes x 1 rank, --replicas 2 (ring: each rank's state on its node and the next two).
     Nodes 1 and 2 die together: every rank still has a copy on node 0 or node 3."""
-    args = ["--steps", "20"]
-    reference = run_job(tmp_path / "reference", script_args=args, nodes=4, nproc=1)
-    assert reference.returncode == 0, reference.log[-4000:]
-    run = run_job(
-        tmp_path / "chaos",
-        script_args=args,
+    reference, run = run_with_reference(
+        tmp_path,
+        ["--steps", "20"],
         nodes=4,
         nproc=1,
         spares=2,
@@ -178,7 +175,4 @@ def test_two_nodes_lost_at_once_with_two_replicas_recover_from_the_third(tmp_pat
     last = run.report["events"][-1]
     pulls = [p for p in last["pulls"] if p["bytes"] > 0]
     assert pulls and {p["source"] for p in pulls} <= {0, 3, 4}, last["pulls"]
-    assert run.final() == reference.final()
-    expected, got = reference.digests(), run.digests()
-    for key, digests in got.items():
-        assert digests == expected[key], f"rank {key[0]} step {key[1]} differs"
+    assert_same_digests(run, reference)

@@ -4,29 +4,15 @@ and restored bit for bit after a rank is killed. Skipped on machines without a C
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn as nn
 
 from peerckpt.runtime.capture import capture
-from peerckpt.runtime.snapshot import SnapshotEngine
 
 from ..conftest import JobRun, run_job
-from ..runtime.test_snapshot import FakeAgent
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture
-def agent_engine() -> Iterator[tuple[FakeAgent, SnapshotEngine]]:
-    agent = FakeAgent()
-    engine = SnapshotEngine(agent, commit_timeout_s=30.0)  # type: ignore[arg-type]
-    engine.begin_epoch(0, rank=0, committed_index=None, committed_step=None, committed_path=None)
-    yield agent, engine
-    engine.close()
-    agent.arena.destroy()
 
 
 def _model_and_optim() -> tuple[nn.Module, torch.optim.Optimizer]:

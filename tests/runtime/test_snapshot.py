@@ -3,50 +3,16 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 from peerckpt.errors import CommitTimeout, MembershipChanged
-from peerckpt.replication.arena import Arena
 from peerckpt.runtime.capture import capture
 from peerckpt.runtime.snapshot import SnapshotEngine
 
-from ..conftest import job_name
-
-
-class FakeAgent:
-    """Stands in for the agent link: allocates real segments, records snapshot notices."""
-
-    def __init__(self) -> None:
-        self.arena = Arena(job_name(), node=0)
-        self.notices: list[dict[str, Any]] = []
-
-    def request(self, kind: str, timeout: float = 60.0, **f: Any) -> dict[str, Any]:
-        assert kind == "alloc"
-        seg = self.arena.create(f"o{f['rank']}-{f['slot']}", f["nbytes"], "test slot")
-        return {"path": seg.path, "size": seg.size}
-
-    def notify(self, kind: str, body: Any = None, **fields: Any) -> None:
-        self.notices.append({"type": kind, **fields})
-
-    def wait_notices(self, n: int, timeout: float = 10.0) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + timeout
-        while len(self.notices) < n and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return self.notices
-
-
-@pytest.fixture
-def agent_engine() -> Iterator[tuple[FakeAgent, SnapshotEngine]]:
-    agent = FakeAgent()
-    engine = SnapshotEngine(agent, commit_timeout_s=30.0)  # type: ignore[arg-type]
-    engine.begin_epoch(0, rank=0, committed_index=None, committed_step=None, committed_path=None)
-    yield agent, engine
-    engine.close()
-    agent.arena.destroy()
+from ..conftest import FakeAgent
 
 
 def _state(value: float) -> Any:
