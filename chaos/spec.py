@@ -2,11 +2,22 @@
 
 Grammar (clauses separated by ``;``)::
 
-    kill rank=R at=S      SIGKILL the process that is rank R, while the job runs step S
-    kill node=N at=S      SIGKILL node N's agent and every process on it (its memory is lost)
-    add node at=S         start a new node (an agent and --nproc-per-node ranks) that joins
-    corrupt rank=R at=S   flip a byte in every replica of rank R's snapshot (on its buddies)
-    … after=T             (on kill and corrupt actions) T seconds later, e.g. once a flush ended
+    kill rank=R at=S             SIGKILL the process that is rank R, while the job runs step S
+    kill node=N at=S             SIGKILL node N's agent and every process on it (its memory is lost)
+    kill agent node=N at=S       SIGKILL node N's agent only; its ranks live on, without it
+    hang rank=R at=S for=T       SIGSTOP rank R's process, SIGCONT it T seconds later
+    partition node=N at=S for=T  cut every connection of node N's agent, both ways, for T seconds
+    slow node=N at=S rate=MBPS   throttle node N's data links to MBPS megabytes/s (for=T: then heal)
+    kill coordinator at=S        SIGKILL the coordinator; the launcher restarts it
+    corrupt rank=R at=S          flip a byte in every replica of rank R's snapshot (on its buddies)
+    add node at=S                start a new node (an agent and --nproc-per-node ranks) that joins
+    node=@R                      (any node action) the node rank R runs on when the action fires
+    … after=T                    (any action but add) T seconds after the step came
+    … during=PHASE               (kill actions) strike while a process is inside PHASE:
+                                 snapshot (the rank copying its state into its slot),
+                                 replication (its agent pushing a snapshot to a buddy) or
+                                 recovery (any agent restoring a rank: a second failure while
+                                 the first is repaired)
 
 "While the job runs step S" means: as soon as step S-1 is committed (``at=0``: as soon as the
 first epoch starts). Each action fires once.
@@ -18,66 +29,144 @@ from dataclasses import dataclass
 
 from peerckpt.errors import ConfigurationError
 
-_GRAMMAR = (
-    "'kill rank=R at=S', 'kill node=N at=S', 'corrupt rank=R at=S' (each with an optional "
-    "'after=SECONDS') or 'add node at=S', separated by ';'"
-)
+PHASES = ("snapshot", "replication", "recovery")
+
+_USAGE = {
+    "kill_rank": "kill rank=R at=S [after=T] [during=PHASE]",
+    "kill_node": "kill node=N at=S [after=T] [during=PHASE]",
+    "kill_agent": "kill agent node=N at=S [after=T] [during=PHASE]",
+    "kill_coordinator": "kill coordinator at=S [after=T]",
+    "hang_rank": "hang rank=R at=S for=T [after=T]",
+    "partition_node": "partition node=N at=S for=T [after=T]",
+    "slow_node": "slow node=N at=S rate=MBPS [for=T] [after=T]",
+    "corrupt_rank": "corrupt rank=R at=S [after=T]",
+    "add_node": "add node at=S",
+}
+# kind → (the target field, the fields it requires, the optional ones)
+_FIELDS: dict[str, tuple[str | None, set[str], set[str]]] = {
+    "kill_rank": ("rank", {"at"}, {"after", "during"}),
+    "kill_node": ("node", {"at"}, {"after", "during"}),
+    "kill_agent": ("node", {"at"}, {"after", "during"}),
+    "kill_coordinator": (None, {"at"}, {"after"}),
+    "hang_rank": ("rank", {"at", "for"}, {"after"}),
+    "partition_node": ("node", {"at", "for"}, {"after"}),
+    "slow_node": ("node", {"at", "rate"}, {"for", "after"}),
+    "corrupt_rank": ("rank", {"at"}, {"after"}),
+    "add_node": (None, {"at"}, set()),
+}
+_SECONDS = {"after", "for", "rate"}  # fields that take a number, not an integer
 
 
 @dataclass(frozen=True)
 class ChaosAction:
     """One fault to inject."""
 
-    kind: str  # "kill_rank", "kill_node", "corrupt_rank" or "add_node"
-    target: int
+    kind: str  # a key of _USAGE
+    target: int  # the rank or node; -1 for "add node"
     at: int
     text: str
     after: float = 0.0  # seconds to wait once the action is due
+    during: str | None = None  # strike inside this phase (one of PHASES)
+    duration: float = 0.0  # for=: how long a hang, partition or slow-down lasts (0: forever)
+    rate: float = 0.0  # rate=: MB/s for "slow"
+    of_rank: int | None = None  # node=@R: the target is the node rank R runs on at the time
+
+
+def grammar() -> str:
+    return "; ".join(f"'{usage}'" for usage in _USAGE.values())
+
+
+def _kind_of(words: list[str]) -> tuple[str, list[str]]:
+    """The action's kind and its field words, from the clause's leading words."""
+    if words[:2] == ["kill", "agent"]:
+        return "kill_agent", words[2:]
+    if words[:2] == ["kill", "coordinator"]:
+        return "kill_coordinator", words[2:]
+    if words[:2] == ["add", "node"]:
+        return "add_node", words[2:]
+    verb, fields = (words[0], words[1:]) if words else ("", [])
+    has = {w.partition("=")[0] for w in fields}
+    if verb == "kill":
+        return ("kill_node" if "node" in has and "rank" not in has else "kill_rank"), fields
+    known = {"hang": "hang_rank", "partition": "partition_node", "slow": "slow_node"}
+    if verb in known:
+        return known[verb], fields
+    if verb == "corrupt":
+        return "corrupt_rank", fields
+    return "", fields
 
 
 def parse_chaos(spec: str) -> list[ChaosAction]:
     """Parse a chaos spec; raise ConfigurationError naming the clause that is wrong."""
     actions = []
     for clause in (c.strip() for c in spec.split(";")):
-        if not clause:
-            continue
-        words = clause.split()
-        if words[:2] == ["add", "node"]:
-            at = [w for w in words[2:] if w.startswith("at=")]
-            if len(words) != 3 or len(at) != 1 or not at[0][3:].isdigit():
-                raise ConfigurationError(f"chaos clause {clause!r}: use 'add node at=S'")
-            actions.append(ChaosAction("add_node", -1, int(at[0][3:]), clause))
-            continue
-        if not words or words[0] not in ("kill", "corrupt"):
-            raise ConfigurationError(f"chaos clause {clause!r}: unknown action; use {_GRAMMAR}")
-        fields: dict[str, float] = {}
-        for word in words[1:]:
-            key, sep, value = word.partition("=")
-            if not sep or key not in ("rank", "node", "at", "after") or key in fields:
-                raise ConfigurationError(
-                    f"chaos clause {clause!r}: bad field {word!r}; use {_GRAMMAR}"
-                )
-            try:
-                fields[key] = float(value) if key == "after" else int(value)
-            except ValueError:
-                kind_of = "a number of seconds" if key == "after" else "an integer"
-                raise ConfigurationError(
-                    f"chaos clause {clause!r}: {key} must be {kind_of}, not {value!r}"
-                ) from None
-            if fields[key] < 0:
-                raise ConfigurationError(f"chaos clause {clause!r}: {key} must be ≥ 0")
-        if ("rank" in fields) == ("node" in fields) or "at" not in fields:
-            raise ConfigurationError(
-                f"chaos clause {clause!r}: name exactly one of rank= or node=, and at=; use {_GRAMMAR}"
-            )
-        if words[0] == "corrupt" and "rank" not in fields:
-            raise ConfigurationError(f"chaos clause {clause!r}: use 'corrupt rank=R at=S'")
-        if words[0] == "corrupt":
-            kind = "corrupt_rank"
-        else:
-            kind = "kill_rank" if "rank" in fields else "kill_node"
-        target = int(fields["rank"] if "rank" in fields else fields["node"])
-        actions.append(
-            ChaosAction(kind, target, int(fields["at"]), clause, fields.get("after", 0.0))
-        )
+        if clause:
+            actions.append(_parse_clause(clause))
     return actions
+
+
+def _parse_clause(clause: str) -> ChaosAction:
+    kind, words = _kind_of(clause.split())
+    if not kind:
+        raise ConfigurationError(f"chaos clause {clause!r}: unknown action; use {grammar()}")
+    named = {w.partition("=")[0] for w in words}
+    if kind in ("kill_rank", "kill_node") and ({"rank", "node"} <= named or "at" not in named):
+        raise ConfigurationError(
+            f"chaos clause {clause!r}: name exactly one of rank= or node=, and at=; use {grammar()}"
+        )
+    usage = _USAGE[kind]
+    target_field, required, optional = _FIELDS[kind]
+    allowed = required | optional | ({target_field} if target_field else set())
+    fields: dict[str, float] = {}
+    during: str | None = None
+    of_rank: int | None = None
+    for word in words:
+        key, sep, value = word.partition("=")
+        if key == "node" and target_field == "node" and value.startswith("@"):
+            value = value[1:]
+            if not value.isdigit():
+                raise ConfigurationError(f"chaos clause {clause!r}: node=@R needs a rank number")
+            of_rank = int(value)
+        if not sep or key in fields or (key == "during" and during is not None):
+            raise ConfigurationError(f"chaos clause {clause!r}: bad field {word!r}; use '{usage}'")
+        if key not in allowed:
+            raise ConfigurationError(
+                f"chaos clause {clause!r}: {key}= does not apply here; use '{usage}'"
+            )
+        if key == "during":
+            if value not in PHASES:
+                raise ConfigurationError(
+                    f"chaos clause {clause!r}: during must be one of {', '.join(PHASES)}"
+                )
+            during = value
+            continue
+        try:
+            fields[key] = float(value) if key in _SECONDS else int(value)
+        except ValueError:
+            kind_of = {"after": "a number of seconds", "for": "a number of seconds"}.get(
+                key, "a number" if key in _SECONDS else "an integer"
+            )
+            raise ConfigurationError(
+                f"chaos clause {clause!r}: {key} must be {kind_of}, not {value!r}"
+            ) from None
+        if fields[key] < 0 or (key == "rate" and fields[key] == 0):
+            raise ConfigurationError(
+                f"chaos clause {clause!r}: {key} must be {'> 0' if key == 'rate' else '≥ 0'}"
+            )
+    needed = required | ({target_field} if target_field else set())
+    missing = [f for f in sorted(needed) if f not in fields]
+    if missing:
+        raise ConfigurationError(
+            f"chaos clause {clause!r}: {', '.join(m + '=' for m in missing)} missing; use '{usage}'"
+        )
+    return ChaosAction(
+        kind,
+        int(fields[target_field]) if target_field else -1,
+        int(fields["at"]),
+        clause,
+        after=fields.get("after", 0.0),
+        during=during,
+        duration=fields.get("for", 0.0),
+        rate=fields.get("rate", 0.0),
+        of_rank=of_rank,
+    )

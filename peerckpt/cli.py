@@ -38,6 +38,34 @@ def _run(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    from peerckpt.chaos.campaign import default_json_path, format_table, run_campaign, write_json
+
+    if args.faults < 1 or args.nodes < 2 or args.every < 2 or args.start < 1:
+        raise PeerckptError(
+            "peerckpt chaos needs --faults ≥ 1, --nodes ≥ 2 (a node must survive each "
+            "fault), --every ≥ 2 and --start ≥ 1"
+        )
+    campaign = run_campaign(
+        [args.script, *args.script_args],
+        args.seed,
+        args.faults,
+        nodes=args.nodes,
+        nproc_per_node=args.nproc_per_node,
+        spares=args.spares,
+        start=args.start,
+        every=args.every,
+        heartbeat_timeout=args.heartbeat_timeout,
+        replicas=args.replicas,
+        job=args.job,
+    )
+    path = args.json or default_json_path(args.seed)
+    write_json(campaign, path)
+    print(format_table(campaign))
+    print(f"written to {path}")
+    return 0 if campaign.ok else 1
+
+
 def _racks(text: str | None, nodes: int) -> dict[int, str] | None:
     """``--racks a,a,b,b``: the rack of node 0, 1, 2, … (the spare node is a rack of its own)."""
     if not text:
@@ -289,6 +317,27 @@ def main(argv: list[str] | None = None) -> int:
         help="one node's snapshot size, to print memory in bytes",
     )
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    chaos = sub.add_parser(
+        "chaos",
+        help="run a script under a seeded random sequence of faults and check it bit for bit",
+        description="Run the script once without faults and once under --faults random faults "
+        "(kills of ranks, nodes and agents, hangs, partitions, slow links, corrupt replicas, "
+        "kills during a snapshot, a replication or a recovery), one every --every steps; print "
+        "a row per fault and compare every snapshot with the fault-free run.",
+    )
+    chaos.add_argument("--seed", type=int, required=True, help="the random sequence's seed")
+    chaos.add_argument("--faults", type=int, required=True, help="how many faults")
+    chaos.add_argument("--nodes", type=int, default=3, help="simulated nodes")
+    chaos.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node")
+    chaos.add_argument("--spares", type=int, default=2, help="spares kept in reserve")
+    chaos.add_argument("--replicas", type=int, default=None, help="buddies per snapshot")
+    chaos.add_argument("--start", type=int, default=5, help="the first fault's step")
+    chaos.add_argument("--every", type=int, default=10, help="steps between faults")
+    chaos.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds")
+    chaos.add_argument("--json", default=None, help="where to write the rows as JSON")
+    chaos.add_argument("--job", default=None, help="name the two jobs NAME_ref and NAME_chaos")
+    chaos.add_argument("script", help="the training script (it must run long enough)")
+    chaos.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("PEERCKPT_LOG_LEVEL", "INFO"),
@@ -312,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "plan":
             return _plan(args)
+        if args.command == "chaos":
+            return _chaos(args)
         if args.command == "join":
             from peerckpt.runtime.join import join as join_job
 

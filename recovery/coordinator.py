@@ -73,7 +73,11 @@ class Coordinator(EpochChanges, Liveness):
         persist: PersistConfig | None = None,
         spares: int = 0,
         placement: Placement | None = None,
+        record_digests: bool = False,
     ) -> None:
+        # (rank, step) → every distinct tensor digest its snapshots of that step had (the
+        # chaos campaign compares them with a fault-free run); None: not recorded.
+        self.digests: dict[str, list[str]] | None = {} if record_digests else None
         self.min_nodes = min_nodes  # None: the world never shrinks
         self.spares_started = spares  # started by the launcher; each joins once it has warmed up
         self.spares_joined = 0
@@ -103,16 +107,97 @@ class Coordinator(EpochChanges, Liveness):
         # Replication failures to a buddy that looked alive: (deadline, epoch, step, message).
         self._stuck: list[tuple[float, int, int, str]] = []
         self.stopped = threading.Event()
+        self.rebuilt = False  # restarted: state rebuilt from the agents' reports
+        self._rebuild_deadline: float | None = None  # until then, agents may still come back
+        self._rebuild_lost: set[int] = set()  # ranks found gone while rebuilding
 
     # -- registration ---------------------------------------------------------------------
     def register_agent(self, req: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             node = req["node"]
+            config = {"replicas": self.replicas, "heartbeat_timeout": self.heartbeat_timeout}
+            known = self.agents.get(node)
+            if req.get("rejoin") is not None and known is not None and not known.alive:
+                return {**config, "lost": True}  # declared lost while we were away
             self.agents[node] = AgentInfo(
                 node, req["data_addr"], bool(req.get("spare_node")), int(req.get("joining", 0))
             )
             log.info("agent of node %d registered (data %s)", node, req["data_addr"])
-            return {"replicas": self.replicas, "heartbeat_timeout": self.heartbeat_timeout}
+            if req.get("rejoin") is not None:
+                self._adopt(node, req["rejoin"])
+            return config
+
+    def _adopt(self, node: int, state: dict[str, Any]) -> None:
+        """Rebuild this (restarted) coordinator's state from what node ``node``'s agent knows:
+        the epoch it is in, its live processes and the snapshot copies it holds. The first
+        agent to come back brings the membership; every agent adds its processes and copies.
+        Nodes of the membership whose agent has not come back yet are kept as alive until a
+        heartbeat timeout says otherwise; ranks whose process is gone are recovered at once."""
+        msg = state.get("membership")
+        if msg is not None and (self.membership is None or msg["epoch"] > self.membership.epoch):
+            m = Membership.from_msg(msg)
+            log.warning("rebuilding from the agents: epoch %d, %d ranks", m.epoch, len(m.ranks))
+            self.membership, self.world_size = m, m.world_size
+            self.tracker = CommitTracker(m.epoch, frozenset(m.ranks), gen=m.gen)
+            for n, addr in m.node_addrs.items():
+                if n not in self.agents:  # not back yet: alive until its heartbeats say not
+                    self.agents[n] = AgentInfo(n, addr, spare_node=False)
+            for rank, a in m.ranks.items():
+                self.procs.setdefault((a.node, a.pid), ProcInfo(a.node, a.pid, "rank", rank))
+            self.state = "running"
+            self.rebuilt = True
+        committed = state.get("committed_step")
+        tracker = self.tracker
+        if tracker is not None and committed is not None:
+            if tracker.committed_step is None or committed > tracker.committed_step:
+                tracker.committed_step = committed
+                tracker.committed_holders = {}
+            if committed == tracker.committed_step:
+                for rank, step, gen, used in state.get("held", []):
+                    if step == committed:
+                        tracker.committed_gen = gen
+                        tracker.committed_holders.setdefault(rank, set()).add(node)
+                        self.snapshot_bytes[rank] = used
+                for rank, layout in state.get("layouts", {}).items():
+                    tracker.committed_layouts[int(rank)] = layout
+                    tracker.set_layout(int(rank), layout)
+        alive = set()
+        for pid, role, rank, replicas, persist in state.get("procs", []):
+            alive.add(pid)
+            if (node, pid) not in self.procs:
+                self.procs[(node, pid)] = ProcInfo(node, pid, role, rank)
+                if role == "spare":
+                    self.spares_joined += 1
+                    self.spares_started = max(self.spares_started, self.spares_joined)
+            if rank == 0 and role == "rank":
+                if self.replicas is None and replicas is not None:
+                    self.replicas = int(replicas)
+                if self.flusher is None and persist is not None:
+                    config = PersistConfig.from_msg(persist)
+                    self.flusher = FlushScheduler(config) if config is not None else None
+        if self.state == "starting":
+            self._maybe_open_first_epoch()  # it went away before the first epoch opened
+        if self.membership is not None:
+            for rank, a in self.membership.ranks.items():
+                if a.node == node and a.pid not in alive:
+                    self.procs[(a.node, a.pid)].alive = False
+                    self._rebuild_lost.add(rank)
+        if self._rebuild_deadline is None:
+            # Agents come back one by one; the spares' node may be the last. Losses found
+            # meanwhile are recovered together once they had a heartbeat timeout to return.
+            self._rebuild_deadline = time.monotonic() + self.heartbeat_timeout
+
+    def _end_rebuild(self) -> None:
+        """The agents had their time to come back: recover what was lost while we were away."""
+        self._rebuild_deadline = None
+        lost, self._rebuild_lost = self._rebuild_lost, set()
+        if lost:
+            self._recover(
+                kind="rank",
+                ranks=lost,
+                nodes=set(),
+                reason="its process exited while the coordinator was down",
+            )
 
     def watch(self, req: dict[str, Any], context: grpc.ServicerContext) -> Any:
         node = req["node"]
@@ -145,6 +230,12 @@ class Coordinator(EpochChanges, Liveness):
             node = max([*self.agents, *self._reserved, -1]) + 1
             self._reserved.add(node)
             return {"node": node}
+
+    def spares_starting(self, req: dict[str, Any]) -> dict[str, Any]:
+        """The launcher started ``count`` more spares (they join once warmed up)."""
+        with self._lock:
+            self.spares_started += int(req["count"])
+            return {}
 
     def heartbeat(self, req: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
@@ -243,6 +334,10 @@ class Coordinator(EpochChanges, Liveness):
                 req.get("layout"),
                 req.get("meta_nbytes"),
             )
+            if self.digests is not None and req.get("digest"):
+                seen = self.digests.setdefault(f"{req['rank']}/{req['step']}", [])
+                if req["digest"] not in seen:
+                    seen.append(req["digest"])
             if committed is not None:
                 self._broadcast({"type": "commit", "epoch": req["epoch"], "step": committed})
                 self._maybe_flush(committed)
@@ -390,6 +485,7 @@ class Coordinator(EpochChanges, Liveness):
                 "events": self.events,
                 "flushes": self.flusher.records() if self.flusher else [],
                 "flush_skipped": list(self.flusher.skipped) if self.flusher else [],
+                **({"digests": self.digests} if self.digests is not None else {}),
             }
 
     def close(self) -> None:
@@ -404,6 +500,7 @@ class Coordinator(EpochChanges, Liveness):
         unary = {
             "RegisterAgent": self.register_agent,
             "Heartbeat": self.heartbeat,
+            "SparesStarting": self.spares_starting,
             "ProcJoined": self.proc_joined,
             "ProcLost": self.proc_lost,
             "Replicated": self.replicated,

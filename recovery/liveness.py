@@ -37,6 +37,7 @@ class Liveness:
     _stuck: list[tuple[float, int, int, str]]
     _finishing_since: float
     _deferred: DeferredRecovery | None
+    _rebuild_deadline: float | None
 
     if TYPE_CHECKING:  # provided by Coordinator
 
@@ -44,6 +45,7 @@ class Liveness:
         def _finish(self) -> None: ...
         def _lose_node(self, node: int, reason: str) -> None: ...
         def _retry_deferred(self, force: bool = False) -> None: ...
+        def _end_rebuild(self) -> None: ...
 
     def replication_failed(self, req: dict[str, Any]) -> dict[str, Any]:
         """A snapshot could not be mirrored to a buddy; the step cannot commit without it.
@@ -76,6 +78,8 @@ class Liveness:
                     "the last flush did not finish in %.0f s; ending anyway", FINISH_FLUSH_S
                 )
                 self._finish()
+            if self._rebuild_deadline is not None and now > self._rebuild_deadline:
+                self._end_rebuild()
             if self._deferred is not None and now > self._deferred.deadline:
                 self._retry_deferred(force=True)
             for deadline, epoch, step, message in list(self._stuck):
@@ -89,6 +93,8 @@ class Liveness:
                     self._fail(
                         f"{message}; the buddy still looks alive, so the step can never commit"
                     )
+            if self.state not in ("starting", "running", "finishing"):
+                return  # the job ended: agents stop heart-beating as they exit
             for node, agent in list(self.agents.items()):
                 if agent.alive and now - agent.last_heartbeat > self.heartbeat_timeout:
                     self._lose_node(

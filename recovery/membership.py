@@ -134,6 +134,10 @@ class CommitTracker:
     _meta: dict[int, dict[int, int]] = field(default_factory=dict)  # step → rank → blob size
     last_replicated: dict[int, int] = field(default_factory=dict)
 
+    def set_layout(self, rank: int, layout: list[Any]) -> None:
+        """A rank's chunk layout, known from elsewhere (a restarted coordinator's rebuild)."""
+        self._layouts.setdefault(rank, layout)
+
     def record(
         self,
         epoch: int,

@@ -35,11 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--racks", default=None, help="node → rack, as JSON")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--persist", default=None, help="durable checkpoints, as JSON")
+    parser.add_argument("--record-digests", action="store_true", help="for the chaos campaign")
+    parser.add_argument("--port", type=int, default=0, help="the RPC port (0: any free one)")
+    parser.add_argument("--store-port", type=int, default=0, help="the TCPStore's port")
     args = parser.parse_args(argv)
     secret = service_process(f"coordinator job={args.job}")
     from torch.distributed import TCPStore  # the rendezvous store of every epoch
 
-    store = TCPStore(args.host, 0, is_master=True, wait_for_workers=False)
+    # A restarted coordinator listens where the first one did: agents and ranks know it there.
+    store = TCPStore(args.host, args.store_port, is_master=True, wait_for_workers=False)
     coordinator = Coordinator(
         args.job,
         args.world_size,
@@ -53,14 +57,15 @@ def main(argv: list[str] | None = None) -> int:
             {int(n): r for n, r in json.loads(args.racks).items()} if args.racks else None,
         ),
         persist=PersistConfig.from_msg(json.loads(args.persist)) if args.persist else None,
+        record_digests=args.record_digests,
     )
     unary, streams = coordinator.handlers()
-    server = RpcServer(secret, args.job, unary, streams, host=args.host)
+    server = RpcServer(secret, args.job, unary, streams, host=args.host, port=args.port)
     server.start()
     parent = os.getppid()
 
     stop_on_signals(coordinator.stopped.set)
-    print("READY " + json.dumps({"address": server.address}), flush=True)
+    print("READY " + json.dumps({"address": server.address, "store_port": store.port}), flush=True)
     try:
         while not coordinator.stopped.wait(0.2):
             coordinator.check_heartbeats()

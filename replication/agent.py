@@ -22,8 +22,10 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import Any
 
+from peerckpt.chaos.points import install_net_faults
 from peerckpt.errors import PeerckptError, PeerUnavailable, StaleEpoch
 from peerckpt.persist.manifest import META_KEY, ChunkRecord, SnapshotManifest
 from peerckpt.recovery.membership import Membership
@@ -38,6 +40,11 @@ from peerckpt.replication.transfer import Cancelled, DataServer
 from peerckpt.runtime.env import service_process, stop_on_signals
 
 log = logging.getLogger("peerckpt.agent")
+COORDINATOR_GRACE_S = 30.0  # how long an agent waits for a restarted coordinator
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 class Agent(RankRecovery):
@@ -55,6 +62,8 @@ class Agent(RankRecovery):
         joining: int = 0,
     ) -> None:
         self.joining = joining
+        # Before any connection exists: the chaos network faults apply to every TCP link.
+        self.faults = install_net_faults(node)
         self.job, self.node, self._secret = job, node, secret
         self.spare_node = spare_node
         self.arena = Arena(job, node)
@@ -76,6 +85,9 @@ class Agent(RankRecovery):
         self._restore_info: dict[tuple[int, int], Any] = {}
         self._wanted: dict[tuple[int, int, int], list[ChunkRecord]] = {}
         self._watch_call: Any = None
+        self._exit_reason = "agent exit"  # what local processes are told when it closes
+        # The last report of each kind per local rank, sent again to a restarted coordinator.
+        self._resend: dict[tuple[str, int], tuple[str, dict[str, Any]]] = {}
         self._threads: list[threading.Thread] = []
         self.flusher = Flusher(self.store, node, self._report)
 
@@ -90,7 +102,8 @@ class Agent(RankRecovery):
             spare_node=self.spare_node,
             joining=self.joining,
         )
-        self.heartbeat_interval = max(0.05, min(0.5, config["heartbeat_timeout"] / 5))
+        self.heartbeat_timeout = float(config["heartbeat_timeout"])
+        self.heartbeat_interval = max(0.05, min(0.5, self.heartbeat_timeout / 5))
         for target, name in ((self._watch, "watch"), (self._heartbeat, "heartbeat")):
             thread = threading.Thread(target=target, name=f"peerckpt-agent-{name}", daemon=True)
             thread.start()
@@ -111,7 +124,7 @@ class Agent(RankRecovery):
             if self._watch_call is not None:
                 self._watch_call.cancel()
             self.control.shutdown_links(
-                {"type": "shutdown", "state": "stopped", "reason": "agent exit"}
+                {"type": "shutdown", "state": "stopped", "reason": self._exit_reason}
             )
             for sender in list(self._senders.values()):
                 sender.stop()
@@ -121,14 +134,27 @@ class Agent(RankRecovery):
             for thread in self._threads:
                 thread.join(timeout=2.0)
             self.rpc.close()
+            if self.faults is not None:
+                self.faults.stop()
         finally:
             self.arena.destroy()
 
     # -- coordinator ----------------------------------------------------------------------
     def _watch(self) -> None:
+        while not self.stopping.is_set() and self._follow():
+            # The coordinator went away: it is restarted by the launcher, and rebuilds its
+            # state from what every agent tells it when it registers again.
+            if not self._rejoin(COORDINATOR_GRACE_S):
+                break
+        self.stopping.set()
+
+    def _follow(self) -> bool:
+        """Carry out the coordinator's events; True if its stream broke (it went away)."""
         try:
             self._watch_call = self.rpc.stream("Watch", node=self.node)
             for event in self._watch_call:
+                if self.faults is not None:  # a partition delays what the coordinator says
+                    self.faults.wait_healed(self.stopping)
                 kind = event["type"]
                 if kind == "membership":
                     self._on_membership(Membership.from_msg(event))
@@ -140,21 +166,107 @@ class Agent(RankRecovery):
                     self.flusher.start(event)
                 elif kind == "shutdown":
                     self._on_shutdown(event)
-                    return
-        except Exception as exc:
+                    return False
+            if self.faults is not None:  # the stream's end, too, arrives after the partition
+                self.faults.wait_healed(self.stopping)
             if not self.stopping.is_set():
-                level = logging.WARNING if is_stream_closed(exc) else logging.ERROR
-                log.log(level, "lost the coordinator's event stream: %s", exc)
-        self.stopping.set()
+                log.warning("the coordinator ended this node's event stream: declared lost")
+                self._exit_reason = f"node {self.node} was declared lost by the coordinator"
+        except Exception as exc:
+            if self.stopping.is_set():
+                return False
+            if is_stream_closed(exc):
+                log.warning("lost the coordinator's event stream: %s", _first_line(exc))
+                self._exit_reason = f"node {self.node}'s agent lost the coordinator"
+                return True
+            log.exception("the coordinator's event stream failed")
+            self._exit_reason = f"node {self.node}'s agent failed: {exc}"
+        return False
+
+    def _rejoin(self, grace_s: float) -> bool:
+        """Register again with a restarted coordinator, telling it what this node knows."""
+        log.warning("waiting up to %.0f s for the coordinator to come back", grace_s)
+        deadline = time.monotonic() + grace_s
+        while not self.stopping.wait(0.2):
+            if time.monotonic() > deadline:
+                log.error("the coordinator did not come back within %.0f s", grace_s)
+                return False
+            try:
+                reply = self.rpc.call(
+                    "RegisterAgent",
+                    timeout=2.0,
+                    node=self.node,
+                    data_addr=self.data.address,
+                    spare_node=self.spare_node,
+                    rejoin=self._rejoin_state(),
+                )
+            except PeerckptError as exc:
+                log.debug("coordinator not back yet: %s", exc)
+                continue
+            if reply.get("lost"):
+                self._exit_reason = f"node {self.node} was declared lost by the coordinator"
+                log.warning("the restarted coordinator counts this node as lost")
+                return False
+            log.warning("registered again with the restarted coordinator")
+            self._reported_layouts.clear()  # the new coordinator needs every rank's layout
+            for method, args in list(self._resend.values()):
+                self._report(method, **args)
+            return True
+        return False
+
+    def _rejoin_state(self) -> dict[str, Any]:
+        """What a restarted coordinator rebuilds its state from: this node's view of the
+        epoch, its live processes, and every complete snapshot copy it holds."""
+        with self._lock:
+            members, committed = self.membership, self.committed_step
+        held = []
+        layouts = {}
+        for slot in self.store.all():
+            manifest = slot.manifest
+            if slot.kind == "staging" or manifest is None:
+                continue
+            held.append([slot.rank, manifest.step, slot.gen, manifest.used_bytes])
+            if manifest.step == committed:
+                layouts[slot.rank] = [c.to_msg() for c in manifest.chunks]
+        procs = [
+            [link.pid, link.role, link.rank, link.replicas, link.persist]
+            for link in self.control.links()
+        ]
+        return {
+            "membership": members.to_msg() if members is not None else None,
+            "committed_step": committed,
+            "held": held,
+            "layouts": layouts,
+            "procs": procs,
+        }
 
     def _heartbeat(self) -> None:
         while not self.stopping.wait(self.heartbeat_interval):
+            self._fence_silent()
+            if self.faults is not None and self.faults.partitioned():
+                continue  # cut off: the coordinator hears nothing from this node
             try:
                 self.rpc.call("Heartbeat", timeout=2.0, node=self.node, epoch=self.epoch)
             except PeerckptError as exc:
                 log.debug("heartbeat failed: %s", exc)
 
+    def _fence_silent(self) -> None:
+        """Declare lost, and fence, every local process silent for a heartbeat timeout."""
+        if self._ending.is_set():
+            return
+        for link in self.control.silent(self.heartbeat_timeout):
+            silent_s = time.monotonic() - link.last_seen
+            reason = (
+                f"{link.role} pid {link.pid} sent no heartbeat for {silent_s:.1f} s "
+                f"(timeout {self.heartbeat_timeout:g} s): hung or stopped; it is fenced"
+            )
+            log.warning("%s", reason)
+            self.control.fence(link, f"declared lost by node {self.node}'s agent: {reason}")
+            self._report("ProcLost", pid=link.pid, reason=reason)
+
     def _report(self, method: str, **args: Any) -> None:
+        if self.faults is not None:
+            self.faults.wait_healed(self.stopping)
         try:
             self.rpc.call(method, node=self.node, **args)
         except PeerckptError as exc:
@@ -170,7 +282,9 @@ class Agent(RankRecovery):
 
     # -- rank processes -------------------------------------------------------------------
     def _on_lost(self, link: ProcLink) -> None:
-        if not self.stopping.is_set() and not self._ending.is_set():
+        if link.fenced is not None:
+            log.info("fenced %r exited", link)
+        elif not self.stopping.is_set() and not self._ending.is_set():
             log.warning("%s pid %d on node %d exited", link.role, link.pid, self.node)
             self._report("ProcLost", pid=link.pid, reason=f"process {link.pid} exited")
 
@@ -196,6 +310,10 @@ class Agent(RankRecovery):
             self._report("Resumed", epoch=msg["epoch"], rank=msg["rank"], restore=info)
             return None
         if kind == "done":
+            self._resend[("Done", msg["rank"])] = (
+                "Done",
+                {"epoch": msg["epoch"], "rank": msg["rank"]},
+            )
             self._report("Done", epoch=msg["epoch"], rank=msg["rank"])
             return None
         if kind == "error":
@@ -272,6 +390,8 @@ class Agent(RankRecovery):
                     lambda: self.epoch,
                     lambda: self.committed_step,
                     self._sent,
+                    retry_s=2 * self.heartbeat_timeout,
+                    local_node=self.node,
                 )
                 self._senders[node] = sender
             return sender
@@ -313,16 +433,21 @@ class Agent(RankRecovery):
         layout = None
         if self._reported_layouts.get(key) != signature:
             layout = [c.to_msg() for c in manifest.chunks]
-        self._report(
+        report = {
+            "epoch": job.epoch,
+            "rank": job.slot.rank,
+            "step": job.manifest.step,
+            "holders": [self.node, *job.acked],
+            "nbytes": job.manifest.used_bytes,
+            "meta_nbytes": manifest.meta().nbytes,
+            "digest": manifest.state_digest(),
+        }
+        # Sent again, layout and all, to a restarted coordinator (it may have missed it).
+        self._resend[("Replicated", job.slot.rank)] = (
             "Replicated",
-            epoch=job.epoch,
-            rank=job.slot.rank,
-            step=job.manifest.step,
-            holders=[self.node, *job.acked],
-            nbytes=job.manifest.used_bytes,
-            layout=layout,
-            meta_nbytes=manifest.meta().nbytes,
+            {**report, "layout": [c.to_msg() for c in manifest.chunks]},
         )
+        self._report("Replicated", **report, layout=layout)
         self._reported_layouts[key] = signature
 
     def _on_commit(self, epoch: int, step: int) -> None:

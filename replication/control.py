@@ -4,6 +4,12 @@ A rank (or spare) connects once, proves the job secret and says who it is (role,
 Requests that carry ``req`` get a ``reply`` with the same id; everything else is a notice.
 The agent pushes events (``abort``, ``epoch``, ``commit``, ``shutdown``) down the same link.
 A link that closes means its process is gone: the agent sees a rank exit at once.
+
+A process also sends ``hb`` frames a few times a second. One that falls silent for longer
+than the agent's heartbeat timeout (stopped, frozen) is *fenced*: it is told ``fenced`` (it
+reads that when it wakes up, and exits), every frame it sends afterwards is dropped (requests
+get an error), and no event reaches it again — so a process declared dead and replaced can
+never act in the job again, whatever it was doing when it stopped.
 """
 
 from __future__ import annotations
@@ -33,6 +39,11 @@ class ProcLink:
         self.rank: int | None = hello.get("rank")
         self.replicas: int | None = hello.get("replicas")
         self.persist: dict[str, Any] | None = hello.get("persist")
+        self.last_seen = time.monotonic()
+        self.fenced: str | None = None  # why the agent stopped listening to this process
+
+    def __repr__(self) -> str:
+        return f"{self.role} pid {self.pid}"
 
     def send(self, msg: dict[str, Any], body: Any = None) -> bool:
         """Send an event (``body`` travels msgpack-encoded as payload); False if gone."""
@@ -92,7 +103,8 @@ class ControlServer:
 
     def link_of(self, pid: int) -> ProcLink | None:
         with self._cond:
-            return self._links.get(pid)
+            link = self._links.get(pid)
+            return link if link is not None and link.fenced is None else None
 
     def wait_link(self, pid: int, timeout: float) -> ProcLink | None:
         deadline = time.monotonic() + timeout
@@ -106,9 +118,32 @@ class ControlServer:
 
     def broadcast(self, msg: dict[str, Any]) -> None:
         with self._cond:
-            links = list(self._links.values())
+            links = [link for link in self._links.values() if link.fenced is None]
         for link in links:
             link.send(msg)
+
+    def links(self) -> list[ProcLink]:
+        """Every connected process that is not fenced."""
+        with self._cond:
+            return [link for link in self._links.values() if link.fenced is None]
+
+    def silent(self, timeout: float) -> list[ProcLink]:
+        """Links not fenced yet whose process sent nothing for more than ``timeout`` s."""
+        now = time.monotonic()
+        with self._cond:
+            return [
+                link
+                for link in self._links.values()
+                if link.fenced is None and now - link.last_seen > timeout
+            ]
+
+    def fence(self, link: ProcLink, reason: str) -> None:
+        """Stop listening to ``link`` for good; tell it why (it reads that when it wakes)."""
+        with self._cond:
+            if link.fenced is not None:
+                return
+            link.fenced = reason
+        link.send({"type": "fenced", "reason": reason})
 
     def shutdown_links(self, msg: dict[str, Any], wait_s: float = 0.0) -> None:
         """Tell every process to exit and wait (bounded) for their links to close."""
@@ -143,6 +178,12 @@ class ControlServer:
             self._on_message(link, {"type": "hello"})
             while not self._stop.is_set():
                 header, payload = conn.recv_message()
+                link.last_seen = time.monotonic()
+                if header["type"] == "hb":
+                    continue
+                if link.fenced is not None:
+                    self._refuse_fenced(link, header)
+                    continue
                 if payload:
                     header["body"] = unpack(payload)
                 self._dispatch(link, header)
@@ -160,6 +201,13 @@ class ControlServer:
                         del self._links[link.pid]
                     self._cond.notify_all()
                 self._on_lost(link)
+
+    def _refuse_fenced(self, link: ProcLink, msg: dict[str, Any]) -> None:
+        log.warning("dropped %r from fenced %r (%s)", msg["type"], link, link.fenced)
+        if msg.get("req") is not None:
+            link.send(
+                {"type": "reply", "req": msg["req"], "error": f"StaleEpoch: fenced: {link.fenced}"}
+            )
 
     def _dispatch(self, link: ProcLink, msg: dict[str, Any]) -> None:
         req = msg.get("req")

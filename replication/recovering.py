@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from peerckpt.chaos.points import strike_point
 from peerckpt.errors import RecoveryFailed
 from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.recovery.membership import Membership
@@ -90,6 +91,7 @@ class RankRecovery:
             return
         restore: dict[str, Any] | None = None
         manifest = None
+        strike_point("recovery", node=self.node, rank=rank, epoch=members.epoch)
         try:
             if members.mode == "same":
                 restore, manifest = self._obtain(members, rank)

@@ -1,20 +1,27 @@
 """Replication sends: one sender thread per buddy node, one queue of snapshots each.
 
 A snapshot of rank r is pushed to each of its k buddies in parallel (one sender per buddy);
-each push ends in a call of ``done(job, node, error)``. A failed push is retried once on a
-fresh connection; jobs of an ended epoch are dropped, and an epoch change cancels the transfer
-in flight.
+each push ends in a call of ``done(job, node, error)``. A push the buddy refused (memory,
+checksums) is retried once on a fresh connection. A push that could not reach the buddy is
+retried, with backoff, for up to ``retry_s`` (the agent passes twice the heartbeat timeout):
+a partition shorter than that heals and the push goes through; a buddy that is really gone is
+declared lost by the coordinator meanwhile, and the epoch change ends the retries. Jobs of an
+ended epoch are dropped, and an epoch change cancels the transfer in flight.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from peerckpt.errors import PeerckptError, StaleEpoch
+from peerckpt.chaos.points import chaos_dir, strike_point
+from peerckpt.errors import PeerckptError, PeerUnavailable, StaleEpoch
 from peerckpt.persist.manifest import SnapshotManifest
 from peerckpt.replication.store import Slot
 from peerckpt.replication.transfer import IO_TIMEOUT_S, Cancelled, push
@@ -48,7 +55,11 @@ class BuddySender:
         current_epoch: Callable[[], int],
         committed_step: Callable[[], int | None],
         done: Callable[[ReplicationJob, int, BaseException | None], None],
+        retry_s: float = 10.0,
+        local_node: int = -1,
     ) -> None:
+        self._retry_s = retry_s
+        self._local_node = local_node
         self._committed_step = committed_step
         self.node = node
         self.address = address
@@ -91,30 +102,39 @@ class BuddySender:
             self.cancel.clear()
             if job.epoch != self._current_epoch():
                 continue
-            error: BaseException | None = None
-            for attempt in (1, 2):
-                try:
-                    self._send(job)
-                    error = None
-                    break
-                except (Cancelled, StaleEpoch) as exc:
-                    error = exc  # the epoch ended: nothing to retry
-                    self._close()
-                    break
-                except (PeerckptError, OSError) as exc:
-                    error = exc
-                    self._close()
-                    log.warning(
-                        "replicating rank %d step %d to node %d failed (attempt %d): %s",
-                        job.slot.rank,
-                        job.manifest.step,
-                        self.node,
-                        attempt,
-                        exc,
-                    )
-                    if job.epoch != self._current_epoch():
-                        break
-            self._done(job, self.node, error)
+            self._done(job, self.node, self._send_with_retries(job))
+
+    def _send_with_retries(self, job: ReplicationJob) -> BaseException | None:
+        deadline = time.monotonic() + self._retry_s
+        backoff = 0.05
+        for attempt in itertools.count(1):
+            try:
+                self._send(job)
+                return None
+            except (Cancelled, StaleEpoch) as exc:
+                self._close()
+                return exc  # the epoch ended: nothing to retry
+            except (PeerckptError, OSError) as exc:
+                self._close()
+                log.warning(
+                    "replicating rank %d step %d to node %d failed (attempt %d): %s",
+                    job.slot.rank,
+                    job.manifest.step,
+                    self.node,
+                    attempt,
+                    exc,
+                )
+                unreachable = isinstance(exc, (PeerUnavailable, OSError))
+                if (
+                    job.epoch != self._current_epoch()
+                    or (not unreachable and attempt >= 2)
+                    or time.monotonic() + backoff > deadline
+                ):
+                    return exc
+                if unreachable and self.cancel.wait(backoff):
+                    return Cancelled("transfer cancelled by an epoch change")
+                backoff = min(2 * backoff, 0.5)
+        raise AssertionError("unreachable")
 
     def _send(self, job: ReplicationJob) -> None:
         if self._conn is None or self._conn.closed:
@@ -131,4 +151,9 @@ class BuddySender:
                 job.manifest,
                 job.slot.segment.view,
                 self.cancel,
+                self._midway(job) if chaos_dir() is not None else None,
             )
+
+    def _midway(self, job: ReplicationJob) -> Callable[[], object]:
+        where = {"rank": job.slot.rank, "node": self._local_node, "step": job.manifest.step}
+        return functools.partial(strike_point, "replication", **where)

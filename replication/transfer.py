@@ -64,14 +64,20 @@ class Cancelled(PeerckptError):
 
 
 def send_bytes(
-    conn: Connection, view: memoryview, used: int, cancel: threading.Event | None = None
+    conn: Connection,
+    view: memoryview,
+    used: int,
+    cancel: threading.Event | None = None,
+    midway: Callable[[], object] | None = None,
 ) -> None:
-    """Send ``view[:used]`` as data frames, then ``end``."""
+    """Send ``view[:used]`` as data frames, then ``end``; ``midway`` runs after the first."""
     for off in range(0, used, PIECE_BYTES):
         if cancel is not None and cancel.is_set():
             conn.close()
             raise Cancelled("transfer cancelled by an epoch change")
         conn.send({"type": "data", "off": off}, view[off : min(off + PIECE_BYTES, used)])
+        if off == 0 and midway is not None:
+            midway()
     conn.send({"type": "end"})
 
 
@@ -100,10 +106,12 @@ def push(
     manifest: SnapshotManifest,
     view: memoryview,
     cancel: threading.Event | None = None,
+    midway: Callable[[], object] | None = None,
 ) -> None:
     """Replicate a checksummed snapshot to the buddy at the other end of ``conn``.
 
     ``committed`` is the last step the sender knows committed; the buddy keeps its copy.
+    ``midway`` runs once the first data frame is sent (the chaos harness strikes there).
     """
     conn.request(
         {
@@ -115,7 +123,7 @@ def push(
             "manifest": manifest.to_msg(),
         }
     )
-    send_bytes(conn, view, manifest.used_bytes, cancel)
+    send_bytes(conn, view, manifest.used_bytes, cancel, midway)
     reply, _ = conn.recv_message()
     raise_if_error(reply, conn.peer)
     if reply.get("type") != "ack":

@@ -25,6 +25,7 @@ from typing import Any
 
 import msgpack
 
+from peerckpt.chaos import points
 from peerckpt.errors import (
     AuthenticationError,
     ChecksumMismatch,
@@ -79,6 +80,10 @@ class Connection:
         self.peer = peer or _peer_name(sock)
         self._send_lock = threading.Lock()
         self.closed = False
+        # Chaos network faults (partition, slow) apply to an agent's TCP links only.
+        self._faults = points.FAULTS if sock.family in (socket.AF_INET, socket.AF_INET6) else None
+        if self._faults is not None:
+            self._faults.track(self)
 
     # -- sending ----------------------------------------------------------------------------
     def send(self, header: dict[str, Any], payload: bytes | memoryview | None = None) -> None:
@@ -87,6 +92,11 @@ class Connection:
         header["len"] = 0 if payload is None else len(payload)
         encoded = pack(header)
         prefix = _PREFIX.pack(MAGIC, len(encoded))
+        if self._faults is not None:
+            self._faults.check(self.peer)
+            if self._faults.rate and payload is not None:
+                self._send_slowly(prefix + encoded, payload)
+                return
         with self._send_lock:
             try:
                 if payload is None or len(payload) < 65536:
@@ -94,6 +104,21 @@ class Connection:
                 else:
                     self.sock.sendall(prefix + encoded)
                     self.sock.sendall(payload)
+            except OSError as exc:
+                raise PeerUnavailable(f"sending to {self.peer} failed: {exc}") from exc
+
+    def _send_slowly(self, head: bytes, payload: bytes | memoryview) -> None:
+        """Send in 256 KiB pieces, each paced by the chaos ``slow`` fault."""
+        assert self._faults is not None
+        view = memoryview(payload).cast("B")
+        with self._send_lock:
+            try:
+                self.sock.sendall(head)
+                for start in range(0, len(view), 1 << 18):
+                    piece = view[start : start + (1 << 18)]
+                    self._faults.pace(len(piece))
+                    self._faults.check(self.peer)
+                    self.sock.sendall(piece)
             except OSError as exc:
                 raise PeerUnavailable(f"sending to {self.peer} failed: {exc}") from exc
 
@@ -121,6 +146,8 @@ class Connection:
                 f"{self.peer} declared a {hlen}-byte frame header (limit {MAX_HEADER_BYTES})"
             )
         header = unpack(_recv_exactly(self.sock, hlen))
+        if self._faults is not None:
+            self._faults.check(self.peer)
         if not isinstance(header, dict) or "type" not in header or "len" not in header:
             raise ProtocolError(f"{self.peer} sent a frame header without 'type' and 'len'")
         if not isinstance(header["len"], int) or header["len"] < 0:

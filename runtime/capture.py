@@ -13,6 +13,7 @@ Nothing is pickled.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -233,13 +234,21 @@ def layout(tensors: list[CapturedTensor], blob_nbytes: int) -> tuple[list[ChunkR
 
 
 def write_slot(
-    slot: torch.Tensor, chunks: list[ChunkRecord], captured: Captured, non_blocking: bool = False
+    slot: torch.Tensor,
+    chunks: list[ChunkRecord],
+    captured: Captured,
+    non_blocking: bool = False,
+    midway: Callable[[], object] | None = None,
 ) -> None:
     """Copy captured tensors and the blob into ``slot`` at the offsets of ``chunks``.
 
     ``non_blocking``: device tensors are copied asynchronously on the current streams (the
-    caller waits for them); host tensors are always copied at once."""
-    for chunk, t in zip(chunks, captured.tensors, strict=False):
+    caller waits for them); host tensors are always copied at once. ``midway`` is called
+    once half of the tensors are copied (the chaos harness strikes there)."""
+    half = len(captured.tensors) // 2
+    for i, (chunk, t) in enumerate(zip(chunks, captured.tensors, strict=False)):
+        if i == half and midway is not None:
+            midway()
         if chunk.nbytes:
             chunk_view(slot, chunk).copy_(t.tensor, non_blocking=non_blocking)
     meta = chunks[-1]

@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -21,6 +22,7 @@ from peerckpt.errors import PeerckptError, PeerUnavailable
 from peerckpt.replication.wire import connect_unix, pack, unpack
 
 log = logging.getLogger("peerckpt.channel")
+HEARTBEAT_S = 0.25  # how often a rank process tells its agent it is alive
 
 
 class AgentChannel:
@@ -54,6 +56,8 @@ class AgentChannel:
         )
         self._reader = threading.Thread(target=self._read, name="peerckpt-agent-link", daemon=True)
         self._reader.start()
+        self._beater = threading.Thread(target=self._beat, name="peerckpt-heartbeat", daemon=True)
+        self._beater.start()
 
     def request(self, kind: str, timeout: float = 60.0, **fields: Any) -> dict[str, Any]:
         """Send a request and wait for its reply; raise the agent's error if it refused."""
@@ -86,6 +90,15 @@ class AgentChannel:
         self._closing = True
         self.conn.close()
         self._reader.join(timeout=2.0)
+        self._beater.join(timeout=2.0)
+
+    def _beat(self) -> None:
+        while not self._closing and not self.conn.closed:
+            try:
+                self.conn.send({"type": "hb"})
+            except PeerckptError:
+                return  # the reader sees the link close and reports it
+            time.sleep(HEARTBEAT_S)
 
     def _read(self) -> None:
         try:

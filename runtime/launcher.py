@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from peerckpt.chaos.monkey import ChaosMonkey
+from peerckpt.chaos.points import ENV as CHAOS_ENV
 from peerckpt.chaos.spec import parse_chaos
 from peerckpt.errors import ConfigurationError, PeerckptError
 from peerckpt.recovery.rpc import RpcClient
@@ -36,6 +37,7 @@ from peerckpt.runtime.processes import ProcessSet
 from peerckpt.runtime.report import format_failures
 
 log = logging.getLogger("peerckpt.launcher")
+MAX_COORDINATOR_RESTARTS = 10
 # No '-': it separates the job from the rest of a segment's name, so that cleaning up job
 # "exp" can never match the files of a job "exp-2".
 _JOB_NAME = re.compile(r"[a-z0-9][a-z0-9_]{0,39}")
@@ -61,6 +63,8 @@ class JobSpec:
     persist: dict[str, Any] | None = None  # PersistConfig.to_msg(), from --persist
     placement: str = "ring"
     racks: dict[int, str] | None = None  # node → rack
+    keep_spares: bool = False  # start a new spare (and spare node) for every one used or lost
+    record_digests: bool = False  # every snapshot's tensor digest, in the result
 
 
 @dataclass
@@ -73,6 +77,7 @@ class JobResult:
     chaos: list[dict[str, Any]]
     wall_s: float
     flushes: list[dict[str, Any]] = field(default_factory=list)  # durable checkpoints written
+    digests: dict[str, list[str]] = field(default_factory=dict)  # "rank/step" → digests seen
 
 
 class LocalLauncher:
@@ -101,6 +106,22 @@ class LocalLauncher:
         self._interrupted = threading.Event()
         self.rpc: RpcClient | None = None
         self._flushes: list[dict[str, Any]] = []
+        self._digests: dict[str, list[str]] = {}
+        self._restarts = 0  # coordinator restarts
+        self._earlier_events: list[dict[str, Any]] = []  # failures seen by the coordinators before
+        self._coordinator_argv: list[str] = []
+        self._store_port = 0
+        self._spares: list[subprocess.Popen[bytes]] = []  # every spare process started
+        self._spare_node = -1
+        self._hung: dict[int, threading.Timer] = {}  # pid → the timer that will SIGCONT it
+        self._net: dict[int, dict[str, float]] = {}  # node → its network fault file's content
+        self._chaos_dir: str | None = None
+        if any(
+            a.during is not None or a.kind in ("partition_node", "slow_node") for a in self.actions
+        ):
+            self._chaos_dir = os.path.join(self.rundir, "chaos")
+            os.mkdir(self._chaos_dir, 0o700)
+            self.procs.extra_env = {**self.procs.extra_env, CHAOS_ENV: self._chaos_dir}
 
     # -- starting -------------------------------------------------------------------------
     def start(self) -> None:
@@ -128,9 +149,14 @@ class LocalLauncher:
             argv += ["--racks", json.dumps(spec.racks)]
         if spec.persist:
             argv += ["--persist", json.dumps(spec.persist)]
+        if spec.record_digests:
+            argv += ["--record-digests"]
+        self._coordinator_argv = argv
         self.coordinator = procs.spawn(argv, procs.env(), ready=True)
         procs.others.append(self.coordinator)
-        self.address = procs.await_ready(self.coordinator, "coordinator")["address"]
+        ready = procs.await_ready(self.coordinator, "coordinator")
+        self.address = ready["address"]
+        self._store_port = int(ready["store_port"])
         self.rpc = RpcClient(self.address, self._secret, self.job)
         for n in range(spec.nodes + (1 if spec.spares else 0)):
             procs.start_agent(n, self.address, ["--spare-node"] if n >= spec.nodes else [])
@@ -143,7 +169,8 @@ class LocalLauncher:
                     n, "rank", RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world)
                 )
         for _ in range(spec.spares):
-            procs.start_proc(spec.nodes, "spare", WORLD_SIZE=str(world))
+            self._spares.append(procs.start_proc(spec.nodes, "spare", WORLD_SIZE=str(world)))
+        self._spare_node = spec.nodes
         self._write_job_file()
         log.info(
             "job %s: %d node(s) × %d rank(s), %d spare(s); coordinator %s",
@@ -194,6 +221,51 @@ class LocalLauncher:
                 continue  # released meanwhile
             flipped.append(os.path.basename(path))
         return flipped
+
+    def hang_pid(self, pid: int, seconds: float) -> None:
+        """SIGSTOP ``pid`` (the process freezes, sockets open); SIGCONT it after ``seconds``."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+        timer = threading.Timer(seconds, self._wake, args=(pid,))
+        timer.daemon = True
+        self._hung[pid] = timer
+        timer.start()
+
+    def _wake(self, pid: int) -> None:
+        self._hung.pop(pid, None)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+    def kill_agent(self, node: int) -> None:
+        """SIGKILL node ``node``'s agent only. Its ranks see their link close and exit; the
+        node's memory was the agent's, so it is gone with it."""
+        agent = self.procs.nodes[node].agent
+        with contextlib.suppress(ProcessLookupError):
+            agent.send_signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            agent.wait(timeout=5.0)
+        sweep(self.job, node)
+
+    def net_fault(
+        self, node: int, partition_s: float = 0.0, rate: float = 0.0, slow_s: float = 0.0
+    ) -> None:
+        """Tell node ``node``'s agent to cut its connections for ``partition_s``, or to pace
+        its data links at ``rate`` bytes/s (for ``slow_s``; 0: until the job ends)."""
+        assert self._chaos_dir is not None
+        fault = self._net.setdefault(node, {})
+        now = time.time()
+        if partition_s:
+            fault["partition_until"] = now + partition_s
+        if rate:
+            fault.update(rate=rate, slow_until=now + slow_s if slow_s else 0.0)
+        path = os.path.join(self._chaos_dir, f"net-{node}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(fault, f)
+        os.rename(path + ".tmp", path)
+
+    @property
+    def chaos_dir(self) -> str | None:
+        return self._chaos_dir
 
     def add_node(self) -> int:
         """Start one more node (agent and --nproc-per-node processes) that joins the job."""
@@ -248,6 +320,7 @@ class LocalLauncher:
             monkey.fired if monkey else [],
             time.time() - start,
             self._flushes,
+            self._digests,
         )
         if self.spec.report:
             with open(self.spec.report, "w") as f:
@@ -260,20 +333,81 @@ class LocalLauncher:
         started = time.monotonic()
         while not self._interrupted.wait(0.05):
             if self.coordinator.poll() is not None:
-                return "failed", "the coordinator exited unexpectedly", status.get("events", [])
+                if status["state"] != "running" or self._restarts >= MAX_COORDINATOR_RESTARTS:
+                    return "failed", "the coordinator exited unexpectedly", self._all_events(status)
+                self._earlier_events = self._all_events(status)
+                status = {"state": "restarting", "events": []}
+                self._restart_coordinator()
+                continue
             try:
                 status = self.rpc.call("Status", timeout=5.0)
             except PeerckptError as exc:
                 log.warning("coordinator status: %s", exc)
                 continue
             self._flushes = status.get("flushes", [])
+            self._digests = status.get("digests", {})
             if status["state"] in ("succeeded", "failed", "stopped"):
-                return status["state"], status["reason"], status["events"]
-            if status["state"] == "starting":
+                return status["state"], status["reason"], self._all_events(status)
+            if self.spec.keep_spares and status["state"] == "running":
+                self._replenish(status)
+            if status["state"] == "starting" and not self._restarts:
                 problem = self._start_problem(time.monotonic() - started)
                 if problem:
                     return "failed", problem, []
-        return "interrupted", "stopped by a signal", status.get("events", [])
+        return "interrupted", "stopped by a signal", self._all_events(status)
+
+    def _all_events(self, status: dict[str, Any]) -> list[dict[str, Any]]:
+        """The failures of the whole job: a restarted coordinator knows only its own."""
+        return [*self._earlier_events, *status.get("events", [])]
+
+    def kill_coordinator(self) -> None:
+        """SIGKILL the coordinator; the launcher restarts it (``_restart_coordinator``)."""
+        assert self.coordinator is not None
+        with contextlib.suppress(ProcessLookupError):
+            self.coordinator.send_signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.coordinator.wait(timeout=5.0)
+
+    def _restart_coordinator(self) -> None:
+        """Start a new coordinator where the last one listened. The agents, which kept their
+        epoch, their ranks and their copies, register again and it rebuilds its state from
+        what they report; the ranks go on training meanwhile."""
+        self._restarts += 1
+        port = self.address.rpartition(":")[2]
+        argv = [*self._coordinator_argv, "--port", port, "--store-port", str(self._store_port)]
+        if "--spares" in argv:  # the spares it will count are those the agents report
+            i = argv.index("--spares")
+            del argv[i : i + 2]
+        log.warning("the coordinator exited; restarting it (restart %d)", self._restarts)
+        self.coordinator = self.procs.spawn(argv, self.procs.env(), ready=True)
+        self.procs.others.append(self.coordinator)
+        self.procs.await_ready(self.coordinator, "restarted coordinator")
+
+    def _replenish(self, status: dict[str, Any]) -> None:
+        """Keep ``--spares`` spares in reserve, as a cluster's pool of hot spares does: one
+        for every spare that took a rank or died."""
+        assigned = {pid for _, pid in status["ranks"].values()}
+        waiting = [p for p in self._spares if p.poll() is None and p.pid not in assigned]
+        missing = self.spec.spares - len(waiting)
+        if missing <= 0:
+            return
+        assert self.rpc is not None
+        hosts_ranks = any(node == self._spare_node for node, _ in status["ranks"].values())
+        if hosts_ranks or not status["nodes"].get(self._spare_node, False):
+            # A spare node that now runs ranks is a failure domain of the job: new spares go
+            # to a fresh one, so that losing it does not take the reserve with it.
+            node = self.rpc.call("AllocateNode")["node"]
+            agent = self.procs.start_agent(node, self.address, ["--spare-node"])
+            self.procs.await_ready(agent.agent, f"agent of node {node}")
+            self._spare_node = node
+            log.info("node %d is the new spare node", node)
+        self.rpc.call("SparesStarting", count=missing)
+        world = self.spec.nodes * self.spec.nproc_per_node
+        for _ in range(missing):
+            self._spares.append(
+                self.procs.start_proc(self._spare_node, "spare", WORLD_SIZE=str(world))
+            )
+        log.info("started %d spare(s) on node %d to replace those used", missing, self._spare_node)
 
     def _start_problem(self, waited: float) -> str:
         """Why the first epoch cannot open, if it cannot (a rank died or never connected)."""
@@ -291,6 +425,9 @@ class LocalLauncher:
 
     def stop(self) -> None:
         """Stop every process of the job and remove its files. Idempotent."""
+        for pid, timer in list(self._hung.items()):  # a frozen process cannot exit
+            timer.cancel()
+            self._wake(pid)
         if self.rpc is not None:
             with contextlib.suppress(PeerckptError):
                 self.rpc.call("Stop", timeout=2.0, reason="the launcher is stopping the job")

@@ -125,6 +125,15 @@ class RankRuntime(Tracking):
             self.engine.abort()
             if self.state in (RankState.RUNNING, RankState.JOINING):
                 self.pg.abort()
+        elif kind == "fenced":
+            # Declared lost while this process was stopped or frozen, and replaced. Whatever
+            # it was doing, it must not act in the job again: no snapshot, no collective, no
+            # write. Nothing of the job is owned here (the agent owns the memory), so leaving
+            # at once is clean.
+            log.error("%s; this process exits without touching the job", event["reason"])
+            self.channel.expect_close()
+            logging.shutdown()
+            os._exit(0)
         elif kind == "agent_lost":
             with self._cond:
                 if self._shutdown is not None:

@@ -31,11 +31,13 @@ class FailureRow:
 
 
 def _matches(action: dict[str, Any], event: dict[str, Any]) -> bool:
-    if action["kind"] == "kill_rank":
+    if action["kind"] in ("kill_rank", "hang_rank"):
         return event["kind"] == "rank" and action["target"] in event["ranks"]
     if action["kind"] == "add_node":
         return event["kind"] == "grow" and action.get("node") in event["nodes"]
-    return event["kind"] == "node" and action["target"] in event["nodes"]
+    if action["kind"] in ("corrupt_rank", "slow_node"):
+        return False  # neither loses anything by itself
+    return event["kind"] == "node" and action.get("node", action["target"]) in event["nodes"]
 
 
 def failure_rows(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -> list[FailureRow]:

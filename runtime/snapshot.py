@@ -15,7 +15,9 @@ When the copy is done the engine tells the agent, which checksums and replicates
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import queue
 import threading
 import time
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from peerckpt.chaos.points import chaos_dir, strike_point
 from peerckpt.errors import CommitTimeout, MembershipChanged
 from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.replication.arena import map_segment
@@ -239,8 +242,12 @@ class SnapshotEngine:
         slot = self._ensure_slot(target, used)
         if job.ready:
             slot.pin()
+        midway = None
+        if chaos_dir() is not None:
+            where = {"rank": self.rank, "node": int(os.environ.get("PEERCKPT_NODE", -1))}
+            midway = functools.partial(strike_point, "snapshot", step=job.step, **where)
         with self._side.copying(job.ready) as done:
-            write_slot(slot.tensor, chunks, job.captured, non_blocking=bool(job.ready))
+            write_slot(slot.tensor, chunks, job.captured, bool(job.ready), midway)
         if done:
             with self._cond:
                 self._copies_queued = done

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from peerckpt.chaos.spec import ChaosAction, parse_chaos
@@ -42,4 +44,42 @@ def test_a_kill_can_wait_seconds_after_its_step() -> None:
 )
 def test_bad_clauses_are_named_with_the_grammar(spec: str, message: str) -> None:
     with pytest.raises(ConfigurationError, match=message):
+        parse_chaos(spec)
+
+
+def test_every_fault_of_the_campaign_parses() -> None:
+    actions = parse_chaos(
+        "hang rank=1 at=3 for=4.5; kill agent node=2 at=4; kill coordinator at=5 after=1; "
+        "partition node=@0 at=6 for=2; slow node=1 at=7 rate=2.5; "
+        "kill rank=0 at=8 during=snapshot; kill node=@2 at=9 during=replication"
+    )
+    got = [(a.kind, a.target, a.at, a.duration, a.rate, a.during, a.of_rank) for a in actions]
+    assert got == [
+        ("hang_rank", 1, 3, 4.5, 0.0, None, None),
+        ("kill_agent", 2, 4, 0.0, 0.0, None, None),
+        ("kill_coordinator", -1, 5, 0.0, 0.0, None, None),
+        ("partition_node", 0, 6, 2.0, 0.0, None, 0),
+        ("slow_node", 1, 7, 0.0, 2.5, None, None),
+        ("kill_rank", 0, 8, 0.0, 0.0, "snapshot", None),
+        ("kill_node", 2, 9, 0.0, 0.0, "replication", 2),
+    ]
+    assert actions[2].after == 1.0
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("hang rank=1 at=3", "for= missing; use 'hang rank=R at=S for=T"),
+        ("partition node=1 at=3", "for= missing"),
+        ("slow node=1 at=3", "rate= missing"),
+        ("slow node=1 at=3 rate=0", "rate must be > 0"),
+        ("kill rank=1 at=3 during=lunch", "during must be one of snapshot, replication, recovery"),
+        ("hang rank=1 at=3 for=2 during=snapshot", "during= does not apply here"),
+        ("partition rank=1 at=3 for=2", "rank= does not apply here"),
+        ("kill coordinator node=1 at=3", "node= does not apply here"),
+        ("kill node=@x at=3", "node=@R needs a rank number"),
+    ],
+)
+def test_bad_fault_clauses_say_what_is_wrong(spec: str, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
         parse_chaos(spec)

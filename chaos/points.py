@@ -1,0 +1,187 @@
+"""The inside half of the chaos harness: phase points and network faults, in job processes.
+
+The launcher's chaos monkey acts from outside (signals, killing processes). Two kinds of fault
+need a hook inside a process, and both are driven by files in the job's chaos directory
+(``PEERCKPT_CHAOS_DIR``, set only when the spec needs it; without it every hook returns at
+once):
+
+- **Phase points** (``during=snapshot|replication|recovery``). The monkey *arms* a point by
+  writing ``armed-<i>.json`` (phase and what must match: a rank or a node). The first process
+  that reaches a matching :func:`strike_point` renames it to ``hit-<i>.json`` (a rename
+  happens once, so one process wins) and holds still until the monkey, which saw the hit, has
+  fired the kill and written ``done-<i>``. The kill thus lands while that process is inside
+  the phase: half of a snapshot copied, a push half sent, a restore half fetched.
+- **Network faults** (``partition``, ``slow``) of one node's agent, from ``net-<node>.json``:
+  ``{"partition_until": t, "rate": bytes_per_s, "slow_until": t}`` (wall-clock times). The
+  agent polls it; :class:`NetFaults` then cuts its TCP connections and refuses new ones while
+  partitioned, and paces what it sends while slowed. The agent also holds back its heartbeats,
+  reports and the coordinator's events while partitioned (``replication/agent.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Any, Protocol
+
+from peerckpt.errors import PeerUnavailable
+
+log = logging.getLogger("peerckpt.chaos")
+HOLD_S = 30.0  # the longest a process holds still at a struck point, waiting for the kill
+ENV = "PEERCKPT_CHAOS_DIR"
+
+
+def chaos_dir() -> str | None:
+    return os.environ.get(ENV) or None
+
+
+def strike_point(phase: str, **where: Any) -> bool:
+    """Hold still here if an armed ``phase`` point matches ``where``; True if one was struck."""
+    directory = chaos_dir()
+    if directory is None:
+        return False
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.startswith("armed-"))
+    except OSError:
+        return False
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            with open(path) as f:
+                armed = json.load(f)
+        except (OSError, ValueError):
+            continue  # struck by another process meanwhile
+        if armed.get("phase") != phase:
+            continue
+        if any(where.get(key) != value for key, value in armed.get("match", {}).items()):
+            continue
+        hit = os.path.join(directory, "hit-" + name[len("armed-") :])
+        try:
+            os.rename(path, hit)
+        except OSError:
+            continue  # another process won it
+        with contextlib.suppress(OSError), open(hit + ".where", "w") as f:
+            json.dump({**where, "pid": os.getpid()}, f)
+        log.warning("chaos: %s point struck (%s); holding still", phase, where)
+        done = os.path.join(directory, "done-" + name[len("armed-") : -len(".json")])
+        deadline = time.monotonic() + HOLD_S
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return True
+    return False
+
+
+class _Cuttable(Protocol):
+    def close(self) -> None: ...
+
+
+class NetFaults:
+    """One agent's network faults, read from its ``net-<node>.json``."""
+
+    def __init__(self, path: str, poll_s: float = 0.02) -> None:
+        self.path = path
+        self._poll_s = poll_s
+        self.partition_until = 0.0
+        self.slow_until = 0.0
+        self.rate = 0.0
+        self._mtime = 0.0
+        self._conns: weakref.WeakSet[_Cuttable] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._healed = threading.Condition(self._lock)
+        self._sent_at = 0.0  # the pacing clock of a slowed link
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="peerckpt-netfaults", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._healed.notify_all()
+        self._thread.join(timeout=2.0)
+
+    # -- state ----------------------------------------------------------------------------
+    def partitioned(self) -> bool:
+        return time.time() < self.partition_until
+
+    def wait_healed(self, stop: threading.Event | None = None) -> None:
+        """Block while partitioned (what TCP does to a message sent into a partition)."""
+        while self.partitioned() and not self._stop.is_set():
+            if stop is not None and stop.is_set():
+                return
+            with self._lock:
+                self._healed.wait(min(0.05, max(0.0, self.partition_until - time.time())))
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            try:
+                mtime = os.stat(self.path).st_mtime
+            except OSError:
+                continue
+            if mtime == self._mtime:
+                continue
+            try:
+                with open(self.path) as f:
+                    fault = json.load(f)
+            except (OSError, ValueError):
+                continue
+            self._mtime = mtime
+            was = self.partitioned()
+            self.partition_until = float(fault.get("partition_until", 0.0))
+            self.slow_until = float(fault.get("slow_until", 0.0))
+            self.rate = float(fault.get("rate", 0.0))
+            if self.partitioned() and not was:
+                log.warning(
+                    "chaos: partitioned for %.1f s; cutting every connection",
+                    self.partition_until - time.time(),
+                )
+                self._cut_all()
+            if self.rate:
+                log.warning("chaos: data links slowed to %.1f MB/s", self.rate / 1e6)
+            with self._lock:
+                self._healed.notify_all()
+
+    # -- the transport's hooks ------------------------------------------------------------
+    def track(self, conn: _Cuttable) -> None:
+        """A new TCP connection: it is cut when a partition starts."""
+        with self._lock:
+            self._conns.add(conn)
+
+    def _cut_all(self) -> None:
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            conn.close()
+
+    def check(self, peer: str) -> None:
+        """Raise as a cut connection would, if partitioned."""
+        if self.partitioned():
+            raise PeerUnavailable(f"connection to {peer} cut (chaos: partition)")
+
+    def pace(self, nbytes: int) -> None:
+        """Sleep so that what is sent stays under the slow link's rate."""
+        if not self.rate or time.time() >= (self.slow_until or float("inf")):
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._sent_at = max(self._sent_at, now) + nbytes / self.rate
+            wait = self._sent_at - now
+        if wait > 0:
+            time.sleep(wait)
+
+
+FAULTS: NetFaults | None = None  # set in an agent when the job's chaos needs network faults
+
+
+def install_net_faults(node: int) -> NetFaults | None:
+    """In an agent: start watching this node's network faults, if the job has any."""
+    global FAULTS
+    directory = chaos_dir()
+    if directory is None:
+        return None
+    FAULTS = NetFaults(os.path.join(directory, f"net-{node}.json"))
+    return FAULTS
