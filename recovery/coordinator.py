@@ -73,11 +73,17 @@ class Coordinator(EpochChanges, Liveness):
         persist: PersistConfig | None = None,
         spares: int = 0,
         placement: Placement | None = None,
-        record_digests: bool = False,
+        digests_file: str | None = None,
     ) -> None:
-        # (rank, step) → every distinct tensor digest its snapshots of that step had (the
-        # chaos campaign compares them with a fault-free run); None: not recorded.
-        self.digests: dict[str, list[str]] | None = {} if record_digests else None
+        # Every distinct tensor digest of every rank's snapshot of every step, appended as
+        # "rank step digest" lines (the chaos campaign compares them with a fault-free run).
+        # A file, not memory: a restarted coordinator appends to what the last one wrote.
+        self._digests_file = (
+            open(digests_file, "a", buffering=1)  # noqa: SIM115 (open as long as we run)
+            if digests_file
+            else None
+        )
+        self._digests_seen: set[tuple[int, int, str]] = set()
         self.min_nodes = min_nodes  # None: the world never shrinks
         self.spares_started = spares  # started by the launcher; each joins once it has warmed up
         self.spares_joined = 0
@@ -105,7 +111,7 @@ class Coordinator(EpochChanges, Liveness):
         self.rounds = ReshardRounds()
         self._reserved: set[int] = set()  # node indexes handed out to joining nodes
         # Replication failures to a buddy that looked alive: (deadline, epoch, step, message).
-        self._stuck: list[tuple[float, int, int, str]] = []
+        self._stuck: list[tuple[float, int, int, int, str]] = []
         self.stopped = threading.Event()
         self.rebuilt = False  # restarted: state rebuilt from the agents' reports
         self._rebuild_deadline: float | None = None  # until then, agents may still come back
@@ -334,10 +340,10 @@ class Coordinator(EpochChanges, Liveness):
                 req.get("layout"),
                 req.get("meta_nbytes"),
             )
-            if self.digests is not None and req.get("digest"):
-                seen = self.digests.setdefault(f"{req['rank']}/{req['step']}", [])
-                if req["digest"] not in seen:
-                    seen.append(req["digest"])
+            key = (req["rank"], req["step"], req.get("digest", ""))
+            if self._digests_file is not None and key[2] and key not in self._digests_seen:
+                self._digests_seen.add(key)
+                self._digests_file.write(f"{key[0]} {key[1]} {key[2]}\n")
             if committed is not None:
                 self._broadcast({"type": "commit", "epoch": req["epoch"], "step": committed})
                 self._maybe_flush(committed)
@@ -485,7 +491,6 @@ class Coordinator(EpochChanges, Liveness):
                 "events": self.events,
                 "flushes": self.flusher.records() if self.flusher else [],
                 "flush_skipped": list(self.flusher.skipped) if self.flusher else [],
-                **({"digests": self.digests} if self.digests is not None else {}),
             }
 
     def close(self) -> None:
@@ -495,6 +500,8 @@ class Coordinator(EpochChanges, Liveness):
                 agent.events.put(None)
         if self.flusher is not None:
             self.flusher.join()
+        if self._digests_file is not None:
+            self._digests_file.close()
 
     def handlers(self) -> tuple[dict[str, Any], dict[str, Any]]:
         unary = {

@@ -34,7 +34,7 @@ class Liveness:
     state: str
     heartbeat_timeout: float
     _lock: threading.RLock
-    _stuck: list[tuple[float, int, int, str]]
+    _stuck: list[tuple[float, int, int, int, str]]
     _finishing_since: float
     _deferred: DeferredRecovery | None
     _rebuild_deadline: float | None
@@ -63,11 +63,14 @@ class Liveness:
                 f"{req['buddy']} failed: {req['message']}"
             )
             log.warning("%s", message)
+            buddy = self.agents.get(req["buddy"])
+            if buddy is not None and not buddy.alive:
+                return {}  # already declared lost: its recovery (perhaps waiting) handles it
             if req.get("fatal"):
                 self._fail(message)
             else:
                 deadline = time.monotonic() + self.heartbeat_timeout
-                self._stuck.append((deadline, req["epoch"], req["step"], message))
+                self._stuck.append((deadline, req["epoch"], req["step"], req["buddy"], message))
             return {}
 
     def check_heartbeats(self) -> None:
@@ -82,13 +85,16 @@ class Liveness:
                 self._end_rebuild()
             if self._deferred is not None and now > self._deferred.deadline:
                 self._retry_deferred(force=True)
-            for deadline, epoch, step, message in list(self._stuck):
+            for entry in list(self._stuck):
+                deadline, epoch, step, buddy, message = entry
+                lost = buddy in self.agents and not self.agents[buddy].alive
                 if (
-                    self.membership is None
+                    lost  # declared lost meanwhile: its recovery (perhaps waiting) handles it
+                    or self.membership is None
                     or epoch != self.membership.epoch
                     or (self.tracker is not None and (self.tracker.committed_step or -1) >= step)
                 ):
-                    self._stuck.remove((deadline, epoch, step, message))
+                    self._stuck.remove(entry)
                 elif now > deadline:
                     self._fail(
                         f"{message}; the buddy still looks alive, so the step can never commit"

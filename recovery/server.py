@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--racks", default=None, help="node → rack, as JSON")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--persist", default=None, help="durable checkpoints, as JSON")
-    parser.add_argument("--record-digests", action="store_true", help="for the chaos campaign")
+    parser.add_argument("--digests-file", default=None, help="append snapshot digests here")
     parser.add_argument("--port", type=int, default=0, help="the RPC port (0: any free one)")
     parser.add_argument("--store-port", type=int, default=0, help="the TCPStore's port")
     args = parser.parse_args(argv)
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             {int(n): r for n, r in json.loads(args.racks).items()} if args.racks else None,
         ),
         persist=PersistConfig.from_msg(json.loads(args.persist)) if args.persist else None,
-        record_digests=args.record_digests,
+        digests_file=args.digests_file,
     )
     unary, streams = coordinator.handlers()
     server = RpcServer(secret, args.job, unary, streams, host=args.host, port=args.port)

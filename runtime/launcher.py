@@ -106,7 +106,6 @@ class LocalLauncher:
         self._interrupted = threading.Event()
         self.rpc: RpcClient | None = None
         self._flushes: list[dict[str, Any]] = []
-        self._digests: dict[str, list[str]] = {}
         self._restarts = 0  # coordinator restarts
         self._earlier_events: list[dict[str, Any]] = []  # failures seen by the coordinators before
         self._coordinator_argv: list[str] = []
@@ -150,7 +149,7 @@ class LocalLauncher:
         if spec.persist:
             argv += ["--persist", json.dumps(spec.persist)]
         if spec.record_digests:
-            argv += ["--record-digests"]
+            argv += ["--digests-file", os.path.join(self.rundir, "digests.txt")]
         self._coordinator_argv = argv
         self.coordinator = procs.spawn(argv, procs.env(), ready=True)
         procs.others.append(self.coordinator)
@@ -305,6 +304,7 @@ class LocalLauncher:
         finally:
             if monkey is not None:
                 monkey.stop()
+            digests = self._read_digests()
             self.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -320,7 +320,7 @@ class LocalLauncher:
             monkey.fired if monkey else [],
             time.time() - start,
             self._flushes,
-            self._digests,
+            digests,
         )
         if self.spec.report:
             with open(self.spec.report, "w") as f:
@@ -345,7 +345,6 @@ class LocalLauncher:
                 log.warning("coordinator status: %s", exc)
                 continue
             self._flushes = status.get("flushes", [])
-            self._digests = status.get("digests", {})
             if status["state"] in ("succeeded", "failed", "stopped"):
                 return status["state"], status["reason"], self._all_events(status)
             if self.spec.keep_spares and status["state"] == "running":
@@ -355,6 +354,22 @@ class LocalLauncher:
                 if problem:
                     return "failed", problem, []
         return "interrupted", "stopped by a signal", self._all_events(status)
+
+    def _read_digests(self) -> dict[str, list[str]]:
+        """The digests the coordinators recorded: "rank/step" → the distinct ones seen."""
+        found: dict[str, list[str]] = {}
+        path = os.path.join(self.rundir, "digests.txt")
+        if not self.spec.record_digests or not os.path.exists(path):
+            return found
+        with open(path) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) != 3 or not line.endswith("\n"):
+                    continue  # the last line of a coordinator killed while writing it
+                seen = found.setdefault(f"{parts[0]}/{parts[1]}", [])
+                if parts[2] not in seen:
+                    seen.append(parts[2])
+        return found
 
     def _all_events(self, status: dict[str, Any]) -> list[dict[str, Any]]:
         """The failures of the whole job: a restarted coordinator knows only its own."""
