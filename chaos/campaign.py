@@ -115,7 +115,7 @@ def run_campaign(
     spares: int = 2,
     start: int = 5,
     every: int = 10,
-    heartbeat_timeout: float = 2.0,
+    heartbeat_timeout: float = 3.0,
     replicas: int | None = None,
     env: dict[str, str] | None = None,
     job: str | None = None,

@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     chaos.add_argument("--replicas", type=int, default=None, help="buddies per snapshot")
     chaos.add_argument("--start", type=int, default=5, help="the first fault's step")
     chaos.add_argument("--every", type=int, default=10, help="steps between faults")
-    chaos.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds")
+    chaos.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds")
     chaos.add_argument("--json", default=None, help="where to write the rows as JSON")
     chaos.add_argument("--job", default=None, help="name the two jobs NAME_ref and NAME_chaos")
     chaos.add_argument("script", help="the training script (it must run long enough)")

@@ -37,6 +37,7 @@ from peerckpt.recovery.planner import STORAGE
 from peerckpt.replication.placement import Placement, RingPlacement
 
 log = logging.getLogger("peerckpt.coordinator")
+REBUILD_WAIT_FACTOR = 2.0  # a restarted coordinator waits this many heartbeat timeouts for agents
 
 
 @dataclass
@@ -189,9 +190,10 @@ class Coordinator(EpochChanges, Liveness):
                     self.procs[(a.node, a.pid)].alive = False
                     self._rebuild_lost.add(rank)
         if self._rebuild_deadline is None:
-            # Agents come back one by one; the spares' node may be the last. Losses found
-            # meanwhile are recovered together once they had a heartbeat timeout to return.
-            self._rebuild_deadline = time.monotonic() + self.heartbeat_timeout
+            # Agents come back one by one; the spares' node may be the last. Nobody is
+            # declared lost by heartbeat meanwhile, and losses found are recovered together
+            # once the others had their time to return.
+            self._rebuild_deadline = time.monotonic() + REBUILD_WAIT_FACTOR * self.heartbeat_timeout
 
     def _end_rebuild(self) -> None:
         """The agents had their time to come back: recover what was lost while we were away."""

@@ -101,6 +101,8 @@ class Liveness:
                     )
             if self.state not in ("starting", "running", "finishing"):
                 return  # the job ended: agents stop heart-beating as they exit
+            if self._rebuild_deadline is not None:
+                return  # restarted: agents are still coming back
             for node, agent in list(self.agents.items()):
                 if agent.alive and now - agent.last_heartbeat > self.heartbeat_timeout:
                     self._lose_node(

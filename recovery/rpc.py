@@ -113,7 +113,16 @@ class RpcClient:
         self.address = address
         self._secret = secret
         self._job = job
-        self._channel = grpc.insecure_channel(address)
+        # Reconnect within a fraction of a second once a restarted coordinator listens again
+        # (gRPC's default backoff grows to minutes; agents must rejoin within seconds).
+        self._channel = grpc.insecure_channel(
+            address,
+            options=[
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 500),
+            ],
+        )
 
     def _metadata(self, method: str) -> tuple[tuple[str, str], ...]:
         return ((_AUTH_KEY, _token(self._secret, self._job, method)),)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import socket
 import threading
 import time
@@ -175,18 +176,28 @@ class ControlServer:
             with self._cond:
                 self._links[link.pid] = link
                 self._cond.notify_all()
-            self._on_message(link, {"type": "hello"})
-            while not self._stop.is_set():
-                header, payload = conn.recv_message()
-                link.last_seen = time.monotonic()
-                if header["type"] == "hb":
-                    continue
-                if link.fenced is not None:
-                    self._refuse_fenced(link, header)
-                    continue
-                if payload:
-                    header["body"] = unpack(payload)
-                self._dispatch(link, header)
+            # Frames are handled in order on a thread of their own, so that a handler that
+            # waits (a report held back by a partition) never stops this thread from reading
+            # heartbeats: the process would look hung to its agent.
+            inbox: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+            handler = threading.Thread(
+                target=self._handle, args=(link, inbox), name="peerckpt-control-handler"
+            )
+            handler.daemon = True
+            handler.start()
+            inbox.put({"type": "hello"})
+            try:
+                while not self._stop.is_set():
+                    header, payload = conn.recv_message()
+                    link.last_seen = time.monotonic()
+                    if header["type"] == "hb":
+                        continue
+                    if payload:
+                        header["body"] = unpack(payload)
+                    inbox.put(header)
+            finally:
+                inbox.put(None)
+                handler.join(timeout=5.0)
         except PeerUnavailable:
             pass
         except PeerckptError as exc:
@@ -201,6 +212,20 @@ class ControlServer:
                         del self._links[link.pid]
                     self._cond.notify_all()
                 self._on_lost(link)
+
+    def _handle(self, link: ProcLink, inbox: queue.SimpleQueue[dict[str, Any] | None]) -> None:
+        while (msg := inbox.get()) is not None:
+            try:
+                if msg["type"] == "hello":
+                    self._on_message(link, msg)
+                elif link.fenced is not None:
+                    self._refuse_fenced(link, msg)
+                else:
+                    self._dispatch(link, msg)
+            except Exception:  # a bug, not the peer's fault: drop the link, as a crash would
+                log.exception("handling %r from %s failed", msg.get("type"), link.conn.peer)
+                link.conn.close()
+                return
 
     def _refuse_fenced(self, link: ProcLink, msg: dict[str, Any]) -> None:
         log.warning("dropped %r from fenced %r (%s)", msg["type"], link, link.fenced)
