@@ -215,7 +215,7 @@ def compare(campaign: Campaign, reference: JobResult, run: JobResult) -> None:
                 for p in failure.pulls
                 if p["bytes"]
             ]
-            pulled = ", ".join(parts) or "own slots only"
+            pulled = ", ".join(parts) or "local copies only (no network)"
         campaign.rows.append(
             Row(
                 clause,
