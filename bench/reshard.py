@@ -49,7 +49,7 @@ from common import (
     socket_gbps,
     write_result,
 )
-from jobs.state_job import COLS, pattern, rows_per_tensor
+from jobs.state_layout import COLS, pattern, rows_per_tensor
 
 JOB = Path(__file__).resolve().parent / "jobs" / "state_job.py"
 

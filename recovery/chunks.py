@@ -5,9 +5,9 @@ dimension, in global coordinates) whose elements are stored contiguously, row-ma
 buffer. Resharding a checkpoint is this arithmetic: intersect what a new rank wants with what
 old ranks hold, then copy each intersection out of one chunk's bytes into another's.
 
-This module owns that arithmetic and nothing else: pure functions, no I/O, no torch. Copies go
-through numpy strided views, so moving a large box costs one memory-speed copy, never a Python
-loop per element or per row.
+This module owns that arithmetic and nothing else: pure functions (and :class:`BoxTree`, an
+index of disjoint boxes), no I/O, no torch. Copies go through numpy strided views, so moving a
+large box costs one memory-speed copy, never a Python loop per element or per row.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -24,12 +25,12 @@ import numpy as np
 Buffer = bytes | bytearray | memoryview | np.ndarray
 
 
-@dataclass(frozen=True, slots=True)
-class Box:
+class Box(NamedTuple):
     """An n-dimensional box of a global tensor: ``offsets`` and ``lengths`` per dimension.
 
     Construction does not validate, because planners build millions of boxes; call
-    :meth:`check` where a box comes from outside.
+    :meth:`check` where a box comes from outside. A named tuple, so that hashing and comparing
+    boxes (and lists of them) run in C: a planner compares millions.
     """
 
     offsets: tuple[int, ...]
@@ -113,6 +114,146 @@ def subtract(a: Box, b: Box) -> list[Box]:
             pieces.append(Box(after, (*lengths[:dim], end - hi, *lengths[dim + 1 :])))
         offsets[dim], lengths[dim] = lo, hi - lo
     return pieces
+
+
+def box_array(boxes: Sequence[Box], ndim: int) -> np.ndarray | None:
+    """``boxes`` as an int64 array indexed (box, 0 for offsets or 1 for lengths, dimension),
+    or None when some box does not have ``ndim`` dimensions. Read in C, with no loop per box."""
+    if not set(map(len, itertools.chain.from_iterable(boxes))) <= {ndim}:
+        return None
+    ints = itertools.chain.from_iterable(itertools.chain.from_iterable(boxes))
+    return np.fromiter(ints, np.int64, count=2 * ndim * len(boxes)).reshape(len(boxes), 2, ndim)
+
+
+def is_grid(array: np.ndarray) -> bool:
+    """True when the distinct non-empty boxes ``array`` (as :func:`box_array` gives) form a grid.
+
+    Sorted by (offset, length) along dimension 0, then 1, …, every two neighbours must be
+    disjoint along the first dimension where they differ. Then boxes sharing their first k
+    intervals have disjoint (k+1)-th ones, so any two boxes are apart along some dimension: a
+    grid's boxes are disjoint. Shard(d), block meshes and regular flat shards are grids; sets
+    of disjoint boxes that are not (a pinwheel) get False, as do overlapping ones.
+    """
+    if len(array) < 2:
+        return True
+    keys = array.transpose(0, 2, 1).reshape(len(array), -1)  # o0, n0, o1, n1, …
+    ordered = keys[np.lexsort(keys.T[::-1])]
+    first = (ordered[1:] != ordered[:-1]).argmax(axis=1)
+    offset = first - first % 2  # the offset column of the dimension where they differ
+    rows = np.arange(len(ordered) - 1)
+    end = ordered[rows, offset] + ordered[rows, offset + 1]
+    return bool((end <= ordered[rows + 1, offset]).all())
+
+
+T = TypeVar("T")
+
+
+class Overlap(ValueError):
+    """Two items of a :class:`BoxTree` whose boxes overlap without being equal."""
+
+    def __init__(self, a: tuple[Box, Any], b: tuple[Box, Any]) -> None:
+        super().__init__(f"{a[0]} and {b[0]} overlap")
+        self.a, self.b = a, b
+
+
+@dataclass(eq=False, slots=True)
+class _TreeNode:
+    """Disjoint groups of boxes along ``dim``, sorted; see :class:`BoxTree`."""
+
+    dim: int
+    starts: list[int]
+    ends: list[int]
+    children: list[Any]  # _TreeNode, an item, or a list of items to scan
+
+
+class BoxTree(Generic[T]):
+    """An index of distinct non-empty boxes, each with a payload: the items that meet a box.
+
+    A tree over dimensions: along dimension 0 the boxes form disjoint, sorted groups (found by
+    bisection), each group being boxes with the same interval there, indexed the same way
+    along dimension 1, and so on. Shard(d), block meshes and flat shards all fit it, so a
+    lookup costs O(ndim · log n + found). Groups whose intervals overlap without being equal
+    (no regular layout makes them) are kept as lists and scanned; building checks their boxes
+    pairwise and raises :class:`Overlap` for the first two that meet.
+    """
+
+    __slots__ = ("_root",)
+
+    def __init__(self, items: Sequence[tuple[Box, T]]) -> None:
+        self._root: Any = _tree(list(items), 0) if items else None
+
+    def find(self, box: Box) -> list[tuple[Box, T]]:
+        """The items whose boxes may meet ``box`` (intersect them to be sure), in order."""
+        root = self._root
+        if root is None:
+            return []
+        if not isinstance(root, _TreeNode):
+            return [root]
+        out: list[tuple[Box, T]] = []
+        if not box.is_empty():
+            _find(root, box, out)
+        return out
+
+
+def _tree(items: list[tuple[Box, Any]], dim: int) -> Any:
+    """Index ``items`` (distinct boxes, equal along dimensions before ``dim``)."""
+    if len(items) == 1:
+        # A lone box needs no index below here: callers intersect what they find anyway. Past
+        # the last dimension there is always one box, since the boxes are distinct.
+        return items[0]
+    items.sort(key=lambda item: (item[0].offsets[dim], item[0].lengths[dim]))
+    node = _TreeNode(dim, [], [], [])
+    i = 0
+    while i < len(items):
+        lo = items[i][0].offsets[dim]
+        first_end = hi = lo + items[i][0].lengths[dim]
+        same = True
+        j = i + 1
+        while j < len(items) and items[j][0].offsets[dim] < hi:
+            start = items[j][0].offsets[dim]
+            end = start + items[j][0].lengths[dim]
+            same = same and start == lo and end == first_end
+            hi = max(hi, end)
+            j += 1
+        members = items[i:j]
+        node.starts.append(lo)
+        node.ends.append(hi)
+        if same:
+            node.children.append(_tree(members, dim + 1))
+        else:
+            _check_disjoint(members, dim)
+            node.children.append(members)
+        i = j
+    return node
+
+
+def _check_disjoint(items: list[tuple[Box, Any]], dim: int) -> None:
+    """Raise Overlap when two of ``items`` (sorted along ``dim``) overlap."""
+    for i, a in enumerate(items):
+        a_end = a[0].offsets[dim] + a[0].lengths[dim]
+        j = i + 1
+        # Only boxes starting before ``a`` ends along ``dim`` can meet it.
+        while j < len(items) and items[j][0].offsets[dim] < a_end:
+            if intersect(a[0], items[j][0]) is not None:
+                raise Overlap(a, items[j])
+            j += 1
+
+
+def _find(node: _TreeNode, box: Box, out: list[Any]) -> None:
+    """Append to ``out`` the items under ``node`` that may meet ``box``, in order."""
+    lo = box.offsets[node.dim]
+    hi = lo + box.lengths[node.dim]
+    starts, children = node.starts, node.children
+    i = bisect.bisect_right(node.ends, lo)  # groups are disjoint, so ends ascend with starts
+    while i < len(starts) and starts[i] < hi:
+        child = children[i]
+        if isinstance(child, _TreeNode):
+            _find(child, box, out)
+        elif isinstance(child, list):
+            out.extend(item for item in child if intersect(item[0], box) is not None)
+        else:
+            out.append(child)
+        i += 1
 
 
 def relative(inner: Box, outer: Box) -> Box:

@@ -6,6 +6,7 @@ import importlib.util
 import re
 import warnings
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
@@ -141,6 +142,7 @@ def test_a_writer_killed_mid_flush_never_commits_that_step(tmp_path) -> None:
     assert store.open().step == max(committed)
 
 
+@pytest.mark.slow  # make test keeps the partial fallback and the no-durable case
 def test_losing_every_memory_copy_falls_back_to_the_durable_step_bit_exact(tmp_path) -> None:
     # Both nodes die at once: every rank and every replica is gone. With a durable tier the
     # spares restore its latest step and train the rest again, reaching the same bits.
@@ -199,6 +201,7 @@ def test_state_with_no_memory_copy_left_is_read_from_storage_and_the_rest_from_p
     assert_same_digests(run, reference)
 
 
+@pytest.mark.slow  # make test keeps the partial fallback and the no-durable case
 def test_a_replica_corrupted_in_memory_is_never_restored_and_storage_is_used(tmp_path) -> None:
     # Rank 2's only other copy (node 0's replica) gets a flipped byte, then its node dies.
     # The pull fails its checksum; the job goes back to the durable step, and ends bit-exact.

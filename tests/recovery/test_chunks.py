@@ -1,4 +1,5 @@
-"""Chunk arithmetic: boxes, flat ranges, byte runs and strided copies, checked against numpy."""
+"""Chunk arithmetic: boxes, flat ranges, byte runs, strided copies and the box index, checked
+against numpy."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from hypothesis import strategies as st
 
 from peerckpt.recovery.chunks import (
     Box,
+    BoxTree,
+    Overlap,
+    box_array,
     box_byte_runs,
     contiguous_range,
     copy_box,
@@ -20,6 +24,7 @@ from peerckpt.recovery.chunks import (
     flat_shards_to_boxes,
     full_box,
     intersect,
+    is_grid,
     place_box,
     relative,
     subtract,
@@ -245,3 +250,112 @@ def test_buffer_errors_are_clear() -> None:
     strided = np.zeros(16, np.uint8)[::2]
     with pytest.raises(ValueError, match="contiguous"):
         place_box(strided, chunk, chunk, 2, b"\1" * 8)
+
+
+def test_boxes_hash_and_compare_by_value() -> None:
+    a, b = Box((1, 2), (3, 4)), Box((1, 2), (3, 4))
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != Box((1, 2), (3, 5)) and [a, a] == [b, b]
+    assert Box(offsets=(0,), lengths=(2,)).lengths == (2,)
+
+
+def test_box_array_reads_offsets_and_lengths() -> None:
+    boxes = [Box((0, 1), (2, 3)), Box((4, 5), (6, 7))]
+    array = box_array(boxes, 2)
+    assert array is not None and array.shape == (2, 2, 2)
+    assert array.tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert box_array(boxes, 3) is None
+    assert box_array([Box((0,), (1, 2))], 1) is None
+    scalars = box_array([Box((), ())], 0)
+    assert scalars is not None and scalars.shape == (1, 2, 0)
+
+
+PINWHEEL = [  # five disjoint boxes tiling 4×4, no dimension splitting them into groups
+    Box((0, 0), (1, 3)),
+    Box((0, 3), (3, 1)),
+    Box((3, 1), (1, 3)),
+    Box((1, 0), (3, 1)),
+    Box((1, 1), (2, 2)),
+]
+
+
+def grid_of(boxes: list[Box]) -> bool:
+    array = box_array(boxes, boxes[0].ndim)
+    assert array is not None
+    return is_grid(array)
+
+
+def test_grid_examples() -> None:
+    rows = [Box((r, 0), (1, 4)) for r in range(4)]
+    blocks = [Box((r, c), (2, 2)) for r in (0, 2) for c in (0, 2)]
+    uneven = [Box((0, 0), (2, 4)), Box((2, 0), (2, 1)), Box((2, 1), (2, 3))]
+    assert grid_of(rows) and grid_of(blocks) and grid_of(uneven)
+    assert not grid_of(PINWHEEL)  # disjoint, but not a grid
+    assert not grid_of([Box((0, 0), (3, 4)), Box((2, 0), (2, 4))])  # overlap along dim 0
+    assert not grid_of([Box((0, 0), (2, 3)), Box((0, 2), (2, 2))])  # same rows, cols overlap
+    assert grid_of([Box((0,), (5,))])
+
+
+@st.composite
+def box_sets(draw: st.DrawFn) -> tuple[tuple[int, ...], list[Box], bool]:
+    """Distinct non-empty boxes in a small tensor: a random grid (recursive splits), maybe with
+    one box moved or added, so that some sets overlap or are no grid."""
+    shape = draw(st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple))
+
+    def split(box: Box, dim: int) -> list[Box]:
+        if dim == len(shape) or draw(st.integers(0, 3)) == 0:
+            return [box]
+        cuts = sorted(set(draw(st.lists(st.integers(1, box.lengths[dim]), max_size=3))))
+        bounds = [0, *(c for c in cuts if c < box.lengths[dim]), box.lengths[dim]]
+        out = []
+        for lo, hi in itertools.pairwise(bounds):
+            offsets, lengths = list(box.offsets), list(box.lengths)
+            offsets[dim] += lo
+            lengths[dim] = hi - lo
+            out += split(Box(tuple(offsets), tuple(lengths)), dim + 1)
+        return out
+
+    boxes = split(full_box(shape), 0)
+    extra = draw(st.booleans())
+    if extra:
+        boxes.append(draw(boxes_in(shape)))
+    return shape, list(dict.fromkeys(b for b in boxes if not b.is_empty())), not extra
+
+
+@given(box_sets())
+@settings(max_examples=300, deadline=None)
+def test_grid_check_and_box_tree_agree_with_masks(
+    case: tuple[tuple[int, ...], list[Box], bool],
+) -> None:
+    shape, boxes, split_only = case
+    count = np.zeros(shape, int)
+    for box in boxes:
+        count[slices(box)] += 1
+    disjoint = bool((count <= 1).all())
+    array = box_array(boxes, len(shape))
+    assert array is not None
+    assert is_grid(array) or not split_only  # recursive splits always make a grid
+    if is_grid(array):
+        assert disjoint  # and a grid is never wrong about disjointness
+    items = [(box, i) for i, box in enumerate(boxes)]
+    if not disjoint:
+        with pytest.raises(Overlap) as info:
+            BoxTree(items)
+        assert intersect(info.value.a[0], info.value.b[0]) is not None
+        return
+    tree = BoxTree(items)
+    for probe in [full_box(shape), *boxes, Box((0,) * len(shape), (1,) * len(shape))]:
+        found = {i for _, i in tree.find(probe)}
+        meeting = {i for box, i in items if intersect(box, probe) is not None}
+        assert meeting <= found
+
+
+def test_box_tree_finds_in_order_and_handles_edges() -> None:
+    assert BoxTree([]).find(Box((0,), (3,))) == []
+    lone = BoxTree([(Box((2,), (2,)), "a")])
+    assert lone.find(Box((0,), (1,))) == [(Box((2,), (2,)), "a")]  # callers intersect
+    rows = BoxTree([(Box((r, 0), (1, 4)), r) for r in (3, 0, 2, 1)])
+    assert [r for _, r in rows.find(Box((1, 1), (2, 2)))] == [1, 2]
+    assert rows.find(Box((1, 1), (0, 2))) == []  # an empty box meets nothing
+    pinwheel = BoxTree([(box, i) for i, box in enumerate(PINWHEEL)])
+    assert sorted(i for _, i in pinwheel.find(Box((0, 0), (2, 2)))) == [0, 3, 4]

@@ -2,13 +2,17 @@
 
 The property test scatters tensors into one sharding's chunks (as row-major bytes), plans the
 reads of another sharding, and rebuilds every wanted chunk with extract_box/place_box: the
-bytes must come back exactly, from sources the rules allow.
+bytes must come back exactly, from sources the rules allow. The planner's fast path (chunk
+lists read as tables, shared indexes and covers, boxes checked in bulk) must plan exactly what
+its chunk-by-chunk reference path plans, errors included.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -16,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peerckpt.errors import RecoveryFailed, StateMismatch
+from peerckpt.recovery import planner
 from peerckpt.recovery.chunks import Box, extract_box, flat_shards_to_boxes, intersect, place_box
 from peerckpt.recovery.planner import (
     STORAGE,
@@ -439,3 +444,143 @@ def test_non_grid_layout_is_still_covered_exactly(dim: int, parts: int) -> None:
     holders = {r: {r % 2} for r in old}
     rebuild_and_check([tensor], old, new, holders, {r: r % 3 for r in new}, {0: 4, 1: None, 2: 1})
     rebuild_and_check([tensor], new, old, {r: {r} for r in new}, dict.fromkeys(old, 5), {})
+
+
+@contextmanager
+def tuned(few: int, samples: int) -> Iterator[None]:
+    """The planner with other thresholds: bulk checks from ``few`` boxes, ``samples`` rows."""
+    saved = planner._FEW, planner._SAMPLES
+    planner._FEW, planner._SAMPLES = few, samples
+    try:
+        yield
+    finally:
+        planner._FEW, planner._SAMPLES = saved
+
+
+Outcome = dict[int, list[Read]] | tuple[type, str]
+
+
+def outcome(*args: object, tables: bool) -> Outcome:
+    """The plan as plain lists, or the error it raised."""
+    try:
+        plan = planner._plan(*args, tables=tables)  # type: ignore[arg-type]
+    except (RecoveryFailed, StateMismatch) as e:
+        return type(e), str(e)
+    return {rank: list(reads) for rank, reads in plan.items()}
+
+
+def assert_same_as_reference(*args: object) -> Outcome:
+    """The table path under several thresholds plans what the reference path plans."""
+    expected = outcome(*args, tables=False)
+    for few, samples in [(32, 16), (0, 1), (0, 3)]:
+        with tuned(few, samples):
+            assert outcome(*args, tables=True) == expected, (few, samples)
+    return expected
+
+
+@given(st.data())
+@settings(max_examples=200, deadline=None)
+def test_tables_plan_exactly_what_chunk_by_chunk_plans(data: st.DataObject) -> None:
+    dims = st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple)
+    shapes = data.draw(st.lists(dims, min_size=1, max_size=4))
+    # Tensors of equal shape and sharding share an index; make some equal on purpose.
+    shapes += [shapes[0]] * data.draw(st.integers(0, 2))
+    old, new = data.draw(layouts(shapes)), data.draw(layouts(shapes))
+    keys = [f"t{i}" for i in range(len(shapes))]
+    dtypes = [data.draw(st.sampled_from(DTYPES)) for _ in shapes]
+    held = {r: [HeldChunk(keys[i], dtypes[i], shapes[i], b) for i, b in c] for r, c in old.items()}
+    wanted = {
+        r: [WantedChunk(keys[i], dtypes[i], shapes[i], b) for i, b in c] for r, c in new.items()
+    }
+    nodes = data.draw(st.integers(1, 4))
+    node_sets = st.sets(st.integers(0, nodes - 1) | st.just(STORAGE), max_size=4)
+    holders = {r: data.draw(node_sets) for r in old}
+    new_nodes = {r: data.draw(st.integers(0, nodes)) for r in new}
+    previous = {r: data.draw(st.none() | st.sampled_from(sorted(old))) for r in new}
+    # Private state after the shared tensors, as real snapshots list it; a process wants its
+    # own back.
+    if data.draw(st.booleans()):
+        for r in old:
+            held[r].append(HeldChunk(f"meta@{r}", "uint8", (3,), Box((0,), (3,))))
+        for r, prev in previous.items():
+            if prev is not None:
+                wanted[r].append(WantedChunk(f"meta@{prev}", "uint8", (3,), Box((0,), (3,))))
+    # Lists that do not follow the others' order are planned chunk by chunk.
+    for chunks in (held, wanted):
+        rank = data.draw(st.sampled_from(sorted(chunks)))
+        chunks[rank] = data.draw(st.permutations(chunks[rank]))
+    assert_same_as_reference(held, holders, wanted, new_nodes, previous)
+
+
+def test_tables_of_many_ranks_with_replicas_and_splits() -> None:
+    # HSDP over 96 ranks (2 replicas × 48 shards) shrinking to 88 (2 × 44); two tensors look
+    # alike on the sampled ranks but differ on one other rank, so their group must split.
+    shapes = [(480, 8), (480, 8), (96, 4), (96, 4), (7,), (480, 8)]
+    keys = [f"layers.{i}.weight" for i in range(len(shapes))]
+
+    def hsdp(world: int) -> dict[int, list[WantedChunk]]:
+        shards = world // 2
+        return {
+            r: [
+                WantedChunk(k, "bfloat16", s, along(s, 0, even_splits(s[0], shards)[r % shards]))
+                for k, s in zip(keys, shapes, strict=True)
+            ]
+            for r in range(world)
+        }
+
+    old = hsdp(96)
+    held = {
+        r: [HeldChunk(c.key, c.dtype, c.global_shape, c.box) for c in cs] for r, cs in old.items()
+    }
+    odd = held[37][5].box  # rank 37 holds other rows of the last tensor than of the first
+    held[37][5] = HeldChunk(keys[5], "bfloat16", shapes[5], Box((odd.offsets[0], 0), (5, 8)))
+    held[85][5] = HeldChunk(keys[5], "bfloat16", shapes[5], Box((odd.offsets[0] + 5, 0), (5, 8)))
+    holders = {r: {r // 8, (r // 8 + 1) % 12} for r in range(96)}
+    holders[5] = set()  # its replica on rank 53 still has its rows
+    survivors = [r for r in range(96) if r // 8 != 4]
+    new_nodes = {n: old_rank // 8 for n, old_rank in enumerate(survivors)}
+    previous: dict[int, int | None] = dict(enumerate(survivors))
+    wanted = hsdp(88)
+    wanted[3][2] = WantedChunk(keys[2], "bfloat16", shapes[2], Box((0, 0), (96, 4)))
+    result = assert_same_as_reference(held, holders, wanted, new_nodes, previous)
+    assert isinstance(result, dict) and len(result) == 88
+    for r, reads in result.items():
+        assert sum(read.nbytes for read in reads) == sum(c.box.numel() * 2 for c in wanted[r])
+    listed = {r: sorted(nodes, reverse=True) for r, nodes in holders.items()}  # order is moot
+    assert assert_same_as_reference(held, listed, wanted, new_nodes, previous) == result
+
+
+def test_more_than_two_holders_balance_like_a_heap() -> None:
+    # Every old rank on four nodes; newcomers on other nodes read over the network.
+    held = {r: [held_chunk(f"k{i}", rows(2 * r, 2)) for i in range(6)] for r in range(4)}
+    holders = {r: [0, 1, 2, 3] for r in range(4)}
+    wanted = {r: [wanted_chunk(f"k{i}", FULL) for i in range(6)] for r in range(3)}
+    plan = assert_same_as_reference(held, holders, wanted, dict.fromkeys(range(3), 9), {})
+    assert isinstance(plan, dict)
+    sent: dict[int, int] = {}
+    for read in (r for reads in plan.values() for r in reads):
+        sent[read.source_node] = sent.get(read.source_node, 0) + read.nbytes
+    assert sent == dict.fromkeys(range(4), 3 * 6 * 32)
+
+
+def test_missing_regions_are_listed_in_rank_and_chunk_order() -> None:
+    held = {r: [held_chunk(k, rows(2 * r, 2)) for k in "abc"] for r in range(4)}
+    holders = {0: [0], 1: [], 2: [2], 3: []}  # rows 2-3 and 6-7 of every key are gone
+    wanted = {r: [wanted_chunk(k, rows(4 * r, 4)) for k in "abc"] for r in range(2)}
+    result = assert_same_as_reference(held, holders, wanted, {0: 0, 1: 2}, {0: 0, 1: 2})
+    assert isinstance(result, tuple) and result[0] is RecoveryFailed
+    assert result[1].index("'a' offsets=(2, 0)") < result[1].index("'b' offsets=(2, 0)")
+    assert result[1].index("'c' offsets=(2, 0)") < result[1].index("'a' offsets=(6, 0)")
+
+
+def test_a_rank_plan_is_a_sequence_of_reads() -> None:
+    held = {r: [held_chunk(k, rows(4 * r, 4)) for k in "ab"] for r in range(2)}
+    wanted = {0: [wanted_chunk(k, FULL) for k in "ab"], 1: [wanted_chunk("b", rows(2, 4))]}
+    plan = plan_reads(held, {0: [0], 1: [1]}, wanted, {0: 0, 1: 5}, {0: 0, 1: None})
+    reads = plan[0]
+    assert len(reads) == 4 and [r.key for r in reads] == ["a", "a", "b", "b"]
+    assert reads[1] == Read(1, 1, "a", rows(4, 4), FULL, rows(4, 4), 64)
+    assert reads[-1] == reads[3] and reads[1:3] == list(reads)[1:3]
+    assert list(reads) == list(reads)  # made again, the same
+    assert reads == list(reads) and reads != plan[1] and Read(*reads[0]) in reads
+    assert "RankReads([Read(source_node=0" in repr(reads)

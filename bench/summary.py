@@ -1,0 +1,216 @@
+"""The table at the top of ``docs/performance.md``, from ``bench/results/*.json``.
+
+    python bench/summary.py [--print]
+
+Every figure with a target, from every benchmark's result: its value, the target, whether it
+is met, and what it was measured on (date, machine, whether other work kept the machine busy
+meanwhile); then, for every missed target, the reason the benchmark measured. The table
+replaces what lies between the two ``bench-summary`` markers in the page (they are added
+under its first paragraph when missing); everything else in the page is left as it is.
+Results of ``--quick`` runs are never used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, RESULTS
+
+PAGE = REPO / "docs" / "performance.md"
+START, END = "<!-- bench-summary:start -->", "<!-- bench-summary:end -->"
+ORDER = ["ceilings", "stall", "replication", "recovery", "memory", "reshard", "flush", "planner"]
+
+# figure key (regular expression) → how the row reads, and how its value is written
+LABELS: list[tuple[str, str, str]] = [
+    (r"stall_fraction_(\w+)", "training stall, {0} per rank, snapshot every step", "percent"),
+    (r"ratio_to_socket", "replication between agents, checksums on / loopback socket", "ratio"),
+    (r"speedup_vs_dcp_(\w+)", "recovery of one rank, {0}: DCP restart time / peerckpt", "times"),
+    (r"peerckpt_s_(\w+)", "recovery of one rank, {0}: kill → every rank stepping", "seconds"),
+    (r"overhead_ratio", "host memory / 2·(1+k)·S per rank", "ratio"),
+]
+
+
+def _fmt_target(text: str, kind: str) -> str:
+    """A percent figure's target as a percentage (``< 0.01`` → ``< 1%``)."""
+    sign, _, number = text.partition(" ")
+    if kind != "percent":
+        return text
+    try:
+        return f"{sign} {float(number):.0%}"
+    except ValueError:
+        return text
+
+
+def _fmt(value: float | None, kind: str) -> str:
+    if value is None:
+        return "not measured"
+    if kind == "percent":
+        return f"{value:+.1%}"
+    if kind == "times":
+        return f"{value:.1f}×"
+    if kind == "seconds":
+        return f"{value:.2f} s"
+    return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+
+
+def _label(key: str) -> tuple[str, str]:
+    for pattern, text, kind in LABELS:
+        m = re.fullmatch(pattern, key)
+        if m:
+            return text.format(*(g.replace("MiB", " MiB") for g in m.groups())), kind
+    return key.replace("_", " "), "ratio"
+
+
+def _machine(result: dict[str, Any]) -> str:
+    m = result.get("machine", {})
+    load = result.get("background_load", {})
+    text = f"{result.get('measured_at', '?')[:10]}, {m.get('cores', '?')} cores"
+    if result.get("device"):
+        text = f"{result.get('measured_at', '?')[:10]}, {result['device']}"
+    if load:
+        others = load.get("others_cores_avg")
+        busy = f" ({others:.1f} cores of other work)" if others is not None else ""
+        text += (", under load" if load.get("under_load") else ", quiet") + busy
+    return text
+
+
+def _derived_targets(name: str, r: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Targets of the results written before benchmarks carried their own (``targets``)."""
+    if name == "reshard" and r.get("speedup_vs_dcp_cold") is not None:
+        v = r["speedup_vs_dcp_cold"]
+        return {
+            "resharding 4 → 2 from peer memory: dcp.load (cold disk) time / peerckpt": {
+                "value": v,
+                "target": "≥ 1",
+                "met": v >= 1,
+                "kind": "ratio",
+                "reason": "see “Resharding 4 → 2 ranks” below",
+            }
+        }
+    if name == "flush" and r.get("flush_vs_disk") is not None:
+        v = r["flush_vs_disk"]
+        return {
+            "durable flush while training / disk write bandwidth": {
+                "value": v,
+                "target": "≥ 0.8",
+                "met": v >= 0.8,
+                "kind": "ratio",
+                "reason": "see “Durable flushes” below",
+            }
+        }
+    if name == "planner" and r.get("plan_s") is not None:
+        v, goal = r["plan_s"], r.get("target_s", 2)
+        label = f"recovery plan, {r['ranks']:,} ranks × {r['tensors_per_rank']:,} tensors"
+        return {
+            label: {
+                "value": v,
+                "target": f"< {goal:g} s",
+                "met": v < goal,
+                "kind": "seconds",
+                "reason": "see “Planning at scale” below",
+            }
+        }
+    if name == "gpu":
+        rows = {}
+        for key, row in r.items():
+            if isinstance(row, dict) and "stall_fraction" in row:
+                rows[f"CUDA training stall, {key.replace('MiB', ' MiB')} per rank"] = {
+                    "value": row["stall_fraction"],
+                    "target": "< 0.01",
+                    "met": row["stall_fraction"] < 0.01,
+                    "kind": "percent",
+                }
+        return rows
+    return {}
+
+
+def _ceiling_rows(r: dict[str, Any]) -> list[str]:
+    names = {
+        "memcpy_gbps": "ceiling: memcpy, 1 GiB, one thread",
+        "crc32c_gbps": "ceiling: crc32c, one core",
+        "socket_gbps": "ceiling: loopback TCP, one connection",
+        "disk_write_gbps": "ceiling: local disk, write + fsync into new files",
+    }
+    return [
+        f"| {label} | {r[key]:.2f} GB/s | — | — | {_machine(r)} |"
+        for key, label in names.items()
+        if r.get(key) is not None
+    ]
+
+
+def build() -> str:
+    results = {}
+    for path in sorted(RESULTS.glob("*.json")):
+        if path.stem.endswith("-quick"):
+            continue
+        results[path.stem] = json.loads(path.read_text())
+    names = [n for n in ORDER if n in results] + [n for n in results if n not in ORDER]
+    lines = [
+        START,
+        "| figure | value | target | met? | measured on |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    reasons = []
+    total_s = 0.0
+    for name in names:
+        r = results[name]
+        total_s += r.get("bench_seconds") or 0
+        if name == "ceilings":
+            lines += _ceiling_rows(r)
+            continue
+        targets = r.get("targets") or _derived_targets(name, r)
+        for key, t in targets.items():
+            label, kind = _label(key) if "targets" in r else (key, t.get("kind", "ratio"))
+            met = {True: "✔", False: "✘", None: "—"}[t.get("met")]
+            lines.append(
+                f"| {label} (`{name}.json`) | {_fmt(t.get('value'), kind)} "
+                f"| {_fmt_target(t['target'], kind)} "
+                f"| {met} | {_machine(r)} |"
+            )
+            if t.get("met") is False and t.get("reason"):
+                reasons.append(f"- **{label}**: {t['reason']}")
+    lines.append("")
+    lines.append(
+        "Every value is a median of the runs its JSON lists, against a figure measured in the "
+        'same run; "under load" means other work used more than 15% of the cores in the '
+        "second before the benchmark started or more than a quarter of a core on average "
+        "while it ran (the JSON's `background_load`)."
+    )
+    if total_s:
+        lines.append(f"The benchmarks of this table took {total_s / 60:.1f} minutes together.")
+    if reasons:
+        lines += ["", "Why the missed targets are missed (measured by the benchmark, in its JSON):"]
+        lines += ["", *reasons]
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--print", action="store_true", help="print the table, change nothing")
+    args = parser.parse_args()
+    table = build()
+    if args.print:
+        print(table)
+        return
+    page = PAGE.read_text()
+    if START in page and END in page:
+        before, rest = page.split(START, 1)
+        after = rest.split(END, 1)[1]
+        page = before + table + after
+    else:
+        head, sep, tail = page.partition("\n\n")  # after the title
+        first, _, rest = tail.partition("\n\n")  # after the first paragraph
+        page = f"{head}{sep}{first}\n\n{table}\n\n{rest}"
+    PAGE.write_text(page)
+    print(f"wrote the summary table of {PAGE}")
+
+
+if __name__ == "__main__":
+    main()
