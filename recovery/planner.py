@@ -814,7 +814,11 @@ class _RankReads(Sequence[Read]):
         return self._list
 
     def __len__(self) -> int:
-        return len(self._reads())
+        if self._list is not None:
+            return len(self._list)
+        assert self._layout is not None
+        row = self._row
+        return sum(len(f.entries[row]) for f, _, _ in self._layout if f) + len(self._tail)
 
     @overload
     def __getitem__(self, index: int) -> Read: ...

@@ -461,12 +461,14 @@ Outcome = dict[int, list[Read]] | tuple[type, str]
 
 
 def outcome(*args: object, tables: bool) -> Outcome:
-    """The plan as plain lists, or the error it raised."""
+    """The plan as plain lists (their lengths checked against the plan's), or its error."""
     try:
         plan = planner._plan(*args, tables=tables)  # type: ignore[arg-type]
     except (RecoveryFailed, StateMismatch) as e:
         return type(e), str(e)
-    return {rank: list(reads) for rank, reads in plan.items()}
+    made = {rank: list(reads) for rank, reads in plan.items()}
+    assert all(len(plan[rank]) == len(reads) for rank, reads in made.items())
+    return made
 
 
 def assert_same_as_reference(*args: object) -> Outcome:
