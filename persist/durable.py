@@ -200,26 +200,21 @@ class _DirectFile:
                 self._drain(self.BLOCK)
 
     def _drain(self, n: int) -> None:
-        done = 0
-        while done < n:
-            done += os.write(self.fd, self.view[done:n])
-        self.used = 0
-
-    def flush(self) -> None:
-        whole = self.used - self.used % 4096
-        if whole:
-            self._drain_part(whole)
-        if self.used:  # the tail is not a whole block: write it without O_DIRECT
-            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            self._drain(self.used)
-
-    def _drain_part(self, n: int) -> None:
+        """Write the buffer's first ``n`` bytes; what follows moves to its start."""
         done = 0
         while done < n:
             done += os.write(self.fd, self.view[done:n])
         tail = bytes(self.view[n : self.used])
         self.view[: len(tail)] = tail
         self.used = len(tail)
+
+    def flush(self) -> None:
+        whole = self.used - self.used % 4096
+        if whole:
+            self._drain(whole)
+        if self.used:  # the tail is not a whole block: write it without O_DIRECT
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            self._drain(self.used)
 
     def fileno(self) -> int:
         return self.fd

@@ -177,11 +177,7 @@ class Coordinator(EpochChanges, Liveness):
                     self.spares_joined += 1
                     self.spares_started = max(self.spares_started, self.spares_joined)
             if rank == 0 and role == "rank":
-                if self.replicas is None and replicas is not None:
-                    self.replicas = int(replicas)
-                if self.flusher is None and persist is not None:
-                    config = PersistConfig.from_msg(persist)
-                    self.flusher = FlushScheduler(config) if config is not None else None
+                self._config_from_script(replicas, persist)
         if self.state == "starting":
             self._maybe_open_first_epoch()  # it went away before the first epoch opened
         if self.membership is not None:
@@ -256,11 +252,8 @@ class Coordinator(EpochChanges, Liveness):
         with self._lock:
             key = (req["node"], req["pid"])
             self.procs[key] = ProcInfo(req["node"], req["pid"], req["role"], req.get("rank"))
-            if self.replicas is None and req.get("rank") == 0 and req.get("replicas") is not None:
-                self.replicas = int(req["replicas"])  # the script's @resilient(replicas=…)
-            if self.flusher is None and req.get("rank") == 0:
-                persist = PersistConfig.from_msg(req.get("persist"))  # @resilient(persist=…)
-                self.flusher = FlushScheduler(persist) if persist is not None else None
+            if req.get("rank") == 0:
+                self._config_from_script(req.get("replicas"), req.get("persist"))
             log.info("%s pid %d joined on node %d", req["role"], req["pid"], req["node"])
             if req["role"] == "spare":
                 self.spares_joined += 1
@@ -270,6 +263,14 @@ class Coordinator(EpochChanges, Liveness):
             if req["role"] == "spare":
                 self._retry_deferred()
             return {}
+
+    def _config_from_script(self, replicas: int | None, persist: Any) -> None:
+        """Rank 0's @resilient(replicas=…, persist=…), unless the launcher set them."""
+        if self.replicas is None and replicas is not None:
+            self.replicas = int(replicas)
+        if self.flusher is None:
+            config = PersistConfig.from_msg(persist)
+            self.flusher = FlushScheduler(config) if config is not None else None
 
     # -- failures -------------------------------------------------------------------------
     def proc_lost(self, req: dict[str, Any]) -> dict[str, Any]:
