@@ -11,14 +11,16 @@ alternating so both see the same machine:
   same 1 GiB shared-memory slot, ``recv_into`` a touched 1 GiB buffer, then a one-byte
   acknowledgement;
 * **peerckpt**: what the sending agent does with a snapshot (``replication/agent.py``
-  ``_replicate``): crc32c of every chunk of the slot, then a ``BuddySender`` (the agent's
-  replication thread) pushes it to the receiver, which receives it straight into a replica
-  slot, verifies every chunk and acknowledges. Timed from the start of the checksum to the
-  acknowledgement.
+  ``_replicate``): ``ReplicationJob.start`` begins the crc32c of every chunk of the slot on a
+  thread, and a ``BuddySender`` (the agent's replication thread) pushes the slot meanwhile;
+  the receiver receives it straight into a replica slot, checksums each chunk as its last
+  byte arrives, compares with the checksums the ``end`` frame carries and acknowledges.
+  Timed from the start of the checksums to the acknowledgement.
 
 Then, to say where the time goes, one more push per run done step by step (the three calls
-``transfer.push`` makes): request → ``ready``; the data frames (``send_bytes``); the last
-frame → ``ack`` (the receiver draining the socket and verifying every chunk).
+``transfer.push`` makes, checksums computed beforehand): request → ``ready``; the data frames
+(``send_bytes``); the last frame → ``ack`` (the receiver verifying its last chunk). The
+sender's checksum of the whole slot on one thread is timed apart too, for scale.
 
 Two warm-up pushes first (the receiver allocates its two replica slots on first use, as a
 real buddy does once per job). Results: ``bench/results/replication.json``; keys
@@ -53,6 +55,7 @@ from common import (
 
 from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.replication.arena import Arena
+from peerckpt.replication.checksums import checksum_now
 from peerckpt.replication.replicator import BuddySender, ReplicationJob
 from peerckpt.replication.store import Slot, SlotStore
 from peerckpt.replication.transfer import IO_TIMEOUT_S, DataServer, send_bytes
@@ -105,6 +108,13 @@ def _receiver(job: str, secret: bytes, nbytes: int, pipe: Pipe) -> None:
 
 
 # -- the sending side ---------------------------------------------------------------------
+def checksum_s(manifest: SnapshotManifest, view: memoryview) -> float:
+    """Seconds to checksum the snapshot on one thread (what the overlap hides)."""
+    start = time.perf_counter()
+    checksum_now(manifest.chunks, view)
+    return time.perf_counter() - start
+
+
 def _manifest(step: int, nbytes: int) -> SnapshotManifest:
     size = nbytes // CHUNKS
     chunks = [
@@ -150,15 +160,16 @@ class Sender:
         self._done.clear()
         start = time.perf_counter()
         with self.slot.lock:
-            self.slot.manifest = manifest.with_checksums(self.slot.segment.view)
-        checksummed = time.perf_counter()
-        self.sender.submit(ReplicationJob(0, self.slot, self.slot.manifest, [1]))
+            job = ReplicationJob.start(0, self.slot, manifest, [1])
+        self.sender.submit(job)
         if not self._done.wait(300):
             raise SystemExit("replication did not finish in 300 s")
         end = time.perf_counter()
         if self._error is not None:
             raise SystemExit(f"replication failed: {self._error!r}")
-        return end - start, checksummed - start
+        if self.slot.manifest is None or self.slot.manifest.step != self.step:
+            raise SystemExit("the replicated slot was not marked complete")
+        return end - start, checksum_s(manifest, self.slot.segment.view)
 
     def push_phases(self) -> dict[str, float]:
         """One push, the three steps of ``transfer.push`` timed apart (already checksummed)."""
@@ -181,7 +192,8 @@ class Sender:
                     }
                 )
                 t1 = time.perf_counter()
-                send_bytes(conn, self.slot.segment.view, manifest.used_bytes)
+                crcs = [c.crc for c in manifest.chunks if c.crc is not None]
+                send_bytes(conn, self.slot.segment.view, manifest.used_bytes, crcs=lambda: crcs)
                 t2 = time.perf_counter()
                 reply, _ = conn.recv_message()
                 t3 = time.perf_counter()
@@ -228,7 +240,7 @@ def main() -> None:
             phases.append(sender.push_phases())
             print(
                 f"run {i}: socket {sock[-1]:.2f} GB/s, peerckpt {peer[-1]:.2f} GB/s "
-                f"(checksum {ck * 1e3:.0f} ms; push phases "
+                f"(checksum alone {ck * 1e3:.0f} ms; push phases "
                 f"{ {k: round(v * 1e3) for k, v in phases[-1].items()} } ms)",
                 flush=True,
             )
@@ -246,7 +258,6 @@ def main() -> None:
     ck_s = statistics.median(checksum)
     phase = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
     wire_gbps = nbytes / phase["send_s"] / 1e9
-    serial_s = ck_s + phase["ack_s"]
     result: dict[str, Any] = {
         "bytes": nbytes,
         "chunks": CHUNKS,
@@ -259,33 +270,32 @@ def main() -> None:
         "peerckpt_gbps_runs": peer,
         "profile": {
             "replicate_s": seconds,
-            "sender_checksum_s": ck_s,
+            "checksum_alone_s": ck_s,
             "push_ready_s": phase["ready_s"],
             "push_send_s": phase["send_s"],
             "push_last_frame_to_ack_s": phase["ack_s"],
             "wire_gbps": wire_gbps,
             "wire_ratio_to_socket": wire_gbps / socket_gbps,
-            "not_overlapped_with_the_transfer_s": serial_s,
             "phases_runs": phases,
-            "sender_checksum_s_runs": checksum,
+            "checksum_alone_s_runs": checksum,
         },
         "leftover_segments": left,
     }
     result["targets"] = {"ratio_to_socket": target(ratio, 0.9, "higher")}
     if ratio < 0.9:
         result["targets"]["ratio_to_socket"]["reason"] = (
-            f"of {seconds * 1e3:.0f} ms per {mib} MiB, {ck_s * 1e3:.0f} ms is the sender's "
-            f"crc32c of the whole slot before the first byte is sent and "
-            f"{phase['ack_s'] * 1e3:.0f} ms passes between the last frame and the ack (the "
-            f"receiver drains the socket, then verifies every chunk): "
-            f"{serial_s / seconds:.0%} of the time is checksumming that does not overlap the "
-            f"transfer. The data frames alone ran at {wire_gbps:.2f} GB/s "
-            f"({wire_gbps / socket_gbps:.0%} of the socket)."
+            f"of {seconds * 1e3:.0f} ms per {mib} MiB the data frames take "
+            f"{phase['send_s'] * 1e3:.0f} ms when checksums are not computed beside them "
+            f"({wire_gbps:.2f} GB/s, {wire_gbps / socket_gbps:.0%} of the socket) and the "
+            f"receiver's check of the last chunk {phase['ack_s'] * 1e3:.0f} ms; the rest is "
+            f"the checksums ({ck_s * 1e3:.0f} ms of crc32c on each side) competing for the "
+            "same 2 cores as the two processes' socket copies: they overlap the transfer in "
+            "time but not in CPU."
         )
     path = write_result("replication", result)
     print(
         f"socket {socket_gbps:.2f} GB/s, peerckpt {peer_gbps:.2f} GB/s: {ratio:.2f} of the socket "
-        f"(target ≥ 0.9). Sender checksum {ck_s * 1e3:.0f} ms, data frames "
+        f"(target ≥ 0.9). Checksum of the slot alone {ck_s * 1e3:.0f} ms, data frames "
         f"{phase['send_s'] * 1e3:.0f} ms ({wire_gbps:.2f} GB/s), last frame → ack "
         f"{phase['ack_s'] * 1e3:.0f} ms"
     )

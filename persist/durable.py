@@ -2,7 +2,7 @@
 
 Layout under the root URL (any fsspec URL; a plain path means local files)::
 
-    <root>/step-000000000100/data-n0.bin        the chunks node 0's agent wrote, back to back
+    <root>/step-000000000100/data-n0.bin        the chunks node 0's agent wrote, in order
     <root>/step-000000000100/part-n0.msgpack    that writer's index: which chunk is where
     <root>/step-000000000100/manifest.msgpack   the whole step, merged from the parts
     <root>/step-000000000100/COMMITTED          the commit marker: the manifest's crc32c
@@ -30,9 +30,9 @@ import io
 import mmap
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import crc32c
 import fsspec
@@ -162,20 +162,67 @@ def _is_local(fs: Any) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
+class HeldBytesChanged(CorruptCheckpoint):
+    """A chunk written straight from its buffer did not match its checksum afterwards."""
+
+
+class HeldBytes(Protocol):
+    """Chunks lying in a buffer that stays unchanged only while held: an agent's snapshot
+    slot, which the rank may rewrite once a newer step committed. ``hold`` yields the whole
+    buffer (each record's ``byte_offset`` is its place in it), or raises CheckpointError when
+    the buffer no longer holds what it held when the flush began."""
+
+    def hold(self) -> contextlib.AbstractContextManager[memoryview]: ...
+
+
+Piece = tuple[int, ChunkRecord, "bytes | memoryview | HeldBytes"]
+
+
+def copied(pieces: Iterable[Piece]) -> list[Piece]:
+    """The pieces with every held chunk copied out of its buffer (memory speed), for writes
+    slower than the buffer's reuse: an object store, or a disk slower than the steps."""
+    out: list[Piece] = []
+    for rank, record, data in pieces:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            with data.hold() as view:
+                data = bytes(view[record.byte_offset : record.byte_offset + record.nbytes])
+        out.append((rank, record, data))
+    return out
+
+
+def _verify(rank: int, record: ChunkRecord, data: bytes | memoryview) -> None:
+    if len(data) != record.nbytes or crc32c.crc32c(data) != record.crc:
+        raise CorruptCheckpoint(
+            f"chunk {record.key!r} of rank {rank} fails its checksum in memory; it is not written"
+        )
+
+
 class _DirectFile:
     """A local data file written with O_DIRECT: the bytes go from memory to the disk by DMA,
-    without a copy into the page cache. Measured here, a 512 MiB write took 0.37 s this way
-    against 2.1 s buffered and fsync'd; and a flush thread at the lowest CPU priority barely
-    needs the CPU. Writes are gathered into an aligned buffer and written in whole blocks;
-    the last partial block is written after turning O_DIRECT off."""
+    without a copy into the page cache and with little CPU (the flush thread runs at the
+    lowest priority while the ranks train on every core).
 
-    BLOCK = 8 << 20  # bytes per write; a multiple of every logical block size
+    Large held chunks are written straight from their buffer (a page-aligned shared-memory
+    slot): the file position is padded to a block boundary and the write starts at the block
+    holding the chunk's first byte, so memory and file share the alignment O_DIRECT needs; a
+    few KiB before the chunk and a zero tail pad travel with it. Everything else is gathered
+    in an aligned staging buffer and written in whole blocks. The last partial block is
+    written after turning O_DIRECT off. Measured here (256 MiB, one writer): straight from the
+    slot 2.8 GB/s, copying the chunk out first 0.8 GB/s (faulting in fresh memory), the
+    disk's own O_DIRECT bandwidth 3.4-3.7 GB/s.
+    """
+
+    ALIGN = 4096  # a multiple of every logical block size
+    BLOCK = 8 << 20  # staging buffer: bytes per gathered write
+    PIECE = 16 << 20  # bytes per write straight from a held buffer
+    DIRECT_MIN = 1 << 20  # smaller held chunks are staged, not worth a padded write
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.buf = mmap.mmap(-1, self.BLOCK)  # page-aligned, as O_DIRECT needs
         self.view = memoryview(self.buf)
-        self.used = 0
+        self.used = 0  # staged bytes
+        self.written = 0  # bytes in the file
 
     @classmethod
     def open(cls, path: str) -> _DirectFile | None:
@@ -189,7 +236,12 @@ class _DirectFile:
             return None
         return cls(fd)
 
-    def write(self, data: bytes | memoryview) -> None:
+    def tell(self) -> int:
+        return self.written + self.used
+
+    def write(self, data: bytes | memoryview) -> int:
+        """Append ``data``; return the file offset it starts at."""
+        at = self.tell()
         src = memoryview(data).cast("B")
         while len(src):
             n = min(len(src), self.BLOCK - self.used)
@@ -198,18 +250,50 @@ class _DirectFile:
             src = src[n:]
             if self.used == self.BLOCK:
                 self._drain(self.BLOCK)
+        return at
+
+    def write_held(self, held: HeldBytes, start: int, n: int) -> int:
+        """Append bytes ``start:start+n`` of ``held``'s buffer; return the file offset they
+        start at. Each write holds the buffer only for its own piece."""
+        if n < self.DIRECT_MIN:
+            with held.hold() as view:
+                return self.write(view[start : start + n])
+        self._pad()
+        first = start - start % self.ALIGN
+        at = self.written + (start - first)
+        end = start + n
+        whole = first + (end - first) // self.ALIGN * self.ALIGN
+        for off in range(first, whole, self.PIECE):
+            with held.hold() as view:
+                self._write_all(view[off : min(off + self.PIECE, whole)])
+        with held.hold() as view:
+            self.write(view[whole:end])  # the partial last block
+        return at
+
+    def _pad(self) -> None:
+        """Zero-fill the staged bytes to a block boundary and write them."""
+        if self.used % self.ALIGN:
+            pad = self.ALIGN - self.used % self.ALIGN
+            self.view[self.used : self.used + pad] = bytes(pad)
+            self.used += pad
+        if self.used:
+            self._drain(self.used)
+
+    def _write_all(self, data: memoryview) -> None:
+        done = 0
+        while done < len(data):
+            done += os.write(self.fd, data[done:])
+        self.written += len(data)
 
     def _drain(self, n: int) -> None:
-        """Write the buffer's first ``n`` bytes; what follows moves to its start."""
-        done = 0
-        while done < n:
-            done += os.write(self.fd, self.view[done:n])
+        """Write the staging buffer's first ``n`` bytes; what follows moves to its start."""
+        self._write_all(self.view[:n])
         tail = bytes(self.view[n : self.used])
         self.view[: len(tail)] = tail
         self.used = len(tail)
 
     def flush(self) -> None:
-        whole = self.used - self.used % 4096
+        whole = self.used - self.used % self.ALIGN
         if whole:
             self._drain(whole)
         if self.used:  # the tail is not a whole block: write it without O_DIRECT
@@ -263,10 +347,21 @@ class DurableStore:
 
     # -- writing ----------------------------------------------------------------------------
     def write_part(
-        self, step: int, node: int, pieces: Iterable[tuple[int, ChunkRecord, memoryview | bytes]]
+        self,
+        step: int,
+        node: int,
+        pieces: Iterable[Piece],
+        pace: Callable[[int], None] | None = None,
     ) -> list[StoredChunk]:
-        """Write one writer's chunks: the data file, then its index. Every piece is checked
-        against its recorded checksum first; a corrupt copy is never written."""
+        """Write one writer's chunks: the data file, then its index.
+
+        A chunk is given as bytes, or as ``HeldBytes``: local files are then written straight
+        from the held buffer, other storage gets a copy taken first (writes to it are slower
+        than the buffer's reuse). Every chunk is checked against its recorded checksum:
+        bytes before they are written, a held chunk right after (HeldBytesChanged); the part
+        index, which makes the chunks count, is written only when all of them passed.
+        ``pace(nbytes)`` is called after each chunk (a throttle).
+        """
         self.fs.makedirs(self.step_path(step), exist_ok=True)
         # Rewriting a step (a job restarted from an older one) uncommits it first, so that no
         # reader ever pairs the old manifest with new data.
@@ -274,20 +369,37 @@ class DurableStore:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm_file(self.step_path(step, stale))
         name = f"data-n{node}.bin"
-        stored: list[tuple[int, StoredChunk]] = []
-        offset = 0
         path = self.step_path(step, name)
         direct = _DirectFile.open(path) if _is_local(self.fs) else None
+        if direct is None:
+            pieces = copied(pieces)
+        stored: list[tuple[int, StoredChunk]] = []
+        offset = 0
         with direct if direct is not None else self.fs.open(path, "wb") as f:
             for rank, record, data in pieces:
-                if len(data) != record.nbytes or crc32c.crc32c(data) != record.crc:
-                    raise CorruptCheckpoint(
-                        f"chunk {record.key!r} of rank {rank} fails its checksum in memory; "
-                        "it is not written"
-                    )
-                f.write(data)
-                stored.append((rank, StoredChunk(name, replace(record, byte_offset=offset))))
-                offset += record.nbytes
+                if isinstance(data, (bytes, bytearray, memoryview)):
+                    _verify(rank, record, data)
+                    at = offset if direct is None else direct.write(data)
+                    if direct is None:
+                        f.write(data)
+                        offset += record.nbytes
+                else:
+                    assert direct is not None  # held bytes were copied for other storage
+                    start, end = record.byte_offset, record.byte_offset + record.nbytes
+                    at = direct.write_held(data, start, record.nbytes)
+                    # Checked after the write: the owner of the buffer may rewrite it without
+                    # asking (a rank reuses its slot two commits later). Unchanged bytes now
+                    # mean the bytes written were those (a rewrite never restores old bytes).
+                    with data.hold() as view:
+                        if crc32c.crc32c(view[start:end]) != record.crc:
+                            raise HeldBytesChanged(
+                                f"chunk {record.key!r} of rank {rank} no longer matches its "
+                                "checksum in memory after it was written (rewritten meanwhile, "
+                                "or damaged); this part is not committed"
+                            )
+                stored.append((rank, StoredChunk(name, replace(record, byte_offset=at))))
+                if pace is not None:
+                    pace(record.nbytes)
             _sync(f)  # the data is on disk before the part (and later the marker) says so
         part = {
             "format": FORMAT_VERSION,

@@ -142,6 +142,22 @@ class SnapshotManifest:
         )
         return replace(self, chunks=chunks)
 
+    def with_crcs(self, crcs: list[int]) -> SnapshotManifest:
+        """Return a copy whose chunks carry ``crcs`` (one per chunk, in order)."""
+        if len(crcs) != len(self.chunks):
+            raise ValueError(f"{len(crcs)} checksums for {len(self.chunks)} chunks")
+        return replace(
+            self, chunks=tuple(replace(c, crc=k) for c, k in zip(self.chunks, crcs, strict=True))
+        )
+
+    def mismatched(self, crcs: list[int]) -> list[str]:
+        """Keys of the chunks whose recorded crc32c is not the one in ``crcs``."""
+        if len(crcs) != len(self.chunks):
+            return [c.key for c in self.chunks]
+        return [
+            c.key for c, k in zip(self.chunks, crcs, strict=True) if c.crc is None or c.crc != k
+        ]
+
     def bad_chunks(self, view: memoryview) -> list[str]:
         """Keys of the chunks whose bytes in ``view`` do not match their recorded crc32c."""
         if self.used_bytes > len(view):

@@ -362,13 +362,12 @@ class Agent(RankRecovery):
             return
         manifest = SnapshotManifest.from_msg(msg["body"])
         manifest.validate_bounds(slot.segment.size)
+        buddies = members.placement.get(rank, [])
         with slot.lock:
-            slot.manifest = manifest.with_checksums(slot.segment.view)
+            job = ReplicationJob.start(epoch, slot, manifest, buddies)
         with self._lock:
             if epoch != self.epoch:
-                return  # the epoch ended while we checksummed; its snapshot must not count
-        buddies = members.placement.get(rank, [])
-        job = ReplicationJob(epoch, slot, slot.manifest, buddies)
+                return  # the epoch ended meanwhile; its snapshot must not count
         if not buddies:
             self._replicated(job)
             return
@@ -426,7 +425,7 @@ class Agent(RankRecovery):
         # The tensor layout travels on an epoch's first report and when it changes (the
         # coordinator needs it to plan a resharding); the blob's size, which changes almost
         # every step, travels as a number.
-        manifest = job.manifest
+        manifest = job.checksummed()
         tensors = [c for c in manifest.chunks if c.key != META_KEY]
         signature = tuple((c.key, c.global_shape, c.offsets, c.lengths) for c in tensors)
         key = (job.epoch, job.slot.rank)
@@ -436,9 +435,9 @@ class Agent(RankRecovery):
         report = {
             "epoch": job.epoch,
             "rank": job.slot.rank,
-            "step": job.manifest.step,
+            "step": manifest.step,
             "holders": [self.node, *job.acked],
-            "nbytes": job.manifest.used_bytes,
+            "nbytes": manifest.used_bytes,
             "meta_nbytes": manifest.meta().nbytes,
             "digest": manifest.state_digest(),
         }

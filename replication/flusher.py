@@ -2,15 +2,18 @@
 
 The coordinator sends ``flush`` with the chunks this node writes (each unique chunk of the
 step is written by exactly one node). The writer runs in its own thread at low CPU and I/O
-priority. It first copies its share out of the slots holding it (under each slot's lock,
-checking the slot still holds that step): a slot is reused for a newer snapshot two commits
-later, and storage is much slower than that. Then it writes the chunks, each verified
-against its checksum, to this node's data file, writes its part index, and reports
-``Flushed``. It never changes the slots. ``rate`` (bytes per second) throttles the writes.
+priority. Local files are written straight from the slots holding the step (O_DIRECT, no
+copy), each piece under its slot's lock after checking the slot still holds that step; other
+storage is slower than a slot's reuse (two commits later), so the share is copied out of the
+slots first and written at leisure, and so is every later flush once a slot was reused
+while a local flush read it. Each chunk is verified against its checksum before it is
+written; then the part index, then ``Flushed``. It never changes the slots. ``rate`` (bytes
+per second) throttles the writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -21,10 +24,10 @@ from typing import Any
 import psutil
 
 from peerckpt.errors import CheckpointError
-from peerckpt.persist.durable import DurableStore
-from peerckpt.persist.manifest import ChunkRecord
+from peerckpt.persist.durable import DurableStore, HeldBytesChanged, Piece, copied
+from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.recovery.flush import PersistConfig
-from peerckpt.replication.store import SlotStore
+from peerckpt.replication.store import Slot, SlotStore
 
 log = logging.getLogger("peerckpt.agent")
 
@@ -51,6 +54,9 @@ class Flusher:
         self.node = node
         self._report = report
         self._thread: threading.Thread | None = None
+        # Chunks are written straight from the slots; once a slot was reused mid-flush (a
+        # disk slower than the snapshots), each flush copies its share out first instead.
+        self._copy_first = False
 
     def start(self, event: dict[str, Any]) -> None:
         if self._thread is not None and self._thread.is_alive():
@@ -75,14 +81,23 @@ class Flusher:
         step, start = event["step"], time.monotonic()
         config = PersistConfig.from_msg(event["persist"])
         assert config is not None
-        counted = [0]
+        pace = _Pace(config.rate)
         try:
-            pieces = self._copy_out(event)
-            DurableStore(config.url).write_part(
-                step, self.node, self._throttled(pieces, config.rate, counted)
-            )
+            pieces = self._share(event)
+            if self._copy_first:
+                pieces = copied(pieces)
+            DurableStore(config.url).write_part(step, self.node, pieces, pace)
         except Exception as exc:  # reported: the coordinator decides, training goes on
-            log.warning("flush of step %d on node %d failed: %s", step, self.node, exc)
+            if isinstance(exc, (SlotReused, HeldBytesChanged)) and not self._copy_first:
+                self._copy_first = True
+                log.warning(
+                    "node %d: a slot was rewritten while step %d was written from it (the flush "
+                    "is slower than two snapshots); later flushes copy their share out first",
+                    self.node,
+                    step,
+                )
+            else:
+                log.warning("flush of step %d on node %d failed: %s", step, self.node, exc)
             self._report(
                 "Flushed",
                 step=step,
@@ -93,66 +108,71 @@ class Flusher:
         seconds = time.monotonic() - start
         log.info(
             "wrote %d bytes of step %d in %.2f s (%.0f MB/s)",
-            counted[0],
+            pace.nbytes,
             step,
             seconds,
-            counted[0] / max(seconds, 1e-9) / 1e6,
+            pace.nbytes / max(seconds, 1e-9) / 1e6,
         )
-        self._report("Flushed", step=step, ok=True, nbytes=counted[0], seconds=seconds)
+        self._report("Flushed", step=step, ok=True, nbytes=pace.nbytes, seconds=seconds)
 
-    def _copy_out(self, event: dict[str, Any]) -> list[tuple[int, ChunkRecord, bytes]]:
-        """This node's share of the step, copied out of the slots at memory speed.
-
-        A slot is reused for a newer snapshot two commits after it was committed; storage
-        (an object store above all) is far slower than that, so the bytes are taken first
-        and written at leisure. The copy costs one share of memory while the flush runs.
-        """
+    def _share(self, event: dict[str, Any]) -> list[Piece]:
+        """This node's share of the step: each chunk in the slot that holds it."""
         step, gen = event["step"], event["gen"]
-        out = []
+        out: list[Piece] = []
+        held: dict[int, _HeldSlot] = {}
         for rank, msg in event["chunks"]:
             want = ChunkRecord.from_msg(msg)
-            slot = self.store.find(gen, rank, step)
-            if slot is None:
+            if rank not in held:
+                slot = self.store.find(gen, rank, step)
+                manifest = slot.manifest if slot is not None else None
+                if slot is None or manifest is None or manifest.step != step:
+                    raise CheckpointError(
+                        f"node {self.node} no longer holds rank {rank}'s step {step}: the slot "
+                        "was reused for a newer snapshot before the flush reached it"
+                    )
+                held[rank] = _HeldSlot(slot, manifest, self.node)
+            source = held[rank]
+            record = source.by_place.get((want.key, want.scope, want.offsets, want.lengths))
+            if record is None:
                 raise CheckpointError(
-                    f"node {self.node} no longer holds rank {rank}'s step {step}: the slot was "
-                    "reused for a newer snapshot before the flush reached it"
+                    f"rank {rank}'s snapshot of step {step} has no chunk {want.key!r} at "
+                    f"{want.offsets}"
                 )
-            with slot.lock:
-                manifest = slot.manifest
-                if manifest is None or manifest.step != step:
-                    raise CheckpointError(
-                        f"rank {rank}'s slot on node {self.node} was reused for a newer "
-                        f"snapshot while step {step} was being flushed"
-                    )
-                record = next(
-                    (
-                        c
-                        for c in manifest.chunks
-                        if (c.key, c.scope, c.offsets, c.lengths)
-                        == (want.key, want.scope, want.offsets, want.lengths)
-                    ),
-                    None,
-                )
-                if record is None:
-                    raise CheckpointError(
-                        f"rank {rank}'s snapshot of step {step} has no chunk {want.key!r} at "
-                        f"{want.offsets}"
-                    )
-                data = bytes(
-                    slot.segment.view[record.byte_offset : record.byte_offset + record.nbytes]
-                )
-            out.append((rank, record, data))
+            out.append((rank, record, source))
         return out
 
-    def _throttled(
-        self, pieces: list[tuple[int, ChunkRecord, bytes]], rate: float | None, counted: list[int]
-    ) -> Iterator[tuple[int, ChunkRecord, bytes]]:
-        began = time.monotonic()
-        while pieces:
-            piece = pieces.pop(0)  # let each piece go once written
-            counted[0] += len(piece[2])
-            yield piece
-            if rate:
-                ahead = counted[0] / rate - (time.monotonic() - began)
-                if ahead > 0:
-                    time.sleep(ahead)
+
+class SlotReused(CheckpointError):
+    """A slot was rewritten while the flush was reading it."""
+
+
+class _HeldSlot:
+    """A slot holding the flushed step, held (its lock) only while a piece is read."""
+
+    def __init__(self, slot: Slot, manifest: SnapshotManifest, node: int) -> None:
+        self.slot, self.manifest, self.node = slot, manifest, node
+        self.by_place = {(c.key, c.scope, c.offsets, c.lengths): c for c in manifest.chunks}
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[memoryview]:
+        with self.slot.lock:
+            if self.slot.manifest is not self.manifest:
+                raise SlotReused(
+                    f"rank {self.slot.rank}'s slot on node {self.node} was reused for a newer "
+                    f"snapshot while step {self.manifest.step} was being flushed"
+                )
+            yield self.slot.segment.view
+
+
+class _Pace:
+    """Counts the bytes written and, given a rate (bytes per second), sleeps to keep to it."""
+
+    def __init__(self, rate: float | None) -> None:
+        self.rate, self.nbytes, self.began = rate, 0, time.monotonic()
+
+    def __call__(self, nbytes: int) -> None:
+        self.nbytes += nbytes
+        if self.rate:
+            ahead = self.nbytes / self.rate - (time.monotonic() - self.began)
+            if ahead > 0:
+                time.sleep(ahead)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from peerckpt.chaos.points import chaos_dir, strike_point
 from peerckpt.errors import PeerckptError, PeerUnavailable, StaleEpoch
 from peerckpt.persist.manifest import SnapshotManifest
+from peerckpt.replication.checksums import RunningChecksums
 from peerckpt.replication.store import Slot
 from peerckpt.replication.transfer import IO_TIMEOUT_S, Cancelled, push
 from peerckpt.replication.wire import Connection, connect_tcp
@@ -32,15 +33,56 @@ log = logging.getLogger("peerckpt.replicator")
 
 @dataclass
 class ReplicationJob:
-    """One snapshot to be mirrored to ``buddies``."""
+    """One snapshot to be mirrored to ``buddies``.
+
+    ``checksums``, when set, is computing the chunks' crc32c while the first push runs
+    (``start``); ``manifest`` carries them once ``checksummed`` returned.
+    """
 
     epoch: int
     slot: Slot
     manifest: SnapshotManifest
     buddies: list[int]
+    checksums: RunningChecksums | None = None
     acked: list[int] = field(default_factory=list)
     failed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    _summed: bool = False
+
+    @classmethod
+    def start(
+        cls, epoch: int, slot: Slot, manifest: SnapshotManifest, buddies: list[int]
+    ) -> ReplicationJob:
+        """Begin replicating the bytes the rank just wrote into ``slot``: their checksums start
+        now, on a thread, and the pushes need not wait for them (the ``end`` frame carries
+        them). The caller holds ``slot.lock``; the slot becomes readable (``slot.manifest``)
+        once a push has sent the checksums, or at once here when there is no buddy."""
+        slot.invalidate()  # whatever step it held before, it holds new bytes now
+        if not buddies:
+            slot.manifest = manifest.with_checksums(slot.segment.view)
+            return cls(epoch, slot, slot.manifest, buddies)
+        sums = RunningChecksums(
+            manifest.chunks, slot.segment.view, ready=manifest.used_bytes, name=f"r{slot.rank}"
+        )
+        slot.pending = sums
+        return cls(epoch, slot, manifest, buddies, checksums=sums)
+
+    def checksummed(self) -> SnapshotManifest:
+        """The manifest with every chunk's crc32c (waits for them if they are still running)."""
+        with self.lock:
+            if self.checksums is not None and not self._summed:
+                self.manifest = self.manifest.with_crcs(self.checksums.wait())
+                self._summed = True
+            return self.manifest
+
+    def is_current(self) -> bool:
+        """Whether the slot still holds the bytes this job is about (not rewritten since)."""
+        if self.checksums is not None:
+            return self.slot.pending is self.checksums
+        return self.slot.manifest is self.manifest
+
+    def crcs(self) -> list[int]:
+        return [c.crc for c in self.checksummed().chunks if c.crc is not None]
 
 
 class BuddySender:
@@ -140,7 +182,7 @@ class BuddySender:
         if self._conn is None or self._conn.closed:
             self._conn = connect_tcp(self.address, self._secret, self._job, io_timeout=IO_TIMEOUT_S)
         with job.slot.lock:
-            if job.slot.manifest is not job.manifest:
+            if not job.is_current():
                 raise Cancelled("slot was rewritten before it could be sent")
             push(
                 self._conn,
@@ -152,7 +194,10 @@ class BuddySender:
                 job.slot.segment.view,
                 self.cancel,
                 self._midway(job) if chaos_dir() is not None else None,
+                crcs=job.crcs,
             )
+            if job.slot.manifest is None:
+                job.slot.manifest = job.checksummed()  # the slot's bytes are whole and known
 
     def _midway(self, job: ReplicationJob) -> Callable[[], object]:
         where = {"rank": job.slot.rank, "node": self._local_node, "step": job.manifest.step}

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from peerckpt.persist.manifest import SnapshotManifest
 from peerckpt.replication.arena import Arena, Segment
+from peerckpt.replication.checksums import RunningChecksums
 
 
 @dataclass
@@ -34,6 +35,9 @@ class Slot:
     gen: int = 0
     manifest: SnapshotManifest | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # The checksums of the bytes just written, still being computed while they are pushed
+    # (``replicator.ReplicationJob.start``); ``manifest`` is set once a push sent them.
+    pending: RunningChecksums | None = None
 
     @property
     def step(self) -> int | None:
@@ -42,6 +46,9 @@ class Slot:
     def invalidate(self) -> None:
         """Forget what the slot held (its bytes are about to change)."""
         self.manifest = None
+        if self.pending is not None:
+            self.pending.cancel()  # stop reading the old bytes before they change
+            self.pending = None
 
 
 class SlotStore:
@@ -117,8 +124,13 @@ class SlotStore:
                 slot.rank, index, "own", slot.segment, gen=slot.gen, manifest=slot.manifest
             )
             self._slots[("own", slot.gen, slot.rank, index)] = adopted
+        # Whoever still holds the replaced objects (a flush reading them) must see that they
+        # are gone: the adopted bytes belong to the new slot and its lock from now on.
+        with slot.lock:
+            slot.manifest = None
         if old is not None:
             with old.lock:
+                old.invalidate()
                 self.arena.release(old.segment)
         return adopted
 

@@ -5,19 +5,22 @@ Protocol on an authenticated connection (see ``wire``):
 * push — replicate a snapshot to a buddy::
 
       → {type: push, epoch, gen, rank, committed, manifest}   ← {type: ready} | error
-      → {type: data, off} + bytes … → {type: end}    ← {type: ack} | error(checksum)
+      → {type: data, off} + bytes … → {type: end, crcs}    ← {type: ack} | error(checksum)
 
   The buddy picks which of the rank's two replica slots to overwrite (never the one holding
   the committed step: the newer of its own and the sender's ``committed``), allocates it from
   the manifest's size before answering ``ready``, receives every data frame straight into the
   slot after checking it fits, and acknowledges only once every chunk's crc32c matches and
-  the push's epoch is still current.
+  the push's epoch is still current. The sender checksums the chunks while their bytes
+  travel, so their crc32c come last, in ``end``; the buddy checksums each chunk as its last
+  byte arrives (``checksums.RunningChecksums``) and compares.
 
 * fetch — pull a snapshot during a recovery::
 
       → {type: fetch, epoch, gen, rank, step}   ← {type: manifest, manifest} + data frames + end
 
-  The puller verifies every checksum and refuses the copy (ChecksumMismatch) otherwise.
+  The puller verifies every checksum (each chunk as soon as it has arrived) and refuses the
+  copy (ChecksumMismatch) otherwise.
 
 * fetch_boxes — pull pieces of chunks when resharding into a new layout::
 
@@ -27,7 +30,8 @@ Protocol on an authenticated connection (see ``wire``):
   The server verifies each source chunk's checksum before cutting pieces out of it; every
   piece travels with its own crc32c, checked by the receiver.
 
-Every request names the layout generation (``gen``) of the snapshot it is about.
+Every request names the layout generation (``gen``) of the snapshot it is about. Data frames
+travel front to back, without gaps or overlaps; a receiver refuses any other order.
 
 Bytes of a slot are read or written only while its lock is held. Once a request has
 started, every socket operation has a timeout (``IO_TIMEOUT_S``), so a hung peer cannot hold
@@ -50,6 +54,7 @@ from peerckpt.errors import (
     ProtocolError,
 )
 from peerckpt.persist.manifest import SnapshotManifest
+from peerckpt.replication.checksums import RunningChecksums
 from peerckpt.replication.reshard import serve_boxes
 from peerckpt.replication.store import SlotStore
 from peerckpt.replication.wire import Connection, raise_if_error, server_handshake
@@ -69,8 +74,13 @@ def send_bytes(
     used: int,
     cancel: threading.Event | None = None,
     midway: Callable[[], object] | None = None,
+    crcs: Callable[[], list[int]] | None = None,
 ) -> None:
-    """Send ``view[:used]`` as data frames, then ``end``; ``midway`` runs after the first."""
+    """Send ``view[:used]`` as data frames, front to back, then ``end``.
+
+    ``midway`` runs after the first frame; ``crcs``, called once the last frame is out, gives
+    the checksums the ``end`` frame carries (they were computed while the frames travelled).
+    """
     for off in range(0, used, PIECE_BYTES):
         if cancel is not None and cancel.is_set():
             conn.close()
@@ -78,23 +88,41 @@ def send_bytes(
         conn.send({"type": "data", "off": off}, view[off : min(off + PIECE_BYTES, used)])
         if off == 0 and midway is not None:
             midway()
-    conn.send({"type": "end"})
+    conn.send({"type": "end"} if crcs is None else {"type": "end", "crcs": crcs()})
 
 
-def recv_bytes(conn: Connection, view: memoryview, used: int) -> None:
-    """Receive data frames into ``view[:used]`` until ``end``; each is size-checked first."""
+def recv_bytes(
+    conn: Connection,
+    view: memoryview,
+    used: int,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Receive data frames into ``view[:used]`` until ``end``; return the ``end`` header.
+
+    Frames must come front to back with no gap and no overlap (every sender sends them so),
+    which lets ``progress(n)`` tell a checksummer that the first ``n`` bytes are final. Each
+    frame is size-checked before a byte of it is read.
+    """
+    got = 0
     while True:
         header = conn.recv_header()
         if header["type"] == "end":
-            return
+            if got != used:
+                raise ProtocolError(f"{conn.peer} ended a transfer after {got} of {used} bytes")
+            return header
         raise_if_error(header, conn.peer)
         if header["type"] != "data" or not isinstance(header.get("off"), int):
             raise ProtocolError(f"{conn.peer} sent {header['type']!r} inside a snapshot transfer")
-        off = header["off"]
-        if not 0 <= off <= used:
-            conn.send_error("frame_too_large", f"offset {off} is outside the {used}-byte snapshot")
-            raise ProtocolError(f"{conn.peer} sent a data frame at offset {off} of {used}")
-        conn.recv_payload_into(header, view[off:used])
+        if header["off"] != got:
+            conn.send_error("protocol", f"data frame at offset {header['off']}, expected {got}")
+            raise ProtocolError(
+                f"{conn.peer} sent a data frame at offset {header['off']} of {used}; the next "
+                f"one must start at {got}"
+            )
+        conn.recv_payload_into(header, view[got:used])
+        got += header["len"]
+        if progress is not None:
+            progress(got)
 
 
 def push(
@@ -107,10 +135,13 @@ def push(
     view: memoryview,
     cancel: threading.Event | None = None,
     midway: Callable[[], object] | None = None,
+    crcs: Callable[[], list[int]] | None = None,
 ) -> None:
-    """Replicate a checksummed snapshot to the buddy at the other end of ``conn``.
+    """Replicate a snapshot to the buddy at the other end of ``conn``.
 
     ``committed`` is the last step the sender knows committed; the buddy keeps its copy.
+    ``crcs`` gives the chunks' checksums once the bytes are sent (default: the manifest's
+    own); the buddy computes its own while they arrive and acknowledges only if they match.
     ``midway`` runs once the first data frame is sent (the chaos harness strikes there).
     """
     conn.request(
@@ -123,11 +154,28 @@ def push(
             "manifest": manifest.to_msg(),
         }
     )
-    send_bytes(conn, view, manifest.used_bytes, cancel, midway)
+    if crcs is None:
+        if any(c.crc is None for c in manifest.chunks):
+            raise ValueError("push of a manifest without checksums and no way to get them")
+        crcs = lambda: [c.crc for c in manifest.chunks if c.crc is not None]  # noqa: E731
+    send_bytes(conn, view, manifest.used_bytes, cancel, midway, crcs)
     reply, _ = conn.recv_message()
     raise_if_error(reply, conn.peer)
     if reply.get("type") != "ack":
         raise ProtocolError(f"{conn.peer} answered a push with {reply.get('type')!r}")
+
+
+def _receive_verified(
+    conn: Connection, manifest: SnapshotManifest, view: memoryview, name: str
+) -> tuple[dict[str, Any], list[int]]:
+    """Receive a snapshot's bytes into ``view`` while a thread checksums each finished chunk;
+    return the ``end`` header and the checksums of what arrived."""
+    sums = RunningChecksums(manifest.chunks, view, name=name)
+    try:
+        end = recv_bytes(conn, view, manifest.used_bytes, sums.advance)
+        return end, sums.wait()
+    finally:
+        sums.cancel()
 
 
 def fetch(
@@ -149,8 +197,8 @@ def fetch(
         )
     view = allocate(manifest)
     manifest.validate_bounds(len(view))
-    recv_bytes(conn, view, manifest.used_bytes)
-    bad = manifest.bad_chunks(view)
+    _, computed = _receive_verified(conn, manifest, view, f"fetch{rank}")
+    bad = manifest.mismatched(computed)
     if bad:
         raise ChecksumMismatch(
             f"the copy of rank {rank} step {step} held by {conn.peer} fails verification (its "
@@ -264,11 +312,16 @@ class DataServer:
             slot.invalidate()
             manifest.validate_bounds(slot.segment.size)
             conn.send({"type": "ready"})
-            recv_bytes(conn, slot.segment.view, manifest.used_bytes)
+            end, computed = _receive_verified(conn, manifest, slot.segment.view, f"push{rank}")
             if epoch < self._current_epoch():
                 conn.send_error("stale_epoch", f"epoch {epoch} ended during the push")
                 return
-            bad = manifest.bad_chunks(slot.segment.view)
+            sent = end.get("crcs")
+            if not isinstance(sent, list) or len(sent) != len(manifest.chunks):
+                conn.send_error("protocol", "the push ended without a checksum per chunk")
+                raise ProtocolError(f"{conn.peer} ended a push without a checksum per chunk")
+            manifest = manifest.with_crcs(sent)
+            bad = manifest.mismatched(computed)
             if bad:
                 log.error(
                     "replica of rank %d step %d from %s fails its checksum in %s; discarded",

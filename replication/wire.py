@@ -37,7 +37,7 @@ from peerckpt.errors import (
 )
 
 MAGIC = b"PCK1"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: a push's checksums travel in its end frame
 _PREFIX = struct.Struct("!4sI")
 MAX_HEADER_BYTES = 1 << 20
 # Control messages (everything that is not bulk slot bytes) are bounded too.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import random
 import secrets
 from collections.abc import Iterator
@@ -12,7 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peerckpt.errors import CheckpointError, CorruptCheckpoint, NoCheckpoint
-from peerckpt.persist.durable import DurableStore, assign_writers, unique_key
+from peerckpt.persist.durable import (
+    DurableStore,
+    HeldBytesChanged,
+    assign_writers,
+    step_dir_name,
+    unique_key,
+)
 from peerckpt.persist.manifest import META_KEY, ChunkRecord
 
 
@@ -235,3 +243,70 @@ def test_direct_writes_of_odd_sizes_read_back_exactly(tmp_path) -> None:
             f.write(piece)
         _sync(f)
     assert (tmp_path / "data.bin").read_bytes() == b"".join(pieces)
+
+
+class _Slot:
+    """A page-aligned buffer of chunks, as an agent's slot is; ``rewrite_on`` rewrites it
+    (as a rank reusing its slot does, without asking) when it is held that many times."""
+
+    def __init__(self, sizes: list[int], rewrite_on: int | None = None) -> None:
+        rng = random.Random(len(sizes))
+        self.records, offset = [], 0
+        for i, n in enumerate(sizes):
+            offset = (offset + 63) // 64 * 64
+            self.records.append((i, offset, n))
+            offset += n
+        self.buf = mmap.mmap(-1, offset + 64)
+        self.view = memoryview(self.buf)
+        self.view[:offset] = rng.randbytes(offset)
+        self.records = [
+            ChunkRecord(
+                f"t{i}", "uint8", (n,), (0,), (n,), at, n, crc32c.crc32c(self.view[at : at + n])
+            )
+            for i, at, n in self.records
+        ]
+        self.original = bytes(self.view)
+        self.holds, self.rewrite_on = 0, rewrite_on
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[memoryview]:
+        self.holds += 1
+        if self.holds == self.rewrite_on:
+            self.view[:] = bytes(len(self.view))
+        yield self.view
+
+    def close(self) -> None:
+        self.view.release()
+        self.buf.close()
+
+
+SIZES = [100, (3 << 20) + 5, 4096, (1 << 20) - 1, (5 << 20) + 4097, 7]
+
+
+def test_held_chunks_are_written_from_their_buffer_and_read_back_exactly(store) -> None:
+    slot = _Slot(SIZES)
+    try:
+        layouts = {0: slot.records}
+        store.write_part(3, 0, [(0, r, slot) for r in slot.records])
+        store.commit(3, epoch=1, layouts=layouts)
+        ckpt = store.open(3)
+        assert ckpt.verify() == []
+        for stored, record in zip(ckpt.chunks(0), slot.records, strict=True):
+            start = record.byte_offset
+            assert ckpt.read(stored) == slot.original[start : start + record.nbytes]
+    finally:
+        slot.close()
+
+
+def test_a_held_chunk_rewritten_while_it_is_written_is_never_committed(tmp_path) -> None:
+    store = DurableStore(f"file://{tmp_path}/ckpt")
+    slot = _Slot(SIZES, rewrite_on=4)  # during the second chunk's write
+    try:
+        with pytest.raises(HeldBytesChanged, match="'t1' of rank 0 no longer matches"):
+            store.write_part(3, 0, [(0, r, slot) for r in slot.records])
+        assert not (tmp_path / "ckpt" / step_dir_name(3) / "part-n0.msgpack").exists()
+        with pytest.raises(CheckpointError):
+            store.commit(3, epoch=1, layouts={0: slot.records})
+        assert store.committed_steps() == []
+    finally:
+        slot.close()

@@ -76,11 +76,13 @@ def _tcp_pair() -> tuple[Connection, Connection, socket.socket]:
 @pytest.fixture
 def net_faults(tmp_path, monkeypatch):
     monkeypatch.setenv(points.ENV, str(tmp_path))
+    # Recorded first, so that the teardown puts back None, not the faults installed here
+    # (every later test's connections would be paced by them).
+    monkeypatch.setattr(points, "FAULTS", None)
     faults = points.install_net_faults(node=4)
     assert faults is not None
     yield faults, tmp_path / "net-4.json"
     faults.stop()
-    monkeypatch.setattr(points, "FAULTS", None)
 
 
 def _write(path, fault: dict) -> None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+from dataclasses import replace
+
 import pytest
 
-from peerckpt.errors import ChecksumMismatch, RecoveryFailed, StaleEpoch
+from peerckpt.errors import ChecksumMismatch, ProtocolError, RecoveryFailed, StaleEpoch
+from peerckpt.replication.replicator import BuddySender, ReplicationJob
 from peerckpt.replication.restore import obtain_committed
-from peerckpt.replication.transfer import fetch, push
-from peerckpt.replication.wire import connect_tcp
+from peerckpt.replication.transfer import Cancelled, fetch, push, send_bytes
+from peerckpt.replication.wire import connect_tcp, raise_if_error
 
 from .conftest import write_snapshot
 
@@ -159,3 +163,98 @@ def test_pulling_the_same_step_twice_reuses_its_slot(peers, job) -> None:
     assert second.slot.index == first.slot.index
     other = peers[2].store.get("own", 0, 1, 1 - first.slot.index)
     assert other is None or other.step != 7
+
+
+def _start_push(peers, job, slot):
+    conn = _connect(peers, job)(1)
+    conn.request(
+        {
+            "type": "push",
+            "epoch": 0,
+            "gen": 0,
+            "rank": slot.rank,
+            "committed": None,
+            "manifest": slot.manifest.to_msg(),
+        }
+    )
+    return conn
+
+
+def test_data_frames_out_of_order_are_refused(peers, job) -> None:
+    slot = write_snapshot(peers[0].store, rank=4, step=3)
+    conn = _start_push(peers, job, slot)
+    view = slot.segment.view
+    conn.send({"type": "data", "off": 4096}, view[4096:8192])  # a gap before it
+    with pytest.raises(ProtocolError, match="expected 0"):
+        raise_if_error(conn.recv_message()[0], conn.peer)
+    conn.close()
+    assert peers[1].store.find(0, 4, 3) is None
+
+
+def test_a_push_ending_without_its_checksums_is_refused(peers, job) -> None:
+    slot = write_snapshot(peers[0].store, rank=4, step=3)
+    conn = _start_push(peers, job, slot)
+    send_bytes(conn, slot.segment.view, slot.manifest.used_bytes)  # an end frame without crcs
+    with pytest.raises(ProtocolError, match="without a checksum per chunk"):
+        raise_if_error(conn.recv_message()[0], conn.peer)
+    conn.close()
+    assert peers[1].store.find(0, 4, 3) is None
+
+
+def test_checksums_computed_during_the_push_make_the_slot_readable(peers, job) -> None:
+    """The agent's path: checksums start with the push; both ends agree, the slot is whole."""
+    done: list[BaseException | None] = []
+    finished = threading.Event()
+    slot = write_snapshot(peers[0].store, rank=6, step=8)
+    manifest = replace(
+        slot.manifest, chunks=tuple(replace(c, crc=None) for c in slot.manifest.chunks)
+    )
+    expected = slot.manifest
+    name, secret = job
+    sender = BuddySender(
+        1,
+        peers[1].server.address,
+        secret,
+        name,
+        lambda: 0,
+        lambda: None,
+        lambda _job, _node, error: (done.append(error), finished.set()),
+    )
+    try:
+        with slot.lock:
+            slot.invalidate()
+            replication = ReplicationJob.start(0, slot, manifest, [1])
+            assert slot.manifest is None  # not readable until its checksums are known
+        sender.submit(replication)
+        assert finished.wait(30) and done == [None]
+    finally:
+        sender.stop()
+    assert slot.manifest == expected and replication.checksummed() == expected
+    replica = peers[1].store.find(0, 6, 8)
+    assert replica is not None and replica.manifest == expected
+
+
+def test_a_slot_rewritten_before_its_push_is_not_sent(peers, job) -> None:
+    done: list[BaseException | None] = []
+    finished = threading.Event()
+    slot = write_snapshot(peers[0].store, rank=6, step=8)
+    name, secret = job
+    with slot.lock:
+        replication = ReplicationJob.start(0, slot, slot.manifest, [1])
+        slot.invalidate()  # the rank writes its slot again (checksums cancelled)
+    sender = BuddySender(
+        1,
+        peers[1].server.address,
+        secret,
+        name,
+        lambda: 0,
+        lambda: None,
+        lambda _job, _node, error: (done.append(error), finished.set()),
+    )
+    try:
+        sender.submit(replication)
+        assert finished.wait(30)
+    finally:
+        sender.stop()
+    assert isinstance(done[0], Cancelled)
+    assert peers[1].store.find(0, 6, 8) is None
