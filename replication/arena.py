@@ -23,7 +23,8 @@ import psutil
 from peerckpt.errors import InsufficientMemory
 
 SHM_DIR = "/dev/shm"
-_TOUCH_BLOCK = 64 << 20
+_TOUCH_BLOCK = 1 << 20
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 log = logging.getLogger("peerckpt.arena")
 
 
@@ -115,7 +116,10 @@ class Arena:
                     f"{what}: {SHM_DIR} could not hold {human(size)} more ({exc.strerror}); "
                     f"free memory there or enlarge it (mount -o remount,size=… {SHM_DIR})"
                 ) from None
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE maps every page now, without the zero-filled buffer a touch
+            # from Python needs (64 MiB of transient private memory in each agent).
+            flags = mmap.MAP_SHARED | (_POPULATE if touch else 0)
+            mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.unlink(path)
             raise
@@ -125,7 +129,7 @@ class Arena:
         with self._lock:
             self._segments[name] = segment
         try:
-            if touch:
+            if touch and not _POPULATE:
                 _touch(segment.view)
         except BaseException:
             self.release(segment)
@@ -167,7 +171,7 @@ def map_segment(path: str) -> mmap.mmap:
     fd = os.open(path, os.O_RDWR)
     try:
         size = os.fstat(fd).st_size
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        flags = mmap.MAP_SHARED | _POPULATE
         return mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
