@@ -3,39 +3,32 @@
     python bench/planner.py [--ranks 10000] [--tensors 1000] [--runs 5] [--quick]
                             [--cases shrink,replace] [--shared-objects]
 
-Only the planner runs (``recovery/planner.py``, ``plan_reads``); its inputs are built the way
-the coordinator builds them from decoded messages: one chunk object per rank and tensor whose
-key, dtype, shape and box tuples are objects of their own (``--shared-objects`` reuses one
-object per value: faster, but the planner's comparisons then stop at identity). Every tensor
+The coordinator's planning runs (``recovery/elastic.py``): the planner
+(``recovery/planner.py``, ``plan``) on both sides as tables (``recovery/columns.py``: per
+tensor, every rank's box as arrays), then every rank's reads as one compact message
+(``recovery/readmsg.py``, ``encode``). The inputs are first built the way decoded messages
+give them: one chunk object per rank and tensor whose key, dtype, shape and box tuples are
+objects of their own (``--shared-objects`` reuses one object per value), and read into
+tables (timed on its own: ``tables_s``; from decoded chunk records, as the coordinator reads
+them, on every 10th rank: ``tables_from_records_s``, scaled to all ranks). Every tensor
 is bfloat16 and sharded ``Shard(0)`` over every rank as FSDP2 does (``torch.chunk``:
 ceil(rows / world) rows per rank, trailing ranks empty); 8 ranks per node, every snapshot also
 on the next node; every rank also holds one private chunk (its metadata blob,
 ``<key>@<rank>``), as real snapshots do. Cases, each timed as the median of ``--runs`` plans
 (wall clock, and the process's CPU time, which other load disturbs less):
 
-* **shrink** (the worst case): a node (8 ranks) is lost and no spare is left, 10,000 → 9,992
-  ranks, survivors renumbered; 1,000 tensors of k · 10,000 rows (k = 1…4, 1,024 columns), so
-  the shrunk world takes k + 1 rows where it had k: every boundary moves, each wanted box
-  straddles two held boxes of ranks on other nodes, and every piece is a network read
-  balanced over the two copies (as when flat shards are re-cut).
-* **replace**: one rank dies and a spare on a new node takes its number, in a Llama-70B-like
-  table (hidden 8192, 111 layers of 9 tensors, embeddings, output): the same layout; the spare
-  reads its whole shard over the network, everyone else their own snapshot.
-* **shrink_fsdp2** (not run by default, to keep the run near 3 minutes): the same shrink of
-  the Llama-70B-like table. Ceil-sized chunks stay where they were (at 10,000 → 9,992 all do)
-  and every new rank finds them on its own node (its own or its buddy's copy).
-
 Two floors are measured in the same run: one Python loop touching every input chunk's box,
-and reading every chunk's (key, dtype, shape) and box with ``map`` (C), one list at a time,
-which is the least a plan that checks every chunk can do in CPython. The plan makes its reads
-on demand; those of every 10th rank are made (timed) and checked to be exactly the bytes the
-rank wants.
+and reading every chunk's (key, dtype, shape) and box with ``map`` (C), one list at a time:
+what any plan that takes its input as chunk objects must pay, and the tables avoid. The plan
+makes its reads on demand; those of every 10th rank are made (timed) and checked to be
+exactly the bytes the rank wants, and their messages decoded as a node's agent does.
 
-Results: ``bench/results/planner.json``: ``plan_s`` (the slowest case's median), per case the
-runs, CPU time, floors, ``plan_vs_floor``, ``plan_vs_read_floor``, reads, the sample's network
-reads and the load average around it, and whether the target (``plan_s < 2``) is met.
-``--quick`` (1,000 ranks × 100 tensors, 3 runs) writes ``planner-quick.json`` instead, which
-is not a figure.
+Results: ``bench/results/planner.json``: ``plan_s`` (the slowest case's median plan) and
+``plan_and_messages_s`` (with ``encode``), per case the runs, CPU time, floors, the input
+tables' cost, reads, the sample's network reads, how evenly peers serve the network bytes
+(``peer_bytes_max_over_mean``) and the load average around it, and whether the target
+(``plan_s < 2``) is met. ``--quick`` (1,000 ranks × 100 tensors, 3 runs) writes
+``planner-quick.json`` instead, which is not a figure.
 """
 
 from __future__ import annotations
@@ -53,11 +46,17 @@ from operator import attrgetter, itemgetter, ne
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import background_load, median_of, write_result
 
+from peerckpt.persist.manifest import ChunkRecord
 from peerckpt.recovery.chunks import Box
-from peerckpt.recovery.planner import HeldChunk, WantedChunk, itemsize, plan_reads
+from peerckpt.recovery.columnar import NETWORK
+from peerckpt.recovery.columns import ChunkLists, from_chunks, from_records
+from peerckpt.recovery.planner import HeldChunk, ReadPlan, WantedChunk, itemsize, plan
+from peerckpt.recovery.readmsg import decode, encode
 
 TARGET_S = 2.0
 PER_NODE = 8
@@ -266,72 +265,175 @@ def read_floor_s(case: dict[str, Any]) -> float:
     return time.perf_counter() - start
 
 
+def tables_from_records_s(case: dict[str, Any], step: int = 10) -> float:
+    """Read every ``step``-th rank's chunks, as decoded chunk records (the coordinator's
+    messages: lists whose strings and lists are objects of their own), into tables; the
+    time scaled to every rank."""
+    seconds = 0.0
+    for side, cls, rename in (
+        (case["held"], HeldChunk, True),
+        (case["wanted"], WantedChunk, False),
+    ):
+        ranks = sorted(side)[::step]
+        records = {
+            r: [
+                [
+                    c.key.split("@")[0],
+                    c.dtype,
+                    list(c.global_shape),
+                    list(c.box.offsets),
+                    list(c.box.lengths),
+                    0,
+                    0,
+                    None,
+                    "rank" if "@" in c.key else "global",
+                ]
+                for c in side[r]
+            ]
+            for r in ranks
+        }
+        start = time.perf_counter()
+        from_records(records, cls, rename)
+        seconds += (time.perf_counter() - start) * len(side) / len(ranks)
+        del records
+    return seconds
+
+
+def peer_bytes(made: ReadPlan, new_nodes: dict[int, int]) -> dict[int, int]:
+    """Bytes each node sends over the network in the plan, from its arrays."""
+    sent: dict[int, int] = {}
+    rows, table = made.rows, made.table
+    if rows is not None and table is not None:
+        fast = rows.group_of_column >= 0
+        per_group = np.bincount(
+            rows.group_of_column[fast], weights=rows.sizes[fast], minlength=len(rows.groups)
+        )
+        readers = np.asarray([new_nodes[r] for r in table.ranks])
+        for g, group in enumerate(rows.groups):
+            row = np.repeat(np.arange(len(group.ptr) - 1), np.diff(group.ptr))
+            remote = group.node != readers[row]
+            nbytes = np.bincount(group.node[remote] + 1, weights=group.elements[remote])
+            for node, n in enumerate(nbytes.tolist()):
+                if n:
+                    sent[node - 1] = sent.get(node - 1, 0) + int(n * per_group[g])
+    for place, reads in enumerate(made.rest):
+        node = new_nodes[made.order[place]]
+        for read in reads:
+            if read.source_node != node:
+                sent[read.source_node] = sent.get(read.source_node, 0) + read.nbytes
+    return sent
+
+
 def run_case(name: str, case: dict[str, Any], runs: int) -> dict[str, Any]:
     gc.collect()
     gc.freeze()  # the inputs are never garbage: keep the collector off them between runs
-    args = (case["held"], case["holders"], case["wanted"], case["new_nodes"], case["previous"])
     load_before = os.getloadavg()[0]
+    start = time.perf_counter()
+    held: ChunkLists = from_chunks(case["held"])
+    wanted: ChunkLists = from_chunks(case["wanted"])
+    tables_s = time.perf_counter() - start
+    records_s = tables_from_records_s(case)
+    gc.collect()
+    gc.freeze()
+    args = (held, case["holders"], wanted, case["new_nodes"], case["previous"])
     cpu: list[float] = []
+    encode_runs: list[float] = []
 
     def once() -> float:
         start, start_cpu = time.perf_counter(), time.process_time()
-        plan = plan_reads(*args)
+        made = plan(*args)
         seconds = time.perf_counter() - start
         cpu.append(time.process_time() - start_cpu)
-        del plan
+        start = time.perf_counter()
+        messages = encode(made)
+        encode_runs.append(time.perf_counter() - start)
+        del made, messages
         gc.collect()
         return seconds
 
     plan_s, values = median_of(runs, once)
+    encode_s = statistics.median(encode_runs)
     floor, _ = median_of(3, lambda: floor_s(case))
     read_floor = read_floor_s(case)  # one run: a floor, for scale
-    # The plan makes its reads on demand. Make those of every 10th rank, as the coordinator
-    # would, and check that each of them gets exactly the bytes it wants.
-    plan = plan_reads(*args)
-    reads = sum(map(len, plan.values()))
-    sample = sorted(plan)[::10]
+    made = plan(*args)
+    # The plan makes its reads on demand. Make those of every 10th rank, as an agent would,
+    # and check that each of them gets exactly the bytes it wants.
+    reads = sum(map(len, made.by_rank().values()))
+    sample = sorted(made.order)[::10]
     start = time.perf_counter()
-    made = {new: list(plan[new]) for new in sample}
+    sampled_reads = {new: list(made.reads(new)) for new in sample}
     make_s = time.perf_counter() - start
     network_reads = network_bytes = 0
-    for new, rank_reads in made.items():
+    for new, rank_reads in sampled_reads.items():
         node = case["new_nodes"][new]
         remote = list(map(ne, map(itemgetter(0), rank_reads), repeat(node)))
         network_reads += sum(remote)
         network_bytes += sum(compress(map(itemgetter(6), rank_reads), remote))
         got = sum(map(itemgetter(6), rank_reads))
         want = sum(c.box.numel() * itemsize(c.dtype) for c in case["wanted"][new])
-        if got != want:
+        if got != want or any(read.source_node == NETWORK for read in rank_reads):
             raise SystemExit(f"{name}: new rank {new} gets {got} bytes, wants {want}")
-    sampled = sum(map(len, made.values()))
-    del plan, made
+    # What a node's agent does with its ranks' messages: decode them into reads.
+    messages = encode(made)
+    decode_s = 0.0
+    for new in sample:
+        records = [
+            ChunkRecord(c.key, c.dtype, c.global_shape, c.box.offsets, c.box.lengths, 0, 0)
+            for c in case["wanted"][new]
+        ]
+        start = time.perf_counter()
+        decoded = decode(messages[new], records)
+        decode_s += time.perf_counter() - start
+        if (
+            len(decoded) != len(sampled_reads[new])
+            or decoded[-1]["nbytes"] != sampled_reads[new][-1].nbytes
+        ):
+            raise SystemExit(f"{name}: new rank {new}'s message does not decode to its reads")
+    message_bytes = sum(
+        len(v) for m in messages.values() for v in m.values() if isinstance(v, bytes)
+    )
+    sent = peer_bytes(made, case["new_nodes"])
+    peers = [n for n in sent.values() if n]
+    sampled = sum(map(len, sampled_reads.values()))
+    del made, sampled_reads, messages
     gc.unfreeze()
-    wanted = sum(map(len, case["wanted"].values()))
+    wanted_chunks = sum(map(len, case["wanted"].values()))
+    balance = max(peers) / statistics.mean(peers) if peers else 1.0
     print(
         f"{name:13} plan {plan_s:6.3f} s (runs {', '.join(f'{v:.3f}' for v in values)}; CPU "
-        f"{statistics.median(cpu):.3f} s); floors {floor:.3f} s (loop), {read_floor:.3f} s "
-        f"(reading every chunk in C); {reads:,} reads for {wanted:,} wanted chunks; every "
-        f"10th rank's: {network_reads:,} of {sampled:,} over the network, made in "
-        f"{make_s:.2f} s",
+        f"{statistics.median(cpu):.3f} s), messages {encode_s:.3f} s; tables from chunk objects "
+        f"{tables_s:.2f} s (from decoded records ~{records_s:.2f} s); floors {floor:.3f} s "
+        f"(loop), {read_floor:.3f} s (reading every chunk in C); {reads:,} reads for "
+        f"{wanted_chunks:,} wanted chunks; every 10th rank's: {network_reads:,} of {sampled:,} "
+        f"over the network, made in {make_s:.2f} s, messages decoded in {decode_s:.2f} s; "
+        f"peers' bytes max/mean {balance:.3f} over {len(peers)} peers",
         flush=True,
     )
     return {
         "plan_s": plan_s,
         "plan_runs_s": values,
         "plan_cpu_s": statistics.median(cpu),
+        "messages_s": encode_s,
+        "plan_and_messages_s": plan_s + encode_s,
+        "message_bytes": message_bytes,
+        "tables_from_chunk_objects_s": tables_s,
+        "tables_from_records_s": records_s,
         "floor_s": floor,
         "plan_vs_floor": plan_s / floor,
         "read_floor_s": read_floor,
         "plan_vs_read_floor": plan_s / read_floor,
         "load_average": [load_before, os.getloadavg()[0]],
         "held_chunks": sum(map(len, case["held"].values())),
-        "wanted_chunks": wanted,
+        "wanted_chunks": wanted_chunks,
         "reads": reads,
         "sample_ranks": len(sample),
         "sample_reads": sampled,
         "sample_network_reads": network_reads,
         "sample_network_bytes": network_bytes,
         "sample_make_reads_s": make_s,
+        "sample_decode_messages_s": decode_s,
+        "peers": len(peers),
+        "peer_bytes_max_over_mean": balance,
     }
 
 
@@ -381,20 +483,26 @@ def main() -> None:
         if args.shared_objects
         else "as decoded: every chunk's key, dtype, shape and box tuples objects of its own",
         "plan_s": plan_s,
+        "plan_and_messages_s": max(c["plan_and_messages_s"] for c in cases.values()),
         "worst_case": worst,
         "target_s": TARGET_S,
         "target_met": plan_s < TARGET_S,
         "plan_vs_floor": cases[worst]["plan_vs_floor"],
         "plan_vs_read_floor": cases[worst]["plan_vs_read_floor"],
+        "not_in_plan_s": "reading chunk objects or decoded per-chunk records into tables "
+        "(tables_from_chunk_objects_s, tables_from_records_s): per chunk, as slow as the "
+        "read floor; see “Planning at scale” in docs/performance.md",
         "cases": cases,
     }
     if plan_s >= TARGET_S:
         result["target_reason"] = (
-            f"reading every held and wanted chunk's key, dtype, shape and box, in C, takes "
-            f"{cases[worst]['read_floor_s']:.2f} s here before anything is planned "
-            "(read_floor_s); see “Planning at scale” in docs/performance.md"
+            "see the cases' plan_cpu_s and load_average, and “Planning at scale” in "
+            "docs/performance.md"
         )
-    print(f"plan_s {plan_s:.3f} s ({worst}), {result['plan_vs_floor']:.1f}x the floor")
+    print(
+        f"plan_s {plan_s:.3f} s ({worst}), {result['plan_vs_floor']:.1f}x the floor; with "
+        f"messages {result['plan_and_messages_s']:.3f} s"
+    )
     if not args.quick:  # the target is for the full size
         print(f"target plan_s < {TARGET_S:g} s: {'met' if plan_s < TARGET_S else 'NOT met'}")
     print(f"written {write_result('planner', result)}")

@@ -107,7 +107,7 @@ def _derived_targets(name: str, r: dict[str, Any]) -> dict[str, dict[str, Any]]:
     if name == "planner" and r.get("plan_s") is not None:
         v, goal = r["plan_s"], r.get("target_s", 2)
         label = f"recovery plan, {r['ranks']:,} ranks × {r['tensors_per_rank']:,} tensors"
-        return {
+        rows = {
             label: {
                 "value": v,
                 "target": f"< {goal:g} s",
@@ -116,6 +116,21 @@ def _derived_targets(name: str, r: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 "reason": "see “Planning at scale” below",
             }
         }
+        # The coordinator's inputs still arrive per chunk: reading them counts end to end.
+        ends = [
+            c["tables_from_records_s"] + c["plan_and_messages_s"]
+            for c in r.get("cases", {}).values()
+            if "tables_from_records_s" in c and "plan_and_messages_s" in c
+        ]
+        if ends:
+            rows[f"{label}, end to end from per-chunk messages"] = {
+                "value": max(ends),
+                "target": f"< {goal:g} s",
+                "met": max(ends) < goal,
+                "kind": "seconds",
+                "reason": "see “Planning at scale” below",
+            }
+        return rows
     if name == "gpu":
         rows = {}
         for key, row in r.items():

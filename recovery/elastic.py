@@ -10,7 +10,9 @@ Pure functions and one small state holder, no I/O; the coordinator calls them un
 In the last two the layout changes and every rank restores through a plan. A resharding
 round starts when a rank calls ``ctx.track`` and sends the boxes it wants; when every rank of
 the epoch has sent its wants for the round, ``ReshardRounds`` plans all their reads at once
-(``recovery/planner.py``) and hands back, per node, the reads of the ranks on it.
+(``recovery/planner.py``) and hands back, per node, the reads of the ranks on it, each rank's
+as one compact message (``recovery/readmsg.py``). The planner gets both sides as tables
+(``recovery/columns.py``); the committed layouts' table is made once per committed layout.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from peerckpt.persist.manifest import META_KEY, ChunkRecord, chunk_name
-from peerckpt.recovery.chunks import Box
+from peerckpt.persist.manifest import META_KEY, ChunkRecord
+from peerckpt.recovery.columns import ChunkLists, from_records
 from peerckpt.recovery.membership import CommitTracker, Membership, RankAssignment
-from peerckpt.recovery.planner import HeldChunk, Read, WantedChunk, plan_reads
+from peerckpt.recovery.planner import HeldChunk, WantedChunk, plan
+from peerckpt.recovery.readmsg import encode
 
 
 def replaced(
@@ -82,48 +85,19 @@ def old_layout_summary(layouts: dict[int, list[Any]]) -> dict[str, Any]:
     return {"shared": shared, "private": private, "meta_bytes": meta_bytes}
 
 
-def held_chunks(layouts: dict[int, list[Any]]) -> dict[int, list[HeldChunk]]:
-    """The planner's view of the committed step: every old rank's chunks, private ones renamed
-    ``<key>@<old rank>`` so that they are never taken for replicas of each other."""
-    return {
-        rank: [
-            HeldChunk(
-                chunk_name(c.key, c.scope, rank),
-                c.dtype,
-                tuple(c.global_shape),
-                Box(tuple(c.offsets), tuple(c.lengths)),
-            )
-            for c in _records(layout)
-        ]
-        for rank, layout in layouts.items()
-    }
-
-
-def read_msg(read: Read) -> dict[str, Any]:
-    def box(b: Box) -> list[list[int]]:
-        return [list(b.offsets), list(b.lengths)]
-
-    return {
-        "source_node": read.source_node,
-        "source_rank": read.source_rank,
-        "key": read.key,
-        "src_box": box(read.src_box),
-        "dst_box": box(read.dst_box),
-        "region": box(read.region),
-        "nbytes": read.nbytes,
-    }
-
-
 @dataclass
 class ReshardRounds:
     """Collects every rank's wants per (epoch, round); plans a round once all have come."""
 
     _wants: dict[tuple[int, int], dict[int, list[Any]]] = field(default_factory=dict)
+    # The committed layouts (the object itself) and their table, made on first use.
+    _held: tuple[dict[int, list[Any]], ChunkLists] | None = None
 
     def add(
         self, members: Membership, tracker: CommitTracker, round_: int, rank: int, wants: list[Any]
-    ) -> dict[int, dict[int, list[dict[str, Any]]]] | None:
-        """Record ``rank``'s wants; when the round is complete, return node → rank → reads.
+    ) -> dict[int, dict[int, dict[str, Any]]] | None:
+        """Record ``rank``'s wants; when the round is complete, return node → rank → its
+        reads as a message (``recovery/readmsg.py``, whose ``decode`` the node's agent uses).
 
         Raises RecoveryFailed (from the planner) if some wanted box survives nowhere.
         """
@@ -134,23 +108,17 @@ class ReshardRounds:
         del self._wants[(members.epoch, round_)]
         for stale in [k for k in self._wants if k[0] < members.epoch]:
             del self._wants[stale]
-        wanted = {
-            r: [
-                WantedChunk(
-                    c.key, c.dtype, tuple(c.global_shape), Box(tuple(c.offsets), tuple(c.lengths))
-                )
-                for c in map(ChunkRecord.from_msg, chunks)
-            ]
-            for r, chunks in pending.items()
-        }
-        plan = plan_reads(
-            held_chunks(tracker.committed_layouts),
+        layouts = tracker.committed_layouts
+        if self._held is None or self._held[0] is not layouts:
+            self._held = (layouts, from_records(layouts, HeldChunk, rename=True))
+        reads = plan(
+            self._held[1],
             {r: set(h) for r, h in tracker.committed_holders.items()},
-            wanted,
+            from_records(pending, WantedChunk, rename=False),
             {r: a.node for r, a in members.ranks.items()},
             dict(members.previous),
         )
-        by_node: dict[int, dict[int, list[dict[str, Any]]]] = {}
-        for r, reads in plan.items():
-            by_node.setdefault(members.ranks[r].node, {})[r] = [read_msg(x) for x in reads]
+        by_node: dict[int, dict[int, dict[str, Any]]] = {}
+        for r, msg in encode(reads).items():
+            by_node.setdefault(members.ranks[r].node, {})[r] = msg
         return by_node

@@ -20,6 +20,7 @@ from peerckpt.chaos.points import strike_point
 from peerckpt.errors import RecoveryFailed
 from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.recovery.membership import Membership
+from peerckpt.recovery.readmsg import decode as decode_reads
 from peerckpt.replication.reshard import assemble
 from peerckpt.replication.restore import obtain_committed
 from peerckpt.replication.transfer import IO_TIMEOUT_S
@@ -143,9 +144,7 @@ class RankRecovery:
                 daemon=True,
             ).start()
 
-    def _gather(
-        self, members: Membership, rank: int, round_: int, reads: list[dict[str, Any]]
-    ) -> None:
+    def _gather(self, members: Membership, rank: int, round_: int, msg: dict[str, Any]) -> None:
         link = self.control.link_of(members.ranks[rank].pid)
         wanted = self._wanted.pop((members.epoch, rank, round_), None)
         if link is None or wanted is None or members.restore_step is None:
@@ -164,7 +163,7 @@ class RankRecovery:
                 members.restore_gen,
                 members.restore_step,
                 wanted,
-                reads,
+                decode_reads(msg, wanted),  # the plan's compact message (recovery/readmsg.py)
                 connect,
                 storage_url=members.restore_url,
             )
