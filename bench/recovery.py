@@ -27,6 +27,12 @@ MiB per rank, checked bit for bit after every restore. Per size, in one run:
   from spawning the process to the state received; torchft's quorum and manager are not
   included.
 
+The restore's copy is also measured alone, in this process, with one thread as a rank has
+(``copy_fresh_cpu_s``, ``copy_touched_cpu_s``: CPU seconds to copy a size's state from a
+shared mapping into tensors just allocated, and again into the same tensors), so that the
+restore's wall time can be read against the work it needs: every rank of the new epoch copies
+its state at once, on the same cores.
+
 A size whose 4-rank job does not fit in this machine's memory (ranks, two slots and two
 replica slots per rank, the spare) runs with 2 ranks, and the JSON says so. The loopback
 socket ceiling is measured in the same run. Results: ``bench/results/recovery.json``; keys
@@ -37,6 +43,8 @@ size's runs and breakdowns.
 from __future__ import annotations
 
 import json
+import mmap
+import resource
 import statistics
 import subprocess
 import sys
@@ -148,6 +156,51 @@ def peerckpt_run(mib: int, world: int, base: Path) -> dict[str, Any]:
         "exact": all(x["exact"] for x in lines) and len(lines) == world,
         "restore_profile": profile.splitlines()[:20],
         "leftover_segments": left,
+    }
+
+
+# -- the copy alone ----------------------------------------------------------------------------
+def _cpu_and_faults() -> tuple[float, int]:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime, usage.ru_minflt
+
+
+def copy_cost(mib: int, runs: int = 3) -> dict[str, float]:
+    """CPU seconds (and page faults) to copy ``mib`` MiB from a shared mapping, as a slot is,
+    into four tensors just allocated (as a rank restores into a model it just built) and again
+    into the same, touched, tensors. One thread, as every rank runs. Medians of ``runs``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    nbytes = mib << 20
+    shared = mmap.mmap(-1, nbytes, mmap.MAP_SHARED)
+    try:
+        slot = torch.frombuffer(shared, dtype=torch.uint8)
+        slot.fill_(1)
+        pieces = [p.view(torch.float32) for p in slot.chunk(4)]
+        fresh, touched, faults = [], [], []
+        for _ in range(runs):
+            cpu0, faults0 = _cpu_and_faults()
+            tensors = [torch.empty_like(p) for p in pieces]
+            for t, p in zip(tensors, pieces, strict=True):
+                t.copy_(p)
+            cpu1, faults1 = _cpu_and_faults()
+            for t, p in zip(tensors, pieces, strict=True):
+                t.copy_(p)
+            cpu2, _ = _cpu_and_faults()
+            fresh.append(cpu1 - cpu0)
+            touched.append(cpu2 - cpu1)
+            faults.append(faults1 - faults0)
+            del tensors
+        del slot, pieces
+    finally:
+        shared.close()
+        torch.set_num_threads(threads)
+    return {
+        "copy_fresh_cpu_s": statistics.median(fresh),
+        "copy_fresh_page_faults": statistics.median(faults),
+        "copy_touched_cpu_s": statistics.median(touched),
     }
 
 
@@ -282,6 +335,13 @@ def measure(mib: int, runs: int, cold_runs: int, base: Path, socket: float) -> d
     if why:
         row["ranks_note"] = why
         print(f"  {why}", flush=True)
+    row.update(copy_cost(mib))
+    print(
+        f"  the copy alone: {row['copy_fresh_cpu_s']:.3f} s CPU into fresh memory "
+        f"({row['copy_fresh_page_faults']:.0f} page faults), {row['copy_touched_cpu_s']:.3f} s "
+        "into touched memory",
+        flush=True,
+    )
     peer = []
     for i in range(runs):
         peer.append(peerckpt_run(mib, world, base))
@@ -343,7 +403,8 @@ def measure(mib: int, runs: int, cold_runs: int, base: Path, socket: float) -> d
 
 
 def reason(row: dict[str, Any]) -> str:
-    """Where peerckpt's recovery time goes, from the run's breakdown and restore profile."""
+    """Where peerckpt's recovery time goes, from the run's breakdown, restore profile and the
+    cost of the copy alone."""
     b = row["breakdown"]
     parts = ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in b.items())
     profile = row["restore_profile_median_run"]
@@ -356,11 +417,18 @@ def reason(row: dict[str, Any]) -> str:
         f"({row['transfer_ratio_to_socket']:.0%} of the loopback socket measured in this run)"
     )
     if copy and total:
+        ranks, fresh = row["ranks"], row["copy_fresh_cpu_s"]
         text += (
-            f"; the restore is the replacement copying its slot into freshly allocated "
-            f"tensors (cProfile of its ctx.track: {copy[0]:.2f} s of {total[0]:.2f} s in "
-            f"Tensor.copy_), while every survivor copies its own state back too (slowest "
-            f"survivor {row['survivors_restore_s']:.2f} s), all on {psutil.cpu_count()} cores"
+            f"; the restore is the replacement copying its slot into the tensors it has just "
+            f"built (cProfile of its ctx.track: {copy[0]:.2f} s of {total[0]:.2f} s in "
+            f"Tensor.copy_). That copy alone needs {fresh:.2f} s of CPU "
+            f"({row['copy_fresh_page_faults']:,.0f} first-touch page faults; "
+            f"{row['copy_touched_cpu_s']:.2f} s into touched memory), and all {ranks} ranks "
+            f"do it at once, since every survivor builds its model again and copies its own "
+            f"state back (slowest survivor {row['survivors_restore_s']:.2f} s): ≈"
+            f"{ranks * fresh:.2f} s of CPU on {psutil.cpu_count()} cores as measured alone; "
+            "the rest of the restore's wall time is waiting for a core, or first touches that "
+            "cost more in the job than alone"
         )
     return text
 
