@@ -99,13 +99,13 @@ def run_job(
         str(work),
     ]
     run_peerckpt(argv)
-    steps = [
+    timings = [
         json.loads(line)
         for rank in (0, 1)
         for line in (out / f"steps-rank{rank}.jsonl").read_text().splitlines()
     ]
     report = json.loads((out / "report.json").read_text())
-    return {"steps": steps, "flushes": report.get("flushes", [])}
+    return {"steps": timings, "flushes": report.get("flushes", [])}
 
 
 def analyse(args: argparse.Namespace, plain: dict[str, Any], persisted: dict[str, Any]) -> dict:
@@ -116,7 +116,8 @@ def analyse(args: argparse.Namespace, plain: dict[str, Any], persisted: dict[str
         for f in persisted["flushes"]
         if f["state"] == "committed"
     ]
-    during, idle = [], []
+    during: list[float] = []
+    idle: list[float] = []
     for s in persisted["steps"]:
         if s["step"] < skip:
             continue
@@ -124,7 +125,15 @@ def analyse(args: argparse.Namespace, plain: dict[str, Any], persisted: dict[str
         (during if busy else idle).append(s["t1"] - s["t0"])
     committed = [f for f in persisted["flushes"] if f["state"] == "committed"]
     rates = [f["nbytes"] / (f["committed_at"] - f["started_at"]) / 1e9 for f in committed]
+    # Where a flush's window goes: the slowest writer (its agent's own timer, from the flush
+    # event to its part written), and the rest (event delivery, merging the parts into the
+    # manifest, marker, `latest`).
+    writers = [max(f["writers"].values()) for f in committed if f.get("writers")]
     return {
+        "writer_s": statistics.median(writers) if writers else None,
+        "window_s": statistics.median(f["committed_at"] - f["started_at"] for f in committed)
+        if committed
+        else None,
         "step_s_without_persist": statistics.median(base),
         "step_s_during_flush": statistics.median(during) if during else None,
         "step_s_with_persist_idle": statistics.median(idle) if idle else None,
@@ -196,6 +205,11 @@ def main() -> None:
             f"flush {result['flush_bytes'] / 2**20:.0f} MiB: {result['flush_gbps']:.2f} GB/s, "
             f"{result['flush_vs_disk']:.0%} of the disk's {disk:.2f} GB/s "
             f"({result['flushes_committed']} flushes, {result['flushes_failed']} failed)"
+        )
+    if result["writer_s"]:
+        print(
+            f"a flush's window {result['window_s'] * 1000:.0f} ms, its slowest writer "
+            f"{result['writer_s'] * 1000:.0f} ms (median)"
         )
     if idle_gbps:
         print(
