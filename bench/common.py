@@ -168,6 +168,23 @@ def disk_write_direct_gbps(path: Path, nbytes: int = 1 << 30) -> float:
         block.close()
 
 
+def disk_write_direct_parallel_gbps(paths: list[Path], nbytes: int = 1 << 30) -> float:
+    """``disk_write_direct_gbps`` by one thread per path at once, ``nbytes`` in all (a flush
+    has one writer per node, all on one disk here); GB/s of them together."""
+    import threading
+
+    share = nbytes // len(paths)
+    start = time.perf_counter()
+    threads = [
+        threading.Thread(target=disk_write_direct_gbps, args=(path, share)) for path in paths
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return nbytes / (time.perf_counter() - start) / 1e9
+
+
 def crc32c_gbps(nbytes: int = 1 << 30, runs: int = 5) -> float:
     """crc32c (the checksum the agents compute) over one touched buffer of ``nbytes``."""
     data = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes >> 20))

@@ -32,11 +32,11 @@ from peerckpt.replication.store import Slot, SlotStore
 log = logging.getLogger("peerckpt.agent")
 
 
-def _lower_priority() -> None:
-    """This thread yields to training: lowest CPU priority, idle I/O class where possible."""
+def _lower_priority(nice: int) -> None:
+    """This thread yields to training: CPU priority ``nice``, idle I/O class where possible."""
     tid = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, tid, 19)
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
     except OSError:
         pass
     try:
@@ -77,7 +77,12 @@ class Flusher:
             self._thread.join(timeout)
 
     def _run(self, event: dict[str, Any]) -> None:
-        _lower_priority()
+        # Writing straight from the slots takes little CPU (a crc32c per chunk, 18 ms per
+        # 256 MiB, and the write calls), but at the lowest priority each of those waits for
+        # a core the ranks keep busy, and the flush fell behind the slots' reuse (measured:
+        # 0.7 s per 256 MiB while training, 0.24 s idle). Copying a share out first is
+        # memory-bound work that training would notice: that runs at the lowest priority.
+        _lower_priority(19 if self._copy_first else 5)
         step, start = event["step"], time.monotonic()
         config = PersistConfig.from_msg(event["persist"])
         assert config is not None
