@@ -153,11 +153,7 @@ class ChaosMonkey:
                 self._armed[index] = time.monotonic()
                 log.warning("chaos: %s armed", action.text)
             return None
-        try:
-            with open(hit + ".where") as f:
-                where = json.load(f)
-        except (OSError, ValueError):
-            where = {}
+        where = _read_where(hit + ".where")
         try:
             record = self._fire(action, status)
         finally:
@@ -227,3 +223,18 @@ class ChaosMonkey:
         else:
             raise AssertionError(f"unknown chaos action {action.kind}")
         return record
+
+
+def _read_where(path: str, wait_s: float = 2.0) -> dict[str, Any]:
+    """Where the struck process was: it writes this file just after winning the point, so
+    the monkey may look a moment too early; it waits for it a little, bounded."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with open(path) as f:
+                where: dict[str, Any] = json.load(f)
+            return where
+        except (OSError, ValueError):
+            if time.monotonic() >= deadline:
+                return {}
+            time.sleep(0.005)

@@ -65,8 +65,10 @@ def strike_point(phase: str, **where: Any) -> bool:
             os.rename(path, hit)
         except OSError:
             continue  # another process won it
-        with contextlib.suppress(OSError), open(hit + ".where", "w") as f:
-            json.dump({**where, "pid": os.getpid()}, f)
+        with contextlib.suppress(OSError):  # whole or not at all: the monkey reads it now
+            with open(hit + ".where.tmp", "w") as f:
+                json.dump({**where, "pid": os.getpid()}, f)
+            os.rename(hit + ".where.tmp", hit + ".where")
         log.warning("chaos: %s point struck (%s); holding still", phase, where)
         done = os.path.join(directory, "done-" + name[len("armed-") : -len(".json")])
         deadline = time.monotonic() + HOLD_S
