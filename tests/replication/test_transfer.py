@@ -201,47 +201,11 @@ def test_a_push_ending_without_its_checksums_is_refused(peers, job) -> None:
     assert peers[1].store.find(0, 4, 3) is None
 
 
-def test_checksums_computed_during_the_push_make_the_slot_readable(peers, job) -> None:
-    """The agent's path: checksums start with the push; both ends agree, the slot is whole."""
+def _replicate(peers, job, replication: ReplicationJob) -> BaseException | None:
+    """Push ``replication`` to node 1 with the agent's BuddySender; the push's outcome."""
     done: list[BaseException | None] = []
     finished = threading.Event()
-    slot = write_snapshot(peers[0].store, rank=6, step=8)
-    manifest = replace(
-        slot.manifest, chunks=tuple(replace(c, crc=None) for c in slot.manifest.chunks)
-    )
-    expected = slot.manifest
     name, secret = job
-    sender = BuddySender(
-        1,
-        peers[1].server.address,
-        secret,
-        name,
-        lambda: 0,
-        lambda: None,
-        lambda _job, _node, error: (done.append(error), finished.set()),
-    )
-    try:
-        with slot.lock:
-            slot.invalidate()
-            replication = ReplicationJob.start(0, slot, manifest, [1])
-            assert slot.manifest is None  # not readable until its checksums are known
-        sender.submit(replication)
-        assert finished.wait(30) and done == [None]
-    finally:
-        sender.stop()
-    assert slot.manifest == expected and replication.checksummed() == expected
-    replica = peers[1].store.find(0, 6, 8)
-    assert replica is not None and replica.manifest == expected
-
-
-def test_a_slot_rewritten_before_its_push_is_not_sent(peers, job) -> None:
-    done: list[BaseException | None] = []
-    finished = threading.Event()
-    slot = write_snapshot(peers[0].store, rank=6, step=8)
-    name, secret = job
-    with slot.lock:
-        replication = ReplicationJob.start(0, slot, slot.manifest, [1])
-        slot.invalidate()  # the rank writes its slot again (checksums cancelled)
     sender = BuddySender(
         1,
         peers[1].server.address,
@@ -256,5 +220,29 @@ def test_a_slot_rewritten_before_its_push_is_not_sent(peers, job) -> None:
         assert finished.wait(30)
     finally:
         sender.stop()
-    assert isinstance(done[0], Cancelled)
+    return done[0]
+
+
+def test_checksums_computed_during_the_push_make_the_slot_readable(peers, job) -> None:
+    """The agent's path: checksums start with the push; both ends agree, the slot is whole."""
+    slot = write_snapshot(peers[0].store, rank=6, step=8)
+    manifest = replace(
+        slot.manifest, chunks=tuple(replace(c, crc=None) for c in slot.manifest.chunks)
+    )
+    expected = slot.manifest
+    with slot.lock:
+        replication = ReplicationJob.start(0, slot, manifest, [1])
+        assert slot.manifest is None  # not readable until its checksums are known
+    assert _replicate(peers, job, replication) is None
+    assert slot.manifest == expected and replication.checksummed() == expected
+    replica = peers[1].store.find(0, 6, 8)
+    assert replica is not None and replica.manifest == expected
+
+
+def test_a_slot_rewritten_before_its_push_is_not_sent(peers, job) -> None:
+    slot = write_snapshot(peers[0].store, rank=6, step=8)
+    with slot.lock:
+        replication = ReplicationJob.start(0, slot, slot.manifest, [1])
+        slot.invalidate()  # the rank writes its slot again (checksums cancelled)
+    assert isinstance(_replicate(peers, job, replication), Cancelled)
     assert peers[1].store.find(0, 6, 8) is None
