@@ -88,6 +88,7 @@ class Agent(RankRecovery):
         self._exit_reason = "agent exit"  # what local processes are told when it closes
         # The last report of each kind per local rank, sent again to a restarted coordinator.
         self._resend: dict[tuple[str, int], tuple[str, dict[str, Any]]] = {}
+        self._restarting: set[int] = set()  # pids that announced a restart in place
         self._threads: list[threading.Thread] = []
         self.flusher = Flusher(self.store, node, self._report)
 
@@ -285,8 +286,9 @@ class Agent(RankRecovery):
         if link.fenced is not None:
             log.info("fenced %r exited", link)
         elif not self.stopping.is_set() and not self._ending.is_set():
-            log.warning("%s pid %d on node %d exited", link.role, link.pid, self.node)
-            self._report("ProcLost", pid=link.pid, reason=f"process {link.pid} exited")
+            how = "restarted in place" if link.pid in self._restarting else "exited"
+            log.warning("%s pid %d on node %d %s", link.role, link.pid, self.node, how)
+            self._report("ProcLost", pid=link.pid, reason=f"process {link.pid} {how}")
 
     def _on_message(self, link: ProcLink, msg: dict[str, Any]) -> dict[str, Any] | None:
         kind = msg["type"]
@@ -302,6 +304,14 @@ class Agent(RankRecovery):
             return None
         if kind == "alloc":
             return self._alloc(msg)
+        if kind == "restarting":
+            # Stuck in an aborted epoch: it exits and the launcher starts a fresh process on
+            # this node. Counted as a starting spare first, so that the recovery its exit
+            # causes waits for that process instead of shrinking the world.
+            log.warning("%s pid %d restarts in place: %s", link.role, link.pid, msg["reason"])
+            self._restarting.add(link.pid)
+            self._report("SparesStarting", count=1)
+            return {}
         if kind == "snapshot":
             self._replicate(msg)
             return None

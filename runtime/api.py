@@ -75,7 +75,7 @@ def resilient(
     backend: str | None = None,
     suspect_s: float = 15.0,
     abort_grace_s: float = 10.0,
-    abort_timeout_s: float = 60.0,
+    abort_timeout_s: float = 30.0,
 ) -> Any:
     """Make a training function survive the loss of ranks and nodes.
 
@@ -92,8 +92,10 @@ def resilient(
     timeout (a failure is normally acted on long before it); ``suspect_s`` is how long a rank
     whose collective failed waits for the coordinator's verdict before treating the error as
     its own. A rank told to abort that has not left the epoch after ``abort_grace_s`` cuts
-    all its connections to the job's hosts; after ``abort_timeout_s`` more it exits and the
-    job goes on without it. Spares are set on the launcher (``peerckpt run --spares S``).
+    all its connections to the job's hosts; after ``abort_timeout_s`` more it exits and a
+    fresh process on its node takes its place, restored from the node's memory (three times
+    in a row at most; then it is a lost rank). Spares are set on the launcher
+    (``peerckpt run --spares S``).
     """
 
     persisted = None

@@ -67,6 +67,8 @@ def join(job: str, nproc_per_node: int | None = None, script: list[str] | None =
                 break
             if state in ("succeeded", "failed", "stopped") or agent.agent.poll() is not None:
                 break
+            if state == "running":
+                procs.restart_stuck()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -347,6 +347,9 @@ class LocalLauncher:
             self._flushes = status.get("flushes", [])
             if status["state"] in ("succeeded", "failed", "stopped"):
                 return status["state"], status["reason"], self._all_events(status)
+            if status["state"] == "running":
+                world = self.spec.nodes * self.spec.nproc_per_node
+                self.procs.restart_stuck(WORLD_SIZE=str(world))
             if self.spec.keep_spares and status["state"] == "running":
                 self._replenish(status)
             if status["state"] == "starting" and not self._restarts:

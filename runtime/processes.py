@@ -23,6 +23,10 @@ from peerckpt.errors import PeerckptError
 
 log = logging.getLogger("peerckpt.launcher")
 READY_TIMEOUT_S = 60.0
+# A rank process that could not leave an aborted epoch exits with this status after telling
+# its agent (and through it the coordinator) that a fresh process will take its place.
+EXIT_RESTART = 75
+MAX_RESTARTS = 3  # in-place restarts in a row for one rank's line of processes
 
 
 @dataclass
@@ -34,6 +38,7 @@ class Node:
     socket: str
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     alive: bool = True
+    restarted: set[int] = field(default_factory=set)  # pids already replaced in place
 
 
 class ProcessSet:
@@ -49,6 +54,7 @@ class ProcessSet:
         self.extra_env = env
         self.nodes: dict[int, Node] = {}
         self.others: list[subprocess.Popen[bytes]] = []  # e.g. the coordinator
+        self._restarts: dict[int, int] = {}  # pid -> in-place restarts its line has had
         self.lock = threading.Lock()
 
     def env(self, **extra: str) -> dict[str, str]:
@@ -116,6 +122,37 @@ class ProcessSet:
         )
         node.procs.append(proc)
         return proc
+
+    def restart_stuck(self, **env: str) -> list[tuple[int, int, int]]:
+        """Start a fresh spare on the node of every process that exited with ``EXIT_RESTART``.
+
+        Such a process was blocked in a collective that aborting its epoch did not release,
+        on a healthy node. Before exiting it told the coordinator that a spare is starting,
+        so the recovery waits for this one (it joins once warmed up, a few seconds) instead
+        of shrinking the world. Returns (node, old pid, new pid) for each restart.
+        """
+        started = []
+        with self.lock:
+            nodes = [n for n in self.nodes.values() if n.alive]
+        for node in nodes:
+            for proc in list(node.procs):
+                if proc.poll() != EXIT_RESTART or proc.pid in node.restarted:
+                    continue
+                node.restarted.add(proc.pid)
+                count = self._restarts.get(proc.pid, 0) + 1
+                new = self.start_proc(node.index, "spare", PEERCKPT_RESTARTS=str(count), **env)
+                self._restarts[new.pid] = count
+                log.warning(
+                    "pid %d on node %d was stuck in an aborted epoch; pid %d takes its place "
+                    "(restart %d of at most %d)",
+                    proc.pid,
+                    node.index,
+                    new.pid,
+                    count,
+                    MAX_RESTARTS,
+                )
+                started.append((node.index, proc.pid, new.pid))
+        return started
 
     def kill_node(self, n: int) -> None:
         """SIGKILL a node's agent and processes and wait for them to die."""

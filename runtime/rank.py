@@ -35,6 +35,7 @@ from peerckpt.runtime import capture
 from peerckpt.runtime.channel import AgentChannel
 from peerckpt.runtime.env import LaunchEnv, RankFilter
 from peerckpt.runtime.pg import ProcessGroupLifecycle
+from peerckpt.runtime.processes import EXIT_RESTART, MAX_RESTARTS
 from peerckpt.runtime.snapshot import SnapshotEngine
 from peerckpt.runtime.state import Assignment, RankState, check_transition
 from peerckpt.runtime.tracking import Tracking
@@ -58,7 +59,7 @@ class RankRuntime(Tracking):
         backend: str | None = None,
         suspect_s: float = 15.0,
         abort_grace_s: float = 10.0,
-        abort_timeout_s: float = 60.0,
+        abort_timeout_s: float = 30.0,
     ) -> None:
         self.abort_grace_s = abort_grace_s
         self.abort_timeout_s = abort_timeout_s
@@ -167,8 +168,8 @@ class RankRuntime(Tracking):
         one: under heavy load, FSDP2's gloo reduce-scatter stayed blocked once, in about
         twenty runs. So a watchdog escalates: after ``abort_grace_s`` it cuts every connection
         this process opened to the job's hosts since the epoch began; after
-        ``abort_timeout_s`` the process exits, and the job goes on without it (a spare
-        replaces it, or the world shrinks), rather than waiting out a 30-minute timeout.
+        ``abort_timeout_s`` the process gives up (``_give_up``): a fresh process on the same
+        node takes its place, rather than the job waiting out a 30-minute timeout.
         """
         for wait_s, final in ((self.abort_grace_s, False), (self.abort_timeout_s, True)):
             with self._cond:
@@ -185,14 +186,35 @@ class RankRuntime(Tracking):
                 )
                 self.pg.abort(everything=True)
             else:
-                log.error(
-                    "could not leave aborted epoch %d within %.0f s (blocked in a collective "
-                    "that cutting its connections did not release); this process exits so that "
-                    "the job can go on without it",
-                    epoch,
-                    self.abort_grace_s + wait_s,
-                )
-                os._exit(75)
+                self._give_up(epoch, self.abort_grace_s + wait_s)
+
+    def _give_up(self, epoch: int, waited_s: float) -> None:
+        """Leave for good a process that cannot leave aborted epoch ``epoch``.
+
+        Its node is healthy and its state is in the agent's memory, so a fresh process on
+        the same node can take its place: it tells its agent, which tells the coordinator
+        that a spare is starting (the recovery then waits for it instead of shrinking the
+        world), and exits with ``EXIT_RESTART``; the launcher starts that spare. After
+        ``MAX_RESTARTS`` in a row it exits as a lost rank instead.
+        """
+        restarts = int(os.environ.get("PEERCKPT_RESTARTS", "0"))
+        why = (
+            f"could not leave aborted epoch {epoch} within {waited_s:.0f} s (blocked in a "
+            "collective that cutting its connections did not release)"
+        )
+        code = 74
+        if restarts < MAX_RESTARTS:
+            try:
+                self.channel.request("restarting", timeout=5.0, reason=why)
+                code = EXIT_RESTART
+            except Exception as exc:  # the agent is gone or did not answer: just leave
+                log.warning("could not announce a restart in place: %s", _short(exc))
+        if code == EXIT_RESTART:
+            log.error("%s; a fresh process on this node takes its place", why)
+        else:
+            log.error("%s; this process exits and the job goes on without it", why)
+        logging.shutdown()
+        os._exit(code)
 
     def _become(self, state: RankState) -> None:
         check_transition(self.state, state)

@@ -54,6 +54,28 @@ def test_a_killed_rank_is_replaced_by_a_spare_from_peer_memory(tmp_path, referen
         assert pulls[rank]["source"] == pulls[rank]["node"] and pulls[rank]["bytes"] == 0
 
 
+def test_a_rank_stuck_in_an_aborted_epoch_is_restarted_in_place(tmp_path, reference_run) -> None:
+    """Rank 1 never leaves step 11 (as a collective that cutting its connections does not
+    release): when rank 2's loss aborts the epoch a second later, rank 1 gives up after its
+    abort timeout and a fresh process on its node takes rank 1 from memory; the world keeps
+    its size."""
+    stuck = ["--stuck-rank", "1", "--stuck-at", "11", "--abort-grace", "1", "--abort-timeout", "2"]
+    run = run_job(
+        tmp_path,
+        script_args=["--steps", "30", *stuck],
+        spares=1,
+        chaos="kill rank=2 at=11 after=1",
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    _assert_bit_exact(run, reference_run)
+    assert "a fresh process on this node takes its place" in run.log
+    lost, restarted = run.report["events"]
+    assert lost["ranks"] == [2] and restarted["ranks"] == [1]
+    assert "restarted in place" in restarted["reason"]
+    [[node, pid]] = restarted["replacements"].values()
+    assert node == 0 and str(pid) not in restarted["reason"]  # a new process, on rank 1's node
+
+
 def test_a_lost_node_is_replaced_by_two_spares_from_peer_memory(tmp_path, reference_run) -> None:
     run = run_job(tmp_path, script_args=["--steps", "30"], spares=2, chaos="kill node=1 at=12")
     assert run.returncode == 0, run.log[-4000:]

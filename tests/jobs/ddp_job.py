@@ -3,6 +3,7 @@ a resumable data loader, and a record of the model+optimizer digest after every 
 
 usage: ddp_job.py OUT_DIR [--steps N] [--sleep S] [--slow-rank R --slow-s S]
                  [--raise-rank R --raise-at STEP] [--pg-timeout S]
+                 [--stuck-rank R --stuck-at STEP --abort-grace S --abort-timeout S]
                  [--device cuda --backend gloo]
 Each rank appends ``{"step", "epoch", "digest", "loss"}`` lines to OUT_DIR/rank<r>.jsonl and
 rank 0 writes OUT_DIR/final.json at the end.
@@ -131,6 +132,8 @@ def run_steps(ctx, model, optim, data, log, args) -> None:
         loss = nn.functional.cross_entropy(logits.reshape(-1, 64), x[:, 1:].reshape(-1))
         if ctx.rank == args.slow_rank:
             time.sleep(args.slow_s)  # the other ranks wait for us inside the all-reduce
+        if ctx.rank == args.stuck_rank and step == args.stuck_at and ctx.epoch == 0:
+            time.sleep(600)  # stands for a collective that aborting the epoch does not release
         if ctx.rank == args.raise_rank and step == args.raise_at:
             raise ValueError(f"injected failure at step {step}")
         loss.backward()
@@ -164,6 +167,12 @@ if __name__ == "__main__":
     parser.add_argument("--raise-rank", type=int, default=-1)
     parser.add_argument("--raise-at", type=int, default=-1)
     parser.add_argument("--pg-timeout", type=float, default=1800.0)
+    parser.add_argument(
+        "--stuck-rank", type=int, default=-1, help="never leaves --stuck-at in epoch 0"
+    )
+    parser.add_argument("--stuck-at", type=int, default=-1)
+    parser.add_argument("--abort-grace", type=float, default=10.0)
+    parser.add_argument("--abort-timeout", type=float, default=30.0)
     parser.add_argument("--sampler", type=int, default=0, help="draw batches from N samples")
     parser.add_argument(
         "--until-world",
@@ -183,7 +192,12 @@ if __name__ == "__main__":
         torch.use_deterministic_algorithms(True)
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
-    resilient = peerckpt.resilient(pg_timeout_s=args.pg_timeout, backend=args.backend)
+    resilient = peerckpt.resilient(
+        pg_timeout_s=args.pg_timeout,
+        backend=args.backend,
+        abort_grace_s=args.abort_grace,
+        abort_timeout_s=args.abort_timeout,
+    )
     final = resilient(train)(args)
     if int(os.environ["RANK"]) == 0:
         with open(os.path.join(args.out, "final.json"), "w") as f:
