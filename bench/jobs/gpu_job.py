@@ -10,32 +10,18 @@ OUT_DIR/steps-<plain|peerckpt>.json, with the engine's stall time when peerckpt 
 
 import argparse
 import json
-import math
 import os
 import time
 
 import torch
 import torch.nn as nn
-
-LAYERS = 4
+from train_job import build as build_cpu
+from train_job import train_step
 
 
 def build(mib: int) -> nn.Module:
-    params = (mib << 20) // 4 // 3  # parameters, exp_avg, exp_avg_sq
-    hidden = int(math.sqrt(params / LAYERS))
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(LAYERS):
-        layers += [nn.Linear(hidden, hidden, bias=False), nn.ReLU()]
-    return nn.Sequential(*layers).cuda()
-
-
-def train_step(model: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor) -> float:
-    loss = model(x).square().mean()
-    loss.backward()
-    optim.step()
-    optim.zero_grad(set_to_none=False)
-    return loss.item()
+    """The stall benchmark's MLP (``train_job.build``), on the GPU."""
+    return build_cpu(mib).cuda()
 
 
 def loop(model, optim, x, steps, step_iter) -> list[float]:
