@@ -55,7 +55,6 @@ from common import (
 
 from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.replication.arena import Arena
-from peerckpt.replication.checksums import checksum_now
 from peerckpt.replication.replicator import BuddySender, ReplicationJob
 from peerckpt.replication.store import Slot, SlotStore
 from peerckpt.replication.transfer import IO_TIMEOUT_S, DataServer, send_bytes
@@ -111,7 +110,7 @@ def _receiver(job: str, secret: bytes, nbytes: int, pipe: Pipe) -> None:
 def checksum_s(manifest: SnapshotManifest, view: memoryview) -> float:
     """Seconds to checksum the snapshot on one thread (what the overlap hides)."""
     start = time.perf_counter()
-    checksum_now(manifest.chunks, view)
+    manifest.with_checksums(view)
     return time.perf_counter() - start
 
 

@@ -85,8 +85,3 @@ class RunningChecksums:
         with self._cond:
             self._done = True
             self._cond.notify_all()
-
-
-def checksum_now(chunks: Sequence[ChunkRecord], view: memoryview) -> list[int]:
-    """Every chunk's crc32c, computed on the calling thread."""
-    return [crc32c.crc32c(view[c.byte_offset : c.byte_offset + c.nbytes]) for c in chunks]
