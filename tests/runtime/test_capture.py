@@ -13,6 +13,8 @@ import torch.nn as nn
 from peerckpt.errors import StateMismatch
 from peerckpt.runtime import capture, restore
 
+from .slots import restore_from_slot, snapshot
+
 
 class Loader:
     """A Stateful with nested state, tuples and a tensor."""
@@ -47,22 +49,6 @@ def _train(objs: dict, steps: int) -> None:
         objs["ema"].mul_(0.9).add_(torch.rand(3))
 
 
-def _snapshot(objs: dict, step: int) -> tuple[torch.Tensor, list]:
-    captured = capture.capture(objs, step, {})
-    chunks, used = capture.layout(captured.tensors, len(captured.blob))
-    slot = torch.zeros(used, dtype=torch.uint8)
-    capture.write_slot(slot, chunks, captured)
-    return slot, chunks
-
-
-def _restore(objs: dict, slot: torch.Tensor, chunks: list) -> dict:
-    """Restore as a rank does in the same topology: from its own slot."""
-    meta = restore.read_meta(slot, chunks[-1])
-    source = restore.ChunkSource(chunks, slot=slot)
-    restore.restore_objects(objs, objs, source, {0: meta}, 0, 0, 1, resharded=False)
-    return meta
-
-
 def _same(a: dict, b: dict) -> None:
     for (ka, ta), (kb, tb) in zip(
         a["model"].state_dict().items(), b["model"].state_dict().items(), strict=True
@@ -81,11 +67,11 @@ def _same(a: dict, b: dict) -> None:
 def test_restore_reproduces_every_object_and_training_continues_bit_exact() -> None:
     original = _objects(seed=0)
     _train(original, 3)
-    slot, chunks = _snapshot(original, step=2)
+    slot, chunks = snapshot(original, step=2)
     rng_after_capture = capture.capture_rng()
 
     restored = _objects(seed=99)  # a fresh process would build these from scratch
-    meta = _restore(restored, slot, chunks)
+    meta = restore_from_slot(restored, slot, chunks)
     assert meta["step"] == 2
     _same(original, restored)
     assert isinstance(restored["data"].order, tuple)
@@ -100,9 +86,9 @@ def test_restore_reproduces_every_object_and_training_continues_bit_exact() -> N
 def test_restored_optimizer_state_does_not_alias_the_slot() -> None:
     objs = _objects(seed=0)
     _train(objs, 1)
-    slot, chunks = _snapshot(objs, step=0)
+    slot, chunks = snapshot(objs, step=0)
     fresh = _objects(seed=1)
-    _restore(fresh, slot, chunks)
+    restore_from_slot(fresh, slot, chunks)
     before = slot.clone()
     _train(fresh, 2)  # must not write into the committed snapshot
     assert torch.equal(slot, before)
@@ -112,7 +98,7 @@ def test_restore_from_a_file_reads_each_chunk_into_place(tmp_path) -> None:
     # A staging segment is read with preadv, not mapped; the result must be the same bits.
     original = _objects(seed=0)
     _train(original, 3)
-    slot, chunks = _snapshot(original, step=2)
+    slot, chunks = snapshot(original, step=2)
     path = tmp_path / "slot"
     path.write_bytes(slot.numpy().tobytes())
     restored = _objects(seed=99)
@@ -186,8 +172,8 @@ def test_untrackable_objects_are_refused_by_name() -> None:
 
 def test_restoring_into_a_different_model_is_a_clear_error() -> None:
     objs = _objects(seed=0)
-    slot, chunks = _snapshot({"model": objs["model"]}, step=0)
+    slot, chunks = snapshot({"model": objs["model"]}, step=0)
     with pytest.raises(StateMismatch, match="tracked module 'model' does not match"):
-        _restore({"model": nn.Linear(8, 4)}, slot, chunks)
+        restore_from_slot({"model": nn.Linear(8, 4)}, slot, chunks)
     with pytest.raises(StateMismatch, match="does not have"):
-        _restore({"other": nn.Linear(8, 4)}, slot, chunks)
+        restore_from_slot({"other": nn.Linear(8, 4)}, slot, chunks)

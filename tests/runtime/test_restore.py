@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from peerckpt.runtime import capture, restore
+from .slots import restore_from_slot, snapshot
 
 
 def _objects() -> dict:
@@ -29,20 +29,6 @@ def _step(objs: dict) -> None:
     objs["model"](torch.randn(4, 6)).pow(2).mean().backward()
     objs["optim"].step()
     objs["optim"].zero_grad()
-
-
-def _snapshot(objs: dict) -> tuple[torch.Tensor, list]:
-    captured = capture.capture(objs, 1, {})
-    chunks, used = capture.layout(captured.tensors, len(captured.blob))
-    slot = torch.zeros(used, dtype=torch.uint8)
-    capture.write_slot(slot, chunks, captured)
-    return slot, chunks
-
-
-def _restore(objs: dict, slot: torch.Tensor, chunks: list) -> None:
-    meta = restore.read_meta(slot, chunks[-1])
-    source = restore.ChunkSource(chunks, slot=slot)
-    restore.restore_objects(objs, objs, source, {0: meta}, 0, 0, 1, resharded=False)
 
 
 def _state(objs: dict) -> dict[str, torch.Tensor]:
@@ -111,33 +97,33 @@ MUTATIONS: dict[str, Callable[[dict], None]] = {
 def test_restore_undoes_every_change_to_the_same_objects(name: str) -> None:
     objs = _objects()
     _step(objs)
-    slot, chunks = _snapshot(objs)
+    slot, chunks = snapshot(objs, step=1)
     expected = _state(objs)
     MUTATIONS[name](objs)
     assert any(not torch.equal(v, expected[k]) for k, v in _state(objs).items() if k in expected), (
         f"{name} changed nothing: the test would prove nothing"
     )
-    _restore(objs, slot, chunks)
+    restore_from_slot(objs, slot, chunks)
     _assert_same(_state(objs), expected)
 
 
 def test_restore_into_a_replaced_parameter() -> None:
     objs = _objects()
     _step(objs)
-    slot, chunks = _snapshot(objs)
+    slot, chunks = snapshot(objs, step=1)
     expected = _state(objs)
     _replaced_parameter(objs)
-    _restore(objs, slot, chunks)
+    restore_from_slot(objs, slot, chunks)
     _assert_same(_state(objs), expected)
 
 
 def test_restore_drops_optimizer_state_created_after_the_snapshot() -> None:
     objs = _objects()
-    slot, chunks = _snapshot(objs)  # no optimizer state yet: it is created lazily
+    slot, chunks = snapshot(objs, step=1)  # no optimizer state yet: it is created lazily
     expected = _state(objs)
     _step(objs)
     assert len(objs["optim"].state) > 0
-    _restore(objs, slot, chunks)
+    restore_from_slot(objs, slot, chunks)
     assert len(objs["optim"].state) == 0
     _assert_same(_state(objs), expected)
 
@@ -145,8 +131,8 @@ def test_restore_drops_optimizer_state_created_after_the_snapshot() -> None:
 def test_restore_into_fresh_objects_matches_the_snapshot() -> None:
     objs = _objects()
     _step(objs)
-    slot, chunks = _snapshot(objs)
+    slot, chunks = snapshot(objs, step=1)
     expected = _state(objs)
     fresh = _objects()  # a survivor builds its objects again in the new epoch
-    _restore(fresh, slot, chunks)
+    restore_from_slot(fresh, slot, chunks)
     _assert_same(_state(fresh), expected)
