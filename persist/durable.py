@@ -379,8 +379,10 @@ class DurableStore:
             for rank, record, data in pieces:
                 if isinstance(data, (bytes, bytearray, memoryview)):
                     _verify(rank, record, data)
-                    at = offset if direct is None else direct.write(data)
-                    if direct is None:
+                    if direct is not None:
+                        at = direct.write(data)
+                    else:
+                        at = offset
                         f.write(data)
                         offset += record.nbytes
                 else:

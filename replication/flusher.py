@@ -6,8 +6,9 @@ priority. Local files are written straight from the slots holding the step (O_DI
 copy), each piece under its slot's lock after checking the slot still holds that step; other
 storage is slower than a slot's reuse (two commits later), so the share is copied out of the
 slots first and written at leisure, and so is every later flush once a slot was reused
-while a local flush read it. Each chunk is verified against its checksum before it is
-written; then the part index, then ``Flushed``. It never changes the slots. ``rate`` (bytes
+while a local flush read it. Each chunk is verified against its checksum: a copy before it
+is written, a chunk written straight from its slot right after (the rank may have rewritten
+it meanwhile); then the part index, then ``Flushed``. It never changes the slots. ``rate`` (bytes
 per second) throttles the writes.
 """
 
