@@ -66,6 +66,11 @@ class JobSpec:
     keep_spares: bool = False  # start a new spare (and spare node) for every one used or lost
     record_digests: bool = False  # every snapshot's tensor digest, in the result
 
+    @property
+    def world(self) -> int:
+        """The first epoch's world size: every rank the job starts with."""
+        return self.nodes * self.nproc_per_node
+
 
 @dataclass
 class JobResult:
@@ -125,7 +130,7 @@ class LocalLauncher:
     # -- starting -------------------------------------------------------------------------
     def start(self) -> None:
         spec, procs = self.spec, self.procs
-        world = spec.nodes * spec.nproc_per_node
+        world = spec.world
         argv = [
             sys.executable,
             "-m",
@@ -348,8 +353,7 @@ class LocalLauncher:
             if status["state"] in ("succeeded", "failed", "stopped"):
                 return status["state"], status["reason"], self._all_events(status)
             if status["state"] == "running":
-                world = self.spec.nodes * self.spec.nproc_per_node
-                self.procs.restart_stuck(WORLD_SIZE=str(world))
+                self.procs.restart_stuck(WORLD_SIZE=str(self.spec.world))
             if self.spec.keep_spares and status["state"] == "running":
                 self._replenish(status)
             if status["state"] == "starting" and not self._restarts:
@@ -420,10 +424,9 @@ class LocalLauncher:
             self._spare_node = node
             log.info("node %d is the new spare node", node)
         self.rpc.call("SparesStarting", count=missing)
-        world = self.spec.nodes * self.spec.nproc_per_node
         for _ in range(missing):
             self._spares.append(
-                self.procs.start_proc(self._spare_node, "spare", WORLD_SIZE=str(world))
+                self.procs.start_proc(self._spare_node, "spare", WORLD_SIZE=str(self.spec.world))
             )
         log.info("started %d spare(s) on node %d to replace those used", missing, self._spare_node)
 
