@@ -4,9 +4,9 @@
                             [--cases shrink,replace] [--shared-objects]
 
 The coordinator's planning runs (``recovery/elastic.py``): the planner
-(``recovery/planner.py``, ``plan``) on both sides as tables (``recovery/columns.py``: per
+(``recovery/planning/reshard.py``, ``plan``) on both sides as tables (``recovery/planning/tables.py``: per
 tensor, every rank's box as arrays), then every rank's reads as one compact message
-(``recovery/readmsg.py``, ``encode``). The inputs are first built the way decoded messages
+(``recovery/planning/message.py``, ``encode``). The inputs are first built the way decoded messages
 give them: one chunk object per rank and tensor whose key, dtype, shape and box tuples are
 objects of their own (``--shared-objects`` reuses one object per value), and read into
 tables (timed on its own: ``tables_s``; from decoded chunk records, as the coordinator reads
@@ -51,12 +51,16 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import background_load, median_of, write_result
 
-from peerckpt.persist.manifest import ChunkRecord
-from peerckpt.recovery.chunks import Box
-from peerckpt.recovery.columnar import NETWORK
-from peerckpt.recovery.columns import ChunkLists, from_chunks, from_records
-from peerckpt.recovery.planner import HeldChunk, ReadPlan, WantedChunk, itemsize, plan
-from peerckpt.recovery.readmsg import decode, encode
+from peerckpt.boxes import Box
+from peerckpt.dtypes import itemsize
+from peerckpt.manifest import ChunkRecord
+from peerckpt.reads import decode
+from peerckpt.recovery.planning.message import encode
+from peerckpt.recovery.planning.reshard import plan
+from peerckpt.recovery.planning.results import ReadPlan
+from peerckpt.recovery.planning.table_reads import NETWORK
+from peerckpt.recovery.planning.tables import ChunkLists, from_chunks, from_records
+from peerckpt.recovery.planning.types import HeldChunk, WantedChunk
 
 TARGET_S = 2.0
 PER_NODE = 8

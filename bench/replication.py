@@ -53,12 +53,12 @@ from common import (
     write_result,
 )
 
-from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
+from peerckpt.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.replication.arena import Arena
 from peerckpt.replication.replicator import BuddySender, ReplicationJob
 from peerckpt.replication.store import Slot, SlotStore
 from peerckpt.replication.transfer import IO_TIMEOUT_S, DataServer, send_bytes
-from peerckpt.replication.wire import Connection, connect_tcp, raise_if_error
+from peerckpt.wire import Connection, connect_tcp, raise_if_error
 
 PIECE = 64 << 20
 CHUNKS = 16  # tensors in the snapshot: one crc32c each

@@ -27,9 +27,10 @@ from typing import Any
 import psutil
 
 from peerckpt.chaos.spec import parse_chaos
-from peerckpt.replication.arena import SHM_DIR, segment_prefix
-from peerckpt.runtime.launcher import JobResult, JobSpec, LocalLauncher
-from peerckpt.runtime.report import failure_rows
+from peerckpt.launch.base import JobResult, JobSpec
+from peerckpt.launch.local import LocalLauncher
+from peerckpt.launch.report import failure_rows
+from peerckpt.shm import SHM_DIR, segment_prefix
 
 # Each entry: a weight, and the clause(s) of one fault for rank r at step s (one fault may be
 # two clauses: a second kill timed inside the recovery of the first counts as two faults).

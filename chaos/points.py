@@ -1,13 +1,15 @@
-"""The inside half of the chaos harness: phase points and network faults, in job processes.
+"""The inside half of the chaos harness: the fault hooks it installs in job processes.
 
 The launcher's chaos monkey acts from outside (signals, killing processes). Two kinds of fault
-need a hook inside a process, and both are driven by files in the job's chaos directory
-(``PEERCKPT_CHAOS_DIR``, set only when the spec needs it; without it every hook returns at
-once):
+need a hook inside a process; :class:`ChaosHooks` implements the ground layer's interface
+(``peerckpt/faults.py``), and :func:`hooks` is the factory registered for it (entry point
+``peerckpt.faults``). Both are driven by files in the job's fault directory
+(``PEERCKPT_FAULTS_DIR``, set by the launcher only when the spec needs it; without it a
+process gets no hooks at all):
 
 - **Phase points** (``during=snapshot|replication|recovery``). The monkey *arms* a point by
   writing ``armed-<i>.json`` (phase and what must match: a rank or a node). The first process
-  that reaches a matching :func:`strike_point` renames it to ``hit-<i>.json`` (a rename
+  that reaches a matching :meth:`ChaosHooks.strike` renames it to ``hit-<i>.json`` (a rename
   happens once, so one process wins) and holds still until the monkey, which saw the hit, has
   fired the kill and written ``done-<i>``. The kill thus lands while that process is inside
   the phase: half of a snapshot copied, a push half sent, a restore half fetched.
@@ -27,24 +29,35 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Protocol
+from typing import Any
 
 from peerckpt.errors import PeerUnavailable
+from peerckpt.faults import Cuttable, FaultHooks
 
 log = logging.getLogger("peerckpt.chaos")
 HOLD_S = 30.0  # the longest a process holds still at a struck point, waiting for the kill
-ENV = "PEERCKPT_CHAOS_DIR"
 
 
-def chaos_dir() -> str | None:
-    return os.environ.get(ENV) or None
+class ChaosHooks(FaultHooks):
+    """Phase points read from ``directory``; network faults for an agent (``net``)."""
+
+    active = True
+
+    def __init__(self, directory: str, node: int, network: bool) -> None:
+        self.directory = directory
+        self.net = NetFaults(os.path.join(directory, f"net-{node}.json")) if network else None
+
+    def strike(self, phase: str, **where: Any) -> bool:
+        return strike_point(self.directory, phase, **where)
 
 
-def strike_point(phase: str, **where: Any) -> bool:
+def hooks(directory: str, node: int, network: bool) -> ChaosHooks:
+    """The factory of the ``peerckpt.faults`` entry point."""
+    return ChaosHooks(directory, node, network)
+
+
+def strike_point(directory: str, phase: str, **where: Any) -> bool:
     """Hold still here if an armed ``phase`` point matches ``where``; True if one was struck."""
-    directory = chaos_dir()
-    if directory is None:
-        return False
     try:
         names = sorted(n for n in os.listdir(directory) if n.startswith("armed-"))
     except OSError:
@@ -78,10 +91,6 @@ def strike_point(phase: str, **where: Any) -> bool:
     return False
 
 
-class _Cuttable(Protocol):
-    def close(self) -> None: ...
-
-
 class NetFaults:
     """One agent's network faults, read from its ``net-<node>.json``."""
 
@@ -92,7 +101,7 @@ class NetFaults:
         self.slow_until = 0.0
         self.rate = 0.0
         self._mtime = 0.0
-        self._conns: weakref.WeakSet[_Cuttable] = weakref.WeakSet()
+        self._conns: weakref.WeakSet[Cuttable] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._healed = threading.Condition(self._lock)
         self._sent_at = 0.0  # the pacing clock of a slowed link
@@ -148,7 +157,7 @@ class NetFaults:
                 self._healed.notify_all()
 
     # -- the transport's hooks ------------------------------------------------------------
-    def track(self, conn: _Cuttable) -> None:
+    def track(self, conn: Cuttable) -> None:
         """A new TCP connection: it is cut when a partition starts."""
         with self._lock:
             self._conns.add(conn)
@@ -164,9 +173,12 @@ class NetFaults:
         if self.partitioned():
             raise PeerUnavailable(f"connection to {peer} cut (chaos: partition)")
 
+    def slowed(self) -> bool:
+        return bool(self.rate) and time.time() < (self.slow_until or float("inf"))
+
     def pace(self, nbytes: int) -> None:
         """Sleep so that what is sent stays under the slow link's rate."""
-        if not self.rate or time.time() >= (self.slow_until or float("inf")):
+        if not self.slowed():
             return
         with self._lock:
             now = time.monotonic()
@@ -174,16 +186,3 @@ class NetFaults:
             wait = self._sent_at - now
         if wait > 0:
             time.sleep(wait)
-
-
-FAULTS: NetFaults | None = None  # set in an agent when the job's chaos needs network faults
-
-
-def install_net_faults(node: int) -> NetFaults | None:
-    """In an agent: start watching this node's network faults, if the job has any."""
-    global FAULTS
-    directory = chaos_dir()
-    if directory is None:
-        return None
-    FAULTS = NetFaults(os.path.join(directory, f"net-{node}.json"))
-    return FAULTS

@@ -19,8 +19,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from peerckpt.runtime.launcher import JobResult, JobSpec, LocalLauncher
-from peerckpt.runtime.report import failure_rows, format_failures
+from peerckpt.launch.base import JobResult, JobSpec
+from peerckpt.launch.local import LocalLauncher
+from peerckpt.launch.report import failure_rows, format_failures
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "demo-out"

@@ -13,6 +13,15 @@ plus ``peerckpt.Shard`` / ``peerckpt.FlatShard`` (hand-sharded tensors), the dat
 protocol ``peerckpt.Reshardable`` and ``peerckpt.ResumableSampler`` which implements it,
 
 and the launcher: ``peerckpt run --nodes N --nproc-per-node P [--spares S] script.py``.
+
+Layer: ground. The modules directly in this folder are the vocabulary no process owns
+(errors, chunk and manifest types, box math, dtypes, the codec and typed messages, wire
+framing, RPC plumbing, shared-memory names, named states, the fault-hook interface). They
+may import nothing of peerckpt above them. This package's public names above are loaded lazily
+from the rank's package when a training script asks for them, so that agents and the
+coordinator never import torch. ``launch/`` and ``cli.py`` (top layer) live here too, as the
+command line's home. docs/architecture.md draws the layers; ``tests/test_layers.py`` keeps
+them.
 """
 
 from peerckpt.errors import (

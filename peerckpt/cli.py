@@ -11,11 +11,13 @@ import sys
 from fractions import Fraction
 
 from peerckpt.errors import PeerckptError
-from peerckpt.replication.placement import STRATEGY_NAMES
+from peerckpt.recovery.placement import STRATEGY_NAMES
 
 
 def _run(args: argparse.Namespace) -> int:
-    from peerckpt.runtime.launcher import JobSpec, LocalLauncher, format_report
+    from peerckpt.launch.base import JobSpec
+    from peerckpt.launch.local import LocalLauncher
+    from peerckpt.launch.report import format_report
 
     spec = JobSpec(
         script=args.script,
@@ -39,7 +41,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _chaos(args: argparse.Namespace) -> int:
-    from peerckpt.chaos.campaign import default_json_path, format_table, run_campaign, write_json
+    from peerckpt.chaos import default_json_path, format_table, run_campaign, write_json
 
     if args.faults < 1 or args.nodes < 2 or args.every < 2 or args.start < 1:
         raise PeerckptError(
@@ -86,7 +88,7 @@ def _persist(args: argparse.Namespace) -> dict[str, object] | None:
                 "--persist-every, --persist-interval, --keep and --allow-older need --persist URL"
             )
         return None
-    from peerckpt.recovery.flush import PersistConfig
+    from peerckpt.persist.config import PersistConfig
 
     config = PersistConfig.from_settings(
         args.persist, args.persist_every, args.persist_interval, args.keep, args.allow_older
@@ -95,7 +97,7 @@ def _persist(args: argparse.Namespace) -> dict[str, object] | None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from peerckpt.replication.survival import plan
+    from peerckpt.recovery.survival import plan
 
     _check_plan_args(args)
     names = STRATEGY_NAMES if args.strategy == "all" else (args.strategy,)
@@ -124,7 +126,7 @@ def _plan(args: argparse.Namespace) -> int:
         }
         print(json.dumps(out, indent=2))
         return 0
-    from peerckpt.replication.arena import human
+    from peerckpt.units import human
 
     print(
         f"{args.nodes} nodes, {args.replicas} replica(s) per snapshot ({args.replicas + 1} "
@@ -364,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "chaos":
             return _chaos(args)
         if args.command == "join":
-            from peerckpt.runtime.join import join as join_job
+            from peerckpt.launch.join import join as join_job
 
             script = [args.script, *args.script_args] if args.script else None
             return join_job(args.job, args.nproc_per_node, script)

@@ -1,1 +1,10 @@
-"""The durable tier's formats. For now the snapshot manifest, shared with replication."""
+"""The durable tier: the checkpoint format and store, read and written through fsspec.
+
+Layer: library. It may import the ground vocabulary (``peerckpt/``) only. The agents write
+through it, the coordinator schedules and commits through it, the ranks and the CLI read
+through it.
+
+Here: ``config.py`` (where and how often), ``durable.py`` (the format, writers, readers,
+retention), ``interop.py`` (safetensors, the ``torch.distributed.checkpoint`` reader),
+``inspect.py`` (``peerckpt inspect``).
+"""

@@ -36,10 +36,10 @@ from typing import Any, Protocol
 
 import crc32c
 import fsspec
-import msgpack
 
+from peerckpt.codec import pack, unpack
 from peerckpt.errors import CheckpointError, CorruptCheckpoint, NoCheckpoint
-from peerckpt.persist.manifest import FORMAT_VERSION, META_KEY, ChunkRecord, align, chunk_name
+from peerckpt.manifest import FORMAT_VERSION, META_KEY, ChunkRecord, align, chunk_name
 
 _STEP_DIR = re.compile(r"step-(\d{12})$")
 MARKER = "COMMITTED"
@@ -312,13 +312,9 @@ class _DirectFile:
         os.close(self.fd)
 
 
-def _pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
 def _unpack(raw: bytes, what: str) -> Any:
     try:
-        return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        return unpack(raw)
     except Exception as exc:  # msgpack raises several types for bad input
         raise CorruptCheckpoint(f"{what} is not a valid msgpack document: {exc}") from None
 
@@ -408,7 +404,7 @@ class DurableStore:
             "node": node,
             "chunks": [[rank, c.to_msg()] for rank, c in stored],
         }
-        self._put(self.step_path(step, f"part-n{node}.msgpack"), _pack(part))
+        self._put(self.step_path(step, f"part-n{node}.msgpack"), pack(part))
         return [c for _, c in stored]
 
     def commit(
@@ -447,9 +443,9 @@ class DurableStore:
                 f"e.g. {missing[:3]}"
             )
         manifest = DurableManifest(step, epoch, len(layouts), ranks)
-        raw = _pack(manifest.to_msg())
+        raw = pack(manifest.to_msg())
         self._put(self.step_path(step, MANIFEST), raw)
-        self._put(self.step_path(step, MARKER), _pack({"step": step, "crc": crc32c.crc32c(raw)}))
+        self._put(self.step_path(step, MARKER), pack({"step": step, "crc": crc32c.crc32c(raw)}))
         self._put(self._path(LATEST), str(step).encode())
         if keep is not None:
             self.retain(keep)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from peerckpt.manifest import META_KEY
 from peerckpt.persist.durable import DurableStore
-from peerckpt.persist.manifest import META_KEY
-from peerckpt.replication.arena import human
+from peerckpt.units import human
 
 
 def inspect(url: str, step: int | None = None, verify: bool = False) -> tuple[list[str], bool]:

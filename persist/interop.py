@@ -28,9 +28,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from peerckpt.dtypes import dtype_of
 from peerckpt.errors import CorruptCheckpoint
 from peerckpt.persist.durable import DurableCheckpoint, DurableStore, StoredChunk
-from peerckpt.runtime.layouts import dtype_of
 
 
 def fqn(key: str, prefix: str | None = None) -> str | None:

@@ -28,13 +28,15 @@ from typing import Any
 import grpc
 
 from peerckpt.errors import CheckpointError, ConfigurationError, RecoveryFailed, StaleEpoch
+from peerckpt.membership import Membership
+from peerckpt.persist.config import PersistConfig
+from peerckpt.reads import STORAGE
+from peerckpt.recovery.commits import CommitTracker
 from peerckpt.recovery.elastic import ReshardRounds
 from peerckpt.recovery.epochs import DeferredRecovery, EpochChanges
-from peerckpt.recovery.flush import FlushScheduler, PersistConfig
+from peerckpt.recovery.flushes import FlushScheduler
 from peerckpt.recovery.liveness import Liveness
-from peerckpt.recovery.membership import CommitTracker, Membership
-from peerckpt.recovery.planner import STORAGE
-from peerckpt.replication.placement import Placement, RingPlacement
+from peerckpt.recovery.placement import Placement, RingPlacement
 
 log = logging.getLogger("peerckpt.coordinator")
 REBUILD_WAIT_FACTOR = 2.0  # a restarted coordinator waits this many heartbeat timeouts for agents

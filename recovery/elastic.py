@@ -10,9 +10,9 @@ Pure functions and one small state holder, no I/O; the coordinator calls them un
 In the last two the layout changes and every rank restores through a plan. A resharding
 round starts when a rank calls ``ctx.track`` and sends the boxes it wants; when every rank of
 the epoch has sent its wants for the round, ``ReshardRounds`` plans all their reads at once
-(``recovery/planner.py``) and hands back, per node, the reads of the ranks on it, each rank's
-as one compact message (``recovery/readmsg.py``). The planner gets both sides as tables
-(``recovery/columns.py``); the committed layouts' table is made once per committed layout.
+(``recovery/planning/reshard.py``) and hands back, per node, the reads of the ranks on it, each rank's
+as one compact message (``recovery/planning/message.py``). The planner gets both sides as tables
+(``recovery/planning/tables.py``); the committed layouts' table is made once per committed layout.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from peerckpt.persist.manifest import META_KEY, ChunkRecord
-from peerckpt.recovery.columns import ChunkLists, from_records
-from peerckpt.recovery.membership import CommitTracker, Membership, RankAssignment
-from peerckpt.recovery.planner import HeldChunk, WantedChunk, plan
-from peerckpt.recovery.readmsg import encode
+from peerckpt.manifest import META_KEY, ChunkRecord
+from peerckpt.membership import Membership, RankAssignment
+from peerckpt.recovery.commits import CommitTracker
+from peerckpt.recovery.planning.message import encode
+from peerckpt.recovery.planning.reshard import plan
+from peerckpt.recovery.planning.tables import ChunkLists, from_records
+from peerckpt.recovery.planning.types import HeldChunk, WantedChunk
 
 
 def replaced(
@@ -97,7 +99,7 @@ class ReshardRounds:
         self, members: Membership, tracker: CommitTracker, round_: int, rank: int, wants: list[Any]
     ) -> dict[int, dict[int, dict[str, Any]]] | None:
         """Record ``rank``'s wants; when the round is complete, return node → rank → its
-        reads as a message (``recovery/readmsg.py``, whose ``decode`` the node's agent uses).
+        reads as a message (``peerckpt/reads.py``, whose ``decode`` the node's agent uses).
 
         Raises RecoveryFailed (from the planner) if some wanted box survives nowhere.
         """

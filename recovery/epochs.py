@@ -4,7 +4,7 @@ shrinking when no spare is left, growing when a node joins.
 ``EpochChanges`` is mixed into ``Coordinator`` (``recovery/coordinator.py``); its methods run
 under the coordinator's lock and change only the coordinator's own state, then broadcast the
 new membership to the agents. The arithmetic of who becomes which rank lives in
-``recovery/elastic.py``, the choice of restore sources in ``recovery/plan.py``.
+``recovery/elastic.py``, the choice of restore sources in ``recovery/planning/sources.py``.
 """
 
 from __future__ import annotations
@@ -15,16 +15,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from peerckpt.errors import CheckpointError, NoCheckpoint, RecoveryFailed
+from peerckpt.membership import Membership, RankAssignment
 from peerckpt.persist.durable import DurableCheckpoint, DurableStore
+from peerckpt.reads import STORAGE
+from peerckpt.recovery.commits import CommitTracker
 from peerckpt.recovery.elastic import grown, old_layout_summary, replaced, shrunk
-from peerckpt.recovery.membership import CommitTracker, Membership, RankAssignment
-from peerckpt.recovery.plan import plan_sources
-from peerckpt.recovery.planner import STORAGE
+from peerckpt.recovery.planning.sources import plan_sources
 
 if TYPE_CHECKING:
     from peerckpt.recovery.coordinator import AgentInfo, ProcInfo
-    from peerckpt.recovery.flush import FlushScheduler
-    from peerckpt.replication.placement import Placement
+    from peerckpt.recovery.flushes import FlushScheduler
+    from peerckpt.recovery.placement import Placement
 
 log = logging.getLogger("peerckpt.coordinator")
 

@@ -17,9 +17,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from peerckpt.membership import Membership
+    from peerckpt.recovery.commits import CommitTracker
     from peerckpt.recovery.coordinator import AgentInfo
     from peerckpt.recovery.epochs import DeferredRecovery
-    from peerckpt.recovery.membership import CommitTracker, Membership
 
 log = logging.getLogger("peerckpt.coordinator")
 FINISH_FLUSH_S = 300.0  # how long a finished job waits for its last flush

@@ -13,11 +13,11 @@ import logging
 import os
 import sys
 
+from peerckpt.persist.config import PersistConfig
 from peerckpt.recovery.coordinator import Coordinator
-from peerckpt.recovery.flush import PersistConfig
-from peerckpt.recovery.rpc import RpcServer
-from peerckpt.replication.placement import placement_by_name
-from peerckpt.runtime.env import service_process, stop_on_signals
+from peerckpt.recovery.placement import placement_by_name
+from peerckpt.rpc import RpcServer
+from peerckpt.service import service_process, stop_on_signals
 
 log = logging.getLogger("peerckpt.coordinator")
 

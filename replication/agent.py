@@ -25,19 +25,20 @@ import threading
 import time
 from typing import Any
 
-from peerckpt.chaos.points import install_net_faults
+from peerckpt import faults as fault_hooks
 from peerckpt.errors import PeerckptError, PeerUnavailable, StaleEpoch
-from peerckpt.persist.manifest import META_KEY, ChunkRecord, SnapshotManifest
-from peerckpt.recovery.membership import Membership
-from peerckpt.recovery.rpc import RpcClient, is_stream_closed
+from peerckpt.faults import NO_FAULTS, FaultHooks
+from peerckpt.manifest import META_KEY, ChunkRecord, SnapshotManifest
+from peerckpt.membership import Membership
 from peerckpt.replication.arena import Arena
 from peerckpt.replication.control import ControlServer, ProcLink
-from peerckpt.replication.flusher import Flusher
 from peerckpt.replication.recovering import RankRecovery
 from peerckpt.replication.replicator import BuddySender, ReplicationJob
 from peerckpt.replication.store import SlotStore
 from peerckpt.replication.transfer import Cancelled, DataServer
-from peerckpt.runtime.env import service_process, stop_on_signals
+from peerckpt.replication.writer import Flusher
+from peerckpt.rpc import RpcClient, is_stream_closed
+from peerckpt.service import service_process, stop_on_signals
 
 log = logging.getLogger("peerckpt.agent")
 COORDINATOR_GRACE_S = 30.0  # how long an agent waits for a restarted coordinator
@@ -60,10 +61,11 @@ class Agent(RankRecovery):
         spare_node: bool = False,
         host: str = "127.0.0.1",
         joining: int = 0,
+        faults: FaultHooks = NO_FAULTS,
     ) -> None:
         self.joining = joining
-        # Before any connection exists: the chaos network faults apply to every TCP link.
-        self.faults = install_net_faults(node)
+        self.faults = faults
+        self.net = faults.net  # network fault hooks of this node's TCP links, if any
         self.job, self.node, self._secret = job, node, secret
         self.spare_node = spare_node
         self.arena = Arena(job, node)
@@ -73,7 +75,13 @@ class Agent(RankRecovery):
         self.gen = 0  # the layout generation of this epoch's snapshots
         self._reported_layouts: dict[tuple[int, int], tuple[Any, ...]] = {}
         self.data = DataServer(
-            self.store, secret, job, lambda: self.epoch, lambda: self.committed_step, host
+            self.store,
+            secret,
+            job,
+            lambda: self.epoch,
+            lambda: self.committed_step,
+            host,
+            net=self.net,
         )
         self.control = ControlServer(socket_path, secret, job, self._on_message, self._on_lost)
         self.membership: Membership | None = None
@@ -135,8 +143,7 @@ class Agent(RankRecovery):
             for thread in self._threads:
                 thread.join(timeout=2.0)
             self.rpc.close()
-            if self.faults is not None:
-                self.faults.stop()
+            self.faults.close()
         finally:
             self.arena.destroy()
 
@@ -154,8 +161,8 @@ class Agent(RankRecovery):
         try:
             self._watch_call = self.rpc.stream("Watch", node=self.node)
             for event in self._watch_call:
-                if self.faults is not None:  # a partition delays what the coordinator says
-                    self.faults.wait_healed(self.stopping)
+                if self.net is not None:  # a partition delays what the coordinator says
+                    self.net.wait_healed(self.stopping)
                 kind = event["type"]
                 if kind == "membership":
                     self._on_membership(Membership.from_msg(event))
@@ -168,8 +175,8 @@ class Agent(RankRecovery):
                 elif kind == "shutdown":
                     self._on_shutdown(event)
                     return False
-            if self.faults is not None:  # the stream's end, too, arrives after the partition
-                self.faults.wait_healed(self.stopping)
+            if self.net is not None:  # the stream's end, too, arrives after the partition
+                self.net.wait_healed(self.stopping)
             if not self.stopping.is_set():
                 log.warning("the coordinator ended this node's event stream: declared lost")
                 self._exit_reason = f"node {self.node} was declared lost by the coordinator"
@@ -244,7 +251,7 @@ class Agent(RankRecovery):
     def _heartbeat(self) -> None:
         while not self.stopping.wait(self.heartbeat_interval):
             self._fence_silent()
-            if self.faults is not None and self.faults.partitioned():
+            if self.net is not None and self.net.partitioned():
                 continue  # cut off: the coordinator hears nothing from this node
             try:
                 self.rpc.call("Heartbeat", timeout=2.0, node=self.node, epoch=self.epoch)
@@ -266,8 +273,8 @@ class Agent(RankRecovery):
             self._report("ProcLost", pid=link.pid, reason=reason)
 
     def _report(self, method: str, **args: Any) -> None:
-        if self.faults is not None:
-            self.faults.wait_healed(self.stopping)
+        if self.net is not None:
+            self.net.wait_healed(self.stopping)
         try:
             self.rpc.call(method, node=self.node, **args)
         except PeerckptError as exc:
@@ -401,6 +408,7 @@ class Agent(RankRecovery):
                     self._sent,
                     retry_s=2 * self.heartbeat_timeout,
                     local_node=self.node,
+                    faults=self.faults,
                 )
                 self._senders[node] = sender
             return sender
@@ -500,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args(argv)
     secret = service_process(f"agent node={args.node}")
+    # Before any connection exists: network faults apply to every TCP link of the node.
+    faults = fault_hooks.load(args.node, network=True)
     agent = Agent(
         args.job,
         args.node,
@@ -509,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         args.spare_node,
         args.host,
         joining=args.joining,
+        faults=faults,
     )
     stop_on_signals(agent.stopping.set)
     try:

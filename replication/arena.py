@@ -1,9 +1,9 @@
 """The shared-memory arena: named segments in /dev/shm that hold snapshot slots and replicas.
 
-An agent owns its node's arena. Every segment is a file ``/dev/shm/peerckpt-<job>-n<node>-…``
+An agent owns its node's arena. Every segment is a file named as ``peerckpt/shm.py`` says,
 created, touched once (so the first snapshot copy does not pay page faults) and, on exit,
 unlinked by the agent — also on error. The launcher removes whatever a killed agent could not
-(``sweep``). Ranks map their own slots with ``map_segment``; they never create or unlink.
+(``shm.sweep``). Ranks map their own slots; they never create or unlink.
 
 Nothing here imports torch: the agent stays a small process.
 """
@@ -11,7 +11,6 @@ Nothing here imports torch: the agent stays a small process.
 from __future__ import annotations
 
 import contextlib
-import glob
 import logging
 import mmap
 import os
@@ -21,26 +20,11 @@ import threading
 import psutil
 
 from peerckpt.errors import InsufficientMemory
+from peerckpt.shm import POPULATE, SHM_DIR, segment_prefix, sweep
+from peerckpt.units import human
 
-SHM_DIR = "/dev/shm"
 _TOUCH_BLOCK = 1 << 20
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 log = logging.getLogger("peerckpt.arena")
-
-
-def segment_prefix(job: str, node: int | None = None) -> str:
-    """File-name prefix of a job's segments (of one node when ``node`` is given)."""
-    base = f"peerckpt-{job}-"
-    return base if node is None else f"{base}n{node}-"
-
-
-def human(nbytes: float) -> str:
-    """Format a byte count for people."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(nbytes) < 1024 or unit == "TiB":
-            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
-        nbytes /= 1024
-    return f"{nbytes:.1f} TiB"
 
 
 def check_memory(nbytes: int, what: str) -> None:
@@ -116,9 +100,9 @@ class Arena:
                     f"{what}: {SHM_DIR} could not hold {human(size)} more ({exc.strerror}); "
                     f"free memory there or enlarge it (mount -o remount,size=… {SHM_DIR})"
                 ) from None
-            # MAP_POPULATE maps every page now, without the zero-filled buffer a touch
+            # MAPPOPULATE maps every page now, without the zero-filled buffer a touch
             # from Python needs (64 MiB of transient private memory in each agent).
-            flags = mmap.MAP_SHARED | (_POPULATE if touch else 0)
+            flags = mmap.MAP_SHARED | (POPULATE if touch else 0)
             mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.unlink(path)
@@ -129,7 +113,7 @@ class Arena:
         with self._lock:
             self._segments[name] = segment
         try:
-            if touch and not _POPULATE:
+            if touch and not POPULATE:
                 _touch(segment.view)
         except BaseException:
             self.release(segment)
@@ -164,24 +148,3 @@ def _touch(view: memoryview) -> None:
     for start in range(0, len(view), _TOUCH_BLOCK):
         end = min(start + _TOUCH_BLOCK, len(view))
         view[start:end] = zeros[: end - start]
-
-
-def map_segment(path: str) -> mmap.mmap:
-    """Map an existing segment read-write, pre-faulting its pages (used by ranks)."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        size = os.fstat(fd).st_size
-        flags = mmap.MAP_SHARED | _POPULATE
-        return mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-
-
-def sweep(job: str, node: int | None = None) -> list[str]:
-    """Remove every segment file of ``job`` (of one node if given); return what was removed."""
-    removed = []
-    for path in glob.glob(os.path.join(SHM_DIR, segment_prefix(job, node) + "*")):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-            removed.append(path)
-    return removed

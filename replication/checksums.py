@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import crc32c
 
 from peerckpt.errors import PeerckptError
-from peerckpt.persist.manifest import ChunkRecord
+from peerckpt.manifest import ChunkRecord
 
 _WAIT_S = 120.0
 

@@ -24,8 +24,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from peerckpt.codec import pack, unpack
 from peerckpt.errors import PeerckptError, PeerUnavailable
-from peerckpt.replication.wire import Connection, pack, server_handshake, unpack
+from peerckpt.wire import Connection, server_handshake
 
 log = logging.getLogger("peerckpt.control")
 

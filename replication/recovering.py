@@ -4,9 +4,9 @@
 event it fences the new epoch, tells the local processes to abort, cancels replication in
 flight, and prepares each local rank of the new epoch in its own thread: in the same
 topology it obtains the rank's committed snapshot (own slot, local replica, or a fetch from
-the plan's sources, checksums verified, ``replication/restore.py``); after a topology
+the plan's sources, checksums verified, ``replication/obtain.py``); after a topology
 change it gathers the pieces the coordinator's plan names into a staging segment
-(``replication/reshard.py``). Then it sends the rank ``epoch`` (or ``staging``).
+(``replication/gather.py``). Then it sends the rank ``epoch`` (or ``staging``).
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from peerckpt.chaos.points import strike_point
 from peerckpt.errors import RecoveryFailed
-from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
-from peerckpt.recovery.membership import Membership
-from peerckpt.recovery.readmsg import decode as decode_reads
-from peerckpt.replication.reshard import assemble
-from peerckpt.replication.restore import obtain_committed
+from peerckpt.faults import FaultHooks, NetHooks
+from peerckpt.manifest import ChunkRecord, SnapshotManifest
+from peerckpt.membership import Membership
+from peerckpt.reads import decode as decode_reads
+from peerckpt.replication.gather import assemble
+from peerckpt.replication.obtain import obtain_committed
 from peerckpt.replication.transfer import IO_TIMEOUT_S
-from peerckpt.replication.wire import Connection, connect_tcp
+from peerckpt.wire import Connection, connect_tcp
 
 if TYPE_CHECKING:
     from peerckpt.replication.control import ControlServer
@@ -39,6 +39,8 @@ class RankRecovery:
 
     job: str
     node: int
+    faults: FaultHooks
+    net: NetHooks | None
     _secret: bytes
     epoch: int
     gen: int
@@ -60,7 +62,11 @@ class RankRecovery:
 
         def connect(source: int) -> Connection:
             return connect_tcp(
-                members.node_addrs[source], self._secret, self.job, io_timeout=IO_TIMEOUT_S
+                members.node_addrs[source],
+                self._secret,
+                self.job,
+                io_timeout=IO_TIMEOUT_S,
+                net=self.net,
             )
 
         return connect
@@ -92,7 +98,7 @@ class RankRecovery:
             return
         restore: dict[str, Any] | None = None
         manifest = None
-        strike_point("recovery", node=self.node, rank=rank, epoch=members.epoch)
+        self.faults.strike("recovery", node=self.node, rank=rank, epoch=members.epoch)
         try:
             if members.mode == "same":
                 restore, manifest = self._obtain(members, rank)
@@ -163,7 +169,7 @@ class RankRecovery:
                 members.restore_gen,
                 members.restore_step,
                 wanted,
-                decode_reads(msg, wanted),  # the plan's compact message (recovery/readmsg.py)
+                decode_reads(msg, wanted),  # the plan's compact message (peerckpt/reads.py)
                 connect,
                 storage_url=members.restore_url,
             )

@@ -20,13 +20,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from peerckpt.chaos.points import chaos_dir, strike_point
 from peerckpt.errors import PeerckptError, PeerUnavailable, StaleEpoch
-from peerckpt.persist.manifest import SnapshotManifest
+from peerckpt.faults import NO_FAULTS, FaultHooks
+from peerckpt.manifest import SnapshotManifest
 from peerckpt.replication.checksums import RunningChecksums
 from peerckpt.replication.store import Slot
 from peerckpt.replication.transfer import IO_TIMEOUT_S, Cancelled, push
-from peerckpt.replication.wire import Connection, connect_tcp
+from peerckpt.wire import Connection, connect_tcp
 
 log = logging.getLogger("peerckpt.replicator")
 
@@ -99,7 +99,9 @@ class BuddySender:
         done: Callable[[ReplicationJob, int, BaseException | None], None],
         retry_s: float = 10.0,
         local_node: int = -1,
+        faults: FaultHooks = NO_FAULTS,
     ) -> None:
+        self._faults = faults
         self._retry_s = retry_s
         self._local_node = local_node
         self._committed_step = committed_step
@@ -180,7 +182,9 @@ class BuddySender:
 
     def _send(self, job: ReplicationJob) -> None:
         if self._conn is None or self._conn.closed:
-            self._conn = connect_tcp(self.address, self._secret, self._job, io_timeout=IO_TIMEOUT_S)
+            self._conn = connect_tcp(
+                self.address, self._secret, self._job, io_timeout=IO_TIMEOUT_S, net=self._faults.net
+            )
         with job.slot.lock:
             if not job.is_current():
                 raise Cancelled("slot was rewritten before it could be sent")
@@ -193,7 +197,7 @@ class BuddySender:
                 job.manifest,
                 job.slot.segment.view,
                 self.cancel,
-                self._midway(job) if chaos_dir() is not None else None,
+                self._midway(job) if self._faults.active else None,
                 crcs=job.crcs,
             )
             if job.slot.manifest is None:
@@ -201,4 +205,4 @@ class BuddySender:
 
     def _midway(self, job: ReplicationJob) -> Callable[[], object]:
         where = {"rank": job.slot.rank, "node": self._local_node, "step": job.manifest.step}
-        return functools.partial(strike_point, "replication", **where)
+        return functools.partial(self._faults.strike, "replication", **where)

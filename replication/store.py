@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from peerckpt.persist.manifest import SnapshotManifest
+from peerckpt.manifest import SnapshotManifest
 from peerckpt.replication.arena import Arena, Segment
 from peerckpt.replication.checksums import RunningChecksums
 

@@ -53,11 +53,12 @@ from peerckpt.errors import (
     PeerUnavailable,
     ProtocolError,
 )
-from peerckpt.persist.manifest import SnapshotManifest
+from peerckpt.faults import NetHooks
+from peerckpt.manifest import SnapshotManifest
 from peerckpt.replication.checksums import RunningChecksums
-from peerckpt.replication.reshard import serve_boxes
+from peerckpt.replication.gather import serve_boxes
 from peerckpt.replication.store import SlotStore
-from peerckpt.replication.wire import Connection, raise_if_error, server_handshake
+from peerckpt.wire import Connection, raise_if_error, server_handshake
 
 PIECE_BYTES = 16 << 20
 IO_TIMEOUT_S = 30.0
@@ -218,7 +219,9 @@ class DataServer:
         current_epoch: Callable[[], int],
         committed_step: Callable[[], int | None],
         host: str = "127.0.0.1",
+        net: NetHooks | None = None,
     ) -> None:
+        self._net = net
         self.store = store
         self._committed_step = committed_step
         self._secret = secret
@@ -258,7 +261,7 @@ class DataServer:
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Connection(sock)
+            conn = Connection(sock, net=self._net)
             with self._lock:
                 self._conns.add(conn)
             threading.Thread(

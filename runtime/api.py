@@ -100,7 +100,7 @@ def resilient(
 
     persisted = None
     if persist is not None:
-        from peerckpt.recovery.flush import PersistConfig
+        from peerckpt.persist.config import PersistConfig
 
         persisted = PersistConfig.from_settings(
             persist, persist_every, persist_interval, keep, persist_allow_older

@@ -17,21 +17,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import torch
 
+from peerckpt.codec import NDARRAY_EXT, TENSOR_EXT, TUPLE_EXT, Ext, pack
+from peerckpt.dtypes import dtype_name
 from peerckpt.errors import StateMismatch
-from peerckpt.persist.manifest import META_KEY, ChunkRecord, align
-from peerckpt.runtime.layouts import FlatShard, Shard, chunk_view, dtype_name, local_of, place
+from peerckpt.manifest import META_KEY, ChunkRecord, align
+from peerckpt.runtime.layouts import FlatShard, Shard, chunk_view, local_of, place
 
 try:
     import numpy as np
 except ImportError:  # numpy is optional for the training process
     np = None  # type: ignore[assignment]
 
-TENSOR_EXT = 1
-TUPLE_EXT = 2
-NDARRAY_EXT = 3
 _SCALARS = (type(None), bool, int, float, str, bytes)
 
 
@@ -72,17 +70,17 @@ class _Flattener:
             self.tensors.append(
                 CapturedTensor(path, tensor, placed.global_shape, placed.offsets, self.scope)
             )
-            return msgpack.ExtType(TENSOR_EXT, path.encode())
+            return Ext(TENSOR_EXT, path.encode())
         if isinstance(obj, dict):
             return {k: self.walk(v, f"{path}/{k}") for k, v in obj.items()}
         if isinstance(obj, list):
             return [self.walk(v, f"{path}/{i}") for i, v in enumerate(obj)]
         if isinstance(obj, tuple):
             items = [self.walk(v, f"{path}/{i}") for i, v in enumerate(obj)]
-            return msgpack.ExtType(TUPLE_EXT, msgpack.packb(items, use_bin_type=True))
+            return Ext(TUPLE_EXT, pack(items))
         if np is not None and isinstance(obj, np.ndarray):
             meta = [obj.dtype.str, list(obj.shape), obj.tobytes()]
-            return msgpack.ExtType(NDARRAY_EXT, msgpack.packb(meta, use_bin_type=True))
+            return Ext(NDARRAY_EXT, pack(meta))
         if np is not None and isinstance(obj, np.generic):
             return obj.item()
         if isinstance(obj, _SCALARS):
@@ -204,7 +202,7 @@ def capture(tracked: dict[str, Any], step: int, extra: dict[str, Any]) -> Captur
                 "load_state_dict(); track modules, optimizers, tensors or Stateful objects"
             )
     meta = {"step": step, "rng": capture_rng(), "objects": objects, **extra}
-    blob = msgpack.packb(meta, use_bin_type=True)
+    blob = pack(meta)
     return Captured(shared.tensors + private.tensors, blob)
 
 

@@ -18,8 +18,9 @@ from concurrent.futures import Future
 from typing import Any
 
 from peerckpt import errors
+from peerckpt.codec import pack, unpack
 from peerckpt.errors import PeerckptError, PeerUnavailable
-from peerckpt.replication.wire import connect_unix, pack, unpack
+from peerckpt.wire import connect_unix
 
 log = logging.getLogger("peerckpt.channel")
 HEARTBEAT_S = 0.25  # how often a rank process tells its agent it is alive

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -72,25 +70,3 @@ class RankFilter(logging.Filter):
         step = getattr(rt, "step", None)
         record.step = step if step is not None else "-"
         return True
-
-
-def service_process(label: str) -> bytes:
-    """Start a peerckpt service process (agent, coordinator): logging labelled ``label`` on
-    stderr, at ``PEERCKPT_LOG_LEVEL``; return the job's secret from ``PEERCKPT_SECRET``."""
-    logging.basicConfig(
-        level=os.environ.get("PEERCKPT_LOG_LEVEL", "INFO"),
-        format=f"%(asctime)s peerckpt[{label}] %(levelname)s %(message)s",
-    )
-    try:
-        return bytes.fromhex(os.environ["PEERCKPT_SECRET"])
-    except (KeyError, ValueError):
-        raise ConfigurationError(
-            "PEERCKPT_SECRET must hold the job's secret in hex; `peerckpt run` sets it for the "
-            "processes it starts"
-        ) from None
-
-
-def stop_on_signals(stop: Callable[[], None]) -> None:
-    """Make SIGTERM and SIGINT call ``stop`` (the process then shuts down in order)."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop())

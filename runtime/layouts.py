@@ -21,8 +21,9 @@ from typing import Any, TypeGuard
 
 import torch
 
+from peerckpt.dtypes import dtype_of
 from peerckpt.errors import StateMismatch
-from peerckpt.persist.manifest import ChunkRecord
+from peerckpt.manifest import ChunkRecord
 
 try:
     from torch.distributed.tensor import DTensor
@@ -87,7 +88,7 @@ class FlatShard:
 
     def pieces(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...], int]]:
         """(tensor name, its global shape, box offsets, box lengths, offset in ``local``)."""
-        from peerckpt.recovery.chunks import flat_shards_to_boxes
+        from peerckpt.boxes import flat_shards_to_boxes
 
         names = list(self.shapes)
         bases, base = [], 0
@@ -148,17 +149,6 @@ def local_of(value: torch.Tensor | Shard) -> torch.Tensor:
     if is_dtensor(value):
         return value.to_local()
     return value
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_of(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise StateMismatch(f"unknown dtype {name!r} in a snapshot")
-    return dtype
 
 
 def chunk_view(slot: torch.Tensor, chunk: ChunkRecord) -> torch.Tensor:

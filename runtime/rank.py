@@ -29,16 +29,17 @@ from typing import Any
 
 import torch
 
+from peerckpt import faults as fault_hooks
 from peerckpt.errors import MembershipChanged, PeerckptError
-from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
+from peerckpt.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.runtime import capture
 from peerckpt.runtime.channel import AgentChannel
 from peerckpt.runtime.env import LaunchEnv, RankFilter
 from peerckpt.runtime.pg import ProcessGroupLifecycle
-from peerckpt.runtime.processes import EXIT_RESTART, MAX_RESTARTS
 from peerckpt.runtime.snapshot import SnapshotEngine
 from peerckpt.runtime.state import Assignment, RankState, check_transition
 from peerckpt.runtime.tracking import Tracking
+from peerckpt.states import MAX_RESTARTS, ExitCode
 
 log = logging.getLogger("peerckpt.rank")
 
@@ -94,7 +95,8 @@ class RankRuntime(Tracking):
             persist,
         )
         self.pg = ProcessGroupLifecycle(env.job, pg_timeout_s, backend)
-        self.engine = SnapshotEngine(self.channel)
+        self.faults = fault_hooks.load(env.node)
+        self.engine = SnapshotEngine(self.channel, node=env.node, faults=self.faults)
         self._stop = threading.Event()
         self._watchdog = threading.Thread(
             target=self._watch_parent, name="peerckpt-watchdog", daemon=True
@@ -140,7 +142,7 @@ class RankRuntime(Tracking):
                 if self._shutdown is not None:
                     return
             log.error("the node agent is gone (node lost); this rank process exits")
-            os._exit(70)
+            os._exit(ExitCode.NODE_LOST)
 
     def _abort(self, epoch: int) -> None:
         with self._cond:
@@ -194,7 +196,7 @@ class RankRuntime(Tracking):
         Its node is healthy and its state is in the agent's memory, so a fresh process on
         the same node can take its place: it tells its agent, which tells the coordinator
         that a spare is starting (the recovery then waits for it instead of shrinking the
-        world), and exits with ``EXIT_RESTART``; the launcher starts that spare. After
+        world), and exits with ``ExitCode.RESTART``; the launcher starts that spare. After
         ``MAX_RESTARTS`` in a row it exits as a lost rank instead.
         """
         restarts = int(os.environ.get("PEERCKPT_RESTARTS", "0"))
@@ -202,14 +204,14 @@ class RankRuntime(Tracking):
             f"could not leave aborted epoch {epoch} within {waited_s:.0f} s (blocked in a "
             "collective that cutting its connections did not release)"
         )
-        code = 74
+        code = ExitCode.GAVE_UP
         if restarts < MAX_RESTARTS:
             try:
                 self.channel.request("restarting", timeout=5.0, reason=why)
-                code = EXIT_RESTART
+                code = ExitCode.RESTART
             except Exception as exc:  # the agent is gone or did not answer: just leave
                 log.warning("could not announce a restart in place: %s", _short(exc))
-        if code == EXIT_RESTART:
+        if code is ExitCode.RESTART:
             log.error("%s; a fresh process on this node takes its place", why)
         else:
             log.error("%s; this process exits and the job goes on without it", why)
@@ -226,7 +228,7 @@ class RankRuntime(Tracking):
         while not self._stop.wait(0.5):
             if os.getppid() != parent:
                 log.error("the launcher is gone; this rank process exits")
-                os._exit(71)
+                os._exit(ExitCode.LAUNCHER_GONE)
 
     # -- the epoch loop ---------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -404,6 +406,7 @@ class RankRuntime(Tracking):
             hook.remove()
         self._hooks.clear()
         self.engine.close()
+        self.faults.close()
         self.pg.leave()
         with self._cond:
             if self.state is not RankState.EXITED:

@@ -19,18 +19,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import torch
 
+from peerckpt.codec import NDARRAY_EXT, TENSOR_EXT, TUPLE_EXT, unpack
+from peerckpt.dtypes import dtype_name, dtype_of
 from peerckpt.errors import StateMismatch
-from peerckpt.persist.manifest import META_KEY, ChunkRecord
-from peerckpt.runtime.capture import NDARRAY_EXT, TENSOR_EXT, TUPLE_EXT, param_fqns
+from peerckpt.manifest import META_KEY, ChunkRecord
+from peerckpt.runtime.capture import param_fqns
 from peerckpt.runtime.layouts import (
     FlatShard,
     Shard,
     chunk_view,
-    dtype_name,
-    dtype_of,
     is_dtensor,
     local_of,
     place,
@@ -63,16 +62,16 @@ def _ext_hook(code: int, data: bytes) -> Any:
     if code == TENSOR_EXT:
         return TensorRef(data.decode())
     if code == TUPLE_EXT:
-        return tuple(msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False))
+        return tuple(unpack(data, _ext_hook))
     if code == NDARRAY_EXT and np is not None:
-        dtype, shape, raw = msgpack.unpackb(data, raw=False)
+        dtype, shape, raw = unpack(data)
         return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()
     raise StateMismatch(f"unknown msgpack extension {code} in a snapshot")
 
 
 def decode_meta(raw: bytes) -> dict[str, Any]:
     """Decode a snapshot blob; tensors come back as ``TensorRef``."""
-    meta: dict[str, Any] = msgpack.unpackb(raw, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+    meta: dict[str, Any] = unpack(raw, _ext_hook)
     return meta
 
 

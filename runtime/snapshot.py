@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import queue
 import threading
 import time
@@ -25,13 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
-from peerckpt.chaos.points import chaos_dir, strike_point
 from peerckpt.errors import CommitTimeout, MembershipChanged
-from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
-from peerckpt.replication.arena import map_segment
+from peerckpt.faults import NO_FAULTS, FaultHooks
+from peerckpt.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.runtime import cuda_copy
 from peerckpt.runtime.capture import Captured, layout, write_slot
 from peerckpt.runtime.channel import AgentChannel
+from peerckpt.shm import map_segment
 
 log = logging.getLogger("peerckpt.snapshot")
 
@@ -73,8 +72,16 @@ class _Job:
 class SnapshotEngine:
     """Owns the rank's mapped slots and the copy thread."""
 
-    def __init__(self, channel: AgentChannel, commit_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        channel: AgentChannel,
+        commit_timeout_s: float = 300.0,
+        node: int = -1,
+        faults: FaultHooks = NO_FAULTS,
+    ) -> None:
         self._channel = channel
+        self._node = node
+        self._faults = faults
         self.commit_timeout_s = commit_timeout_s
         self.last_taken: int | None = None  # the last step handed to ``take`` in this epoch
         self._cond = threading.Condition()
@@ -243,9 +250,9 @@ class SnapshotEngine:
         if job.ready:
             slot.pin()
         midway = None
-        if chaos_dir() is not None:
-            where = {"rank": self.rank, "node": int(os.environ.get("PEERCKPT_NODE", -1))}
-            midway = functools.partial(strike_point, "snapshot", step=job.step, **where)
+        if self._faults.active:
+            where = {"rank": self.rank, "node": self._node, "step": job.step}
+            midway = functools.partial(self._faults.strike, "snapshot", **where)
         with self._side.copying(job.ready) as done:
             write_slot(slot.tensor, chunks, job.captured, bool(job.ready), midway)
         if done:

@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
+from peerckpt.manifest import ChunkRecord, SnapshotManifest
 
 
 class RankState(enum.Enum):

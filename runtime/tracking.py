@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from peerckpt.errors import MembershipChanged, StateMismatch
-from peerckpt.persist.manifest import META_KEY, ChunkRecord
+from peerckpt.manifest import META_KEY, ChunkRecord
 from peerckpt.runtime import capture, ddp
 from peerckpt.runtime.restore import (
     ChunkSource,

@@ -13,7 +13,7 @@ import pytest
 
 from peerckpt.chaos.campaign import Campaign, compare, generate
 from peerckpt.chaos.spec import parse_chaos
-from peerckpt.runtime.launcher import JobResult
+from peerckpt.launch.base import JobResult
 
 from .conftest import JOBS, REPO, job_name
 

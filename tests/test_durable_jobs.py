@@ -12,9 +12,9 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from safetensors.torch import load_file
 
+from peerckpt.manifest import META_KEY
 from peerckpt.persist.durable import DurableStore
 from peerckpt.persist.interop import PeerckptReader, export_safetensors
-from peerckpt.persist.manifest import META_KEY
 from peerckpt.runtime import restore
 
 from .conftest import JOBS, assert_same_digests, read_jsonl, run_job, run_with_reference

@@ -11,8 +11,8 @@ from math import comb
 
 import pytest
 
-from peerckpt.replication.placement import STRATEGY_NAMES, placement_by_name
-from peerckpt.replication.survival import copy_sets, count_by_enumeration
+from peerckpt.recovery.placement import STRATEGY_NAMES, placement_by_name
+from peerckpt.recovery.survival import copy_sets, count_by_enumeration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peerckpt.errors import CheckpointError, CorruptCheckpoint, NoCheckpoint
+from peerckpt.manifest import META_KEY, ChunkRecord
 from peerckpt.persist.durable import (
     DurableStore,
     HeldBytesChanged,
@@ -21,7 +22,6 @@ from peerckpt.persist.durable import (
     step_dir_name,
     unique_key,
 )
-from peerckpt.persist.manifest import META_KEY, ChunkRecord
 
 
 def _record(key: str, data: bytes, offsets=(0,), scope="global", shape=None) -> ChunkRecord:
@@ -219,7 +219,7 @@ def test_inspect_lists_steps_and_tensors_and_verify_finds_damage(tmp_path, capsy
 
 
 def test_the_persist_config_survives_its_message_form() -> None:
-    from peerckpt.recovery.flush import PersistConfig
+    from peerckpt.persist.config import PersistConfig
 
     config = PersistConfig("s3://b/x", 10, 30.0, 3, 1e8, allow_older=True)
     assert PersistConfig.from_msg(config.to_msg()) == config

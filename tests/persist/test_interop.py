@@ -12,9 +12,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.api import CheckpointException
 
+from peerckpt.manifest import META_KEY, ChunkRecord
 from peerckpt.persist.durable import DurableStore
 from peerckpt.persist.interop import PeerckptReader, export_safetensors, full_tensors
-from peerckpt.persist.manifest import META_KEY, ChunkRecord
 
 
 def _record(key: str, t: torch.Tensor, offsets, global_shape, scope="global") -> ChunkRecord:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from peerckpt.errors import AuthenticationError
-from peerckpt.persist.manifest import ChunkRecord
+from peerckpt.manifest import ChunkRecord
 from peerckpt.recovery.coordinator import Coordinator
-from peerckpt.recovery.rpc import RpcClient, RpcServer
-from peerckpt.replication.placement import placement_by_name
+from peerckpt.recovery.placement import placement_by_name
+from peerckpt.rpc import RpcClient, RpcServer
 
 
 def _job(spares: int = 1, started: int | None = None) -> Coordinator:

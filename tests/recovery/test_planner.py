@@ -19,17 +19,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from peerckpt.boxes import Box, extract_box, flat_shards_to_boxes, intersect, place_box
+from peerckpt.dtypes import itemsize
 from peerckpt.errors import RecoveryFailed, StateMismatch
-from peerckpt.recovery import columns, held, planner
-from peerckpt.recovery.chunks import Box, extract_box, flat_shards_to_boxes, intersect, place_box
-from peerckpt.recovery.planner import (
-    STORAGE,
-    HeldChunk,
-    Read,
-    WantedChunk,
-    itemsize,
-    plan_reads,
-)
+from peerckpt.reads import STORAGE, Read
+from peerckpt.recovery.planning import held
+from peerckpt.recovery.planning import reshard as planner
+from peerckpt.recovery.planning import tables as columns
+from peerckpt.recovery.planning.reshard import plan_reads
+from peerckpt.recovery.planning.types import HeldChunk, WantedChunk
 
 Layout = dict[int, list[tuple[int, Box]]]  # rank → (tensor index, box)
 
@@ -270,7 +268,7 @@ def test_storage_is_read_only_for_what_no_memory_copy_holds() -> None:
 
 def test_network_reads_balance_bytes_over_peer_nodes() -> None:
     # A rank's reads of tensors sharded alike (same held box, region and sources) are one
-    # item, served by one peer (recovery/balance.py); items are dealt so that peers' bytes
+    # item, served by one peer (recovery/planning/balance.py); items are dealt so that peers' bytes
     # balance. (Before the dealing was vectorised, each read was picked on its own: with 3
     # readers the peers sent 12 reads each; now 3 items cannot split evenly, 4 can.)
     keys = [f"k{i}" for i in range(8)]

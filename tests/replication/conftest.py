@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from peerckpt.persist.manifest import ChunkRecord, SnapshotManifest
+from peerckpt.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.replication.arena import Arena
 from peerckpt.replication.store import Slot, SlotStore
 from peerckpt.replication.transfer import DataServer

@@ -7,7 +7,8 @@ import os
 import pytest
 
 from peerckpt.errors import InsufficientMemory
-from peerckpt.replication.arena import Arena, map_segment, sweep
+from peerckpt.replication.arena import Arena
+from peerckpt.shm import map_segment, sweep
 
 
 def test_segments_are_named_for_the_job_and_removed_by_destroy(job) -> None:

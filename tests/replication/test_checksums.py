@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peerckpt.errors import PeerckptError
-from peerckpt.persist.manifest import ChunkRecord
+from peerckpt.manifest import ChunkRecord
 from peerckpt.replication.checksums import RunningChecksums
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import threading
 
+from peerckpt.persist.config import PersistConfig
 from peerckpt.persist.durable import DurableStore
-from peerckpt.recovery.flush import PersistConfig
-from peerckpt.replication.flusher import Flusher
 from peerckpt.replication.replicator import ReplicationJob
+from peerckpt.replication.writer import Flusher
 
 from .conftest import write_snapshot
 

@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 
 from peerckpt.errors import ChecksumMismatch, ProtocolError, RecoveryFailed, StaleEpoch
+from peerckpt.replication.obtain import obtain_committed
 from peerckpt.replication.replicator import BuddySender, ReplicationJob
-from peerckpt.replication.restore import obtain_committed
 from peerckpt.replication.transfer import Cancelled, fetch, push, send_bytes
-from peerckpt.replication.wire import connect_tcp, raise_if_error
+from peerckpt.wire import connect_tcp, raise_if_error
 
 from .conftest import write_snapshot
 

@@ -1,0 +1,111 @@
+"""What the chaos monkey does to a job's processes: the faults themselves.
+
+Faults come from outside the training processes, as real ones do. A machine-level fault (a
+node, its agent, the coordinator lost; a node added) is the launcher's to cause, since only
+the launcher knows what a node is in its backend, so :class:`FaultActions` asks it
+(``peerckpt/launch/base.py``, ``Launcher``). Process-level faults act on this machine
+directly: a signal to one process, a flipped byte in a replica's shared memory, a network
+fault written to the node's fault file, which the node agent's hooks read
+(``chaos/points.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from peerckpt.shm import SHM_DIR, segment_prefix
+
+if TYPE_CHECKING:
+    from peerckpt.launch.base import Launcher
+
+
+class FaultActions:
+    """The monkey's target (``chaos.monkey.FaultTarget``) for one running job."""
+
+    def __init__(self, launcher: Launcher, fault_dir: str | None) -> None:
+        self._launcher = launcher
+        self._fault_dir = fault_dir
+        self._hung: dict[int, threading.Timer] = {}  # pid → the timer that will SIGCONT it
+        self._net: dict[int, dict[str, float]] = {}  # node → its network fault file's content
+
+    @property
+    def chaos_dir(self) -> str | None:
+        return self._fault_dir
+
+    # -- machine-level: the launcher causes them -------------------------------------------
+    def kill_node(self, node: int) -> None:
+        self._launcher.kill_node(node)
+
+    def kill_agent(self, node: int) -> None:
+        self._launcher.kill_agent(node)
+
+    def kill_coordinator(self) -> None:
+        self._launcher.kill_coordinator()
+
+    def add_node(self) -> int:
+        return self._launcher.add_node()
+
+    # -- process-level --------------------------------------------------------------------
+    def kill_pid(self, pid: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def hang_pid(self, pid: int, seconds: float) -> None:
+        """SIGSTOP ``pid`` (the process freezes, sockets open); SIGCONT it after ``seconds``."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+        timer = threading.Timer(seconds, self._wake, args=(pid,))
+        timer.daemon = True
+        self._hung[pid] = timer
+        timer.start()
+
+    def _wake(self, pid: int) -> None:
+        self._hung.pop(pid, None)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+    def wake_all(self) -> None:
+        """Thaw every frozen process now: a frozen process cannot exit when the job stops."""
+        for pid, timer in list(self._hung.items()):
+            timer.cancel()
+            self._wake(pid)
+
+    def corrupt_replicas(self, rank: int) -> list[str]:
+        """Flip the first byte of every replica segment of ``rank`` (on its buddies' nodes), as a
+        bad DIMM or a stray write would; the chunk's checksum no longer matches."""
+        pattern = os.path.join(SHM_DIR, f"{segment_prefix(self._launcher.job)}n*-r{rank}-g*")
+        flipped = []
+        for path in sorted(glob.glob(pattern)):
+            try:
+                with open(path, "r+b") as f:
+                    first = f.read(1)
+                    f.seek(0)
+                    f.write(bytes([first[0] ^ 0xFF]))
+            except (OSError, IndexError):
+                continue  # released meanwhile
+            flipped.append(os.path.basename(path))
+        return flipped
+
+    def net_fault(
+        self, node: int, partition_s: float = 0.0, rate: float = 0.0, slow_s: float = 0.0
+    ) -> None:
+        """Tell node ``node``'s agent to cut its connections for ``partition_s``, or to pace
+        its data links at ``rate`` bytes/s (for ``slow_s``; 0: until the job ends)."""
+        assert self._fault_dir is not None
+        fault = self._net.setdefault(node, {})
+        now = time.time()
+        if partition_s:
+            fault["partition_until"] = now + partition_s
+        if rate:
+            fault.update(rate=rate, slow_until=now + slow_s if slow_s else 0.0)
+        path = os.path.join(self._fault_dir, f"net-{node}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(fault, f)
+        os.rename(path + ".tmp", path)

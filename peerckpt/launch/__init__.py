@@ -1,0 +1,12 @@
+"""Starting a job: one ``Launcher`` interface (``base.py``) and its backends.
+
+Layer: top. It may import anything but chaos internals: it starts processes of every kind,
+so it knows all their packages; of ``chaos/`` it uses only the package's public surface
+(``peerckpt.chaos.Chaos``), which it runs beside a job when asked.
+
+- ``base.py``: ``Launcher``, ``JobSpec``, ``JobResult``;
+- ``local.py``: ``peerckpt run`` on this machine, every node a simulated failure domain;
+- ``processes.py``: starting and stopping agents and training processes on this machine;
+- ``join.py``: ``peerckpt join``, one more node for a running job;
+- ``report.py``: the report of a finished job.
+"""

@@ -1,0 +1,89 @@
+"""The launcher interface: what every way of starting a job offers, whatever its backend.
+
+A launcher starts a job's processes (coordinator, one agent per node, ranks, spares), watches
+the job until it ends, and stops everything it started, whatever happened. Backends: local
+simulated nodes (``launch/local.py``), one host of a multi-host job, plain torchrun, Ray.
+
+Call order: ``run()`` (which calls ``start()``, then watches the job, then ``stop()``, always)
+returns the :class:`JobResult`. While the job runs, a fault injector may ask the launcher for
+the machine-level faults only it can cause in its backend: ``kill_node``, ``kill_agent``,
+``kill_coordinator``, and the growth ``add_node``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class JobSpec:
+    """What ``peerckpt run`` was asked to do."""
+
+    script: str
+    args: list[str] = field(default_factory=list)
+    nodes: int = 2
+    nproc_per_node: int = 2
+    spares: int = 0
+    replicas: int | None = None
+    chaos: str = ""
+    heartbeat_timeout: float = 5.0
+    start_timeout: float = 300.0
+    min_nodes: int | None = None
+    report: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    job: str | None = None
+    persist: dict[str, Any] | None = None  # PersistConfig.to_msg(), from --persist
+    placement: str = "ring"
+    racks: dict[int, str] | None = None  # node → rack
+    keep_spares: bool = False  # start a new spare (and spare node) for every one used or lost
+    record_digests: bool = False  # every snapshot's tensor digest, in the result
+
+    @property
+    def world(self) -> int:
+        """The first epoch's world size: every rank the job starts with."""
+        return self.nodes * self.nproc_per_node
+
+
+@dataclass
+class JobResult:
+    job: str
+    exit_code: int
+    state: str
+    reason: str
+    events: list[dict[str, Any]]
+    chaos: list[dict[str, Any]]
+    wall_s: float
+    flushes: list[dict[str, Any]] = field(default_factory=list)  # durable checkpoints written
+    digests: dict[str, list[str]] = field(default_factory=dict)  # "rank/step" → digests seen
+
+
+class Launcher(abc.ABC):
+    """One job, started and stopped by one backend."""
+
+    job: str  # the job's name: its processes' PEERCKPT_JOB, its shared-memory prefix
+
+    @abc.abstractmethod
+    def run(self) -> JobResult:
+        """Start the job, watch it until it ends, stop everything; return how it ended."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stop every process of the job and remove its files. Idempotent."""
+
+    @abc.abstractmethod
+    def kill_node(self, node: int) -> None:
+        """Lose node ``node`` as a machine failure would: its agent, its ranks, its memory."""
+
+    @abc.abstractmethod
+    def kill_agent(self, node: int) -> None:
+        """Lose node ``node``'s agent only (its ranks see it go and exit)."""
+
+    @abc.abstractmethod
+    def kill_coordinator(self) -> None:
+        """Lose the coordinator (the launcher brings a new one up)."""
+
+    @abc.abstractmethod
+    def add_node(self) -> int:
+        """Start one more node that joins the running job; return its index."""

@@ -1,0 +1,81 @@
+"""``peerckpt join``: add one node to a job that is already running on this machine.
+
+It finds the job by name (the job file its ``peerckpt run`` wrote, readable only by the user
+who started it), gets a node index from the coordinator, starts an agent and
+``--nproc-per-node`` processes of the job's script, and waits. Once all of them are
+connected, the coordinator widens the world and every rank restores the last committed step
+into the new layout. ``peerckpt join`` then stays until the job ends, and stops what it
+started on the way out — also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from typing import Any
+
+from peerckpt.errors import ConfigurationError, PeerckptError
+from peerckpt.launch.processes import ProcessSet
+from peerckpt.rpc import RpcClient
+from peerckpt.shm import sweep
+
+log = logging.getLogger("peerckpt.launcher")
+
+
+def find_job(job: str) -> dict[str, Any]:
+    """The job file of the running job ``job`` on this machine."""
+    found = glob.glob(os.path.join(tempfile.gettempdir(), f"peerckpt-{job}-*", "job.json"))
+    if not found:
+        raise ConfigurationError(
+            f"no running job named {job!r} on this machine; start it with "
+            f"`peerckpt run --job {job} …` (or give the name it printed)"
+        )
+    with open(found[0]) as f:
+        info: dict[str, Any] = json.load(f)
+    return info
+
+
+def join(job: str, nproc_per_node: int | None = None, script: list[str] | None = None) -> int:
+    """Join ``job`` with one node; return the job's exit status once it ends."""
+    info = find_job(job)
+    secret = bytes.fromhex(info["secret"])
+    count = nproc_per_node or info["nproc_per_node"]
+    rpc = RpcClient(info["coordinator"], secret, job)
+    node = rpc.call("AllocateNode")["node"]
+    rundir = tempfile.mkdtemp(prefix=f"peerckpt-{job}-join{node}-")
+    procs = ProcessSet(job, secret, script or info["script"], rundir, {})
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    state = "failed"
+    try:
+        agent = procs.start_agent(node, info["coordinator"], ["--joining", str(count)])
+        procs.await_ready(agent.agent, f"agent of node {node}")
+        for _ in range(count):
+            procs.start_proc(node, "joiner")
+        log.info("node %d joins job %s with %d rank(s)", node, job, count)
+        while not stop.wait(0.2):
+            try:
+                state = rpc.call("Status", timeout=5.0)["state"]
+            except PeerckptError:
+                state = "failed"  # the coordinator is gone: the job is over
+                break
+            if state in ("succeeded", "failed", "stopped") or agent.agent.poll() is not None:
+                break
+            if state == "running":
+                procs.restart_stuck()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        procs.stop()
+        rpc.close()
+        sweep(job, node)
+        shutil.rmtree(rundir, ignore_errors=True)
+    if stop.is_set():
+        return 130
+    return 0 if state == "succeeded" else 1

@@ -1,0 +1,369 @@
+"""``peerckpt run``: a whole job on this machine — coordinator, agents, ranks, spares.
+
+Each simulated node is a failure domain: one agent process and its rank processes. Spares
+live on an extra *spare node* with its own agent, as hot-spare machines do on a cluster, so a
+lost node's ranks are replaced on a machine that survived. The launcher starts everything,
+lets the coordinator run the job, injects chaos if asked, and on the way out — success,
+failure, Ctrl-C — stops every process it started and removes every shared-memory file and
+socket of the job. Its exit status is the job's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from peerckpt.errors import ConfigurationError, PeerckptError
+from peerckpt.faults import ENV as FAULTS_ENV
+from peerckpt.launch.base import JobResult, JobSpec, Launcher
+from peerckpt.launch.processes import ProcessSet
+from peerckpt.rpc import RpcClient
+from peerckpt.shm import sweep
+from peerckpt.states import ExitCode
+
+if TYPE_CHECKING:
+    from peerckpt.chaos import Chaos
+
+log = logging.getLogger("peerckpt.launcher")
+MAX_COORDINATOR_RESTARTS = 10
+# No '-': it separates the job from the rest of a segment's name, so that cleaning up job
+# "exp" can never match the files of a job "exp-2".
+_JOB_NAME = re.compile(r"[a-z0-9][a-z0-9_]{0,39}")
+
+
+class LocalLauncher(Launcher):
+    """Runs one job of ``JobSpec`` on this machine. ``run`` always cleans up."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        if spec.nodes < 1 or spec.nproc_per_node < 1 or spec.spares < 0:
+            raise ConfigurationError("--nodes and --nproc-per-node must be ≥ 1, --spares ≥ 0")
+        if not os.path.exists(spec.script):
+            raise ConfigurationError(f"training script {spec.script!r} does not exist")
+        self.spec = spec
+        self.chaos = _chaos(spec.chaos)  # parsed now: a bad spec fails before anything starts
+        if spec.job is not None and not _JOB_NAME.fullmatch(spec.job):
+            raise ConfigurationError(
+                f"job name {spec.job!r} must be 1-40 characters of a-z, 0-9 and '_'"
+            )
+        self.job = spec.job or secrets.token_hex(4)
+        self._secret = secrets.token_bytes(32)
+        self.rundir = tempfile.mkdtemp(prefix=f"peerckpt-{self.job}-")
+        self.procs = ProcessSet(
+            self.job, self._secret, [spec.script, *spec.args], self.rundir, spec.env
+        )
+        self.coordinator: subprocess.Popen[bytes] | None = None
+        self.address = ""
+        self._ranks: dict[int, subprocess.Popen[bytes]] = {}  # the first epoch's rank processes
+        self._interrupted = threading.Event()
+        self.rpc: RpcClient | None = None
+        self._flushes: list[dict[str, Any]] = []
+        self._restarts = 0  # coordinator restarts
+        self._earlier_events: list[dict[str, Any]] = []  # failures seen by the coordinators before
+        self._coordinator_argv: list[str] = []
+        self._store_port = 0
+        self._spares: list[subprocess.Popen[bytes]] = []  # every spare process started
+        self._spare_node = -1
+        self._fault_dir: str | None = None
+        if self.chaos is not None and self.chaos.needs_fault_dir:
+            self._fault_dir = os.path.join(self.rundir, "faults")
+            os.mkdir(self._fault_dir, 0o700)
+            self.procs.extra_env = {**self.procs.extra_env, FAULTS_ENV: self._fault_dir}
+
+    # -- starting -------------------------------------------------------------------------
+    def start(self) -> None:
+        spec, procs = self.spec, self.procs
+        world = spec.world
+        argv = [
+            sys.executable,
+            "-m",
+            "peerckpt.recovery.server",
+            "--job",
+            self.job,
+            "--world-size",
+            str(world),
+            "--heartbeat-timeout",
+            str(spec.heartbeat_timeout),
+        ]
+        if spec.replicas is not None:
+            argv += ["--replicas", str(spec.replicas)]
+        if spec.min_nodes is not None:
+            argv += ["--min-nodes", str(spec.min_nodes)]
+        if spec.spares:
+            argv += ["--spares", str(spec.spares)]
+        argv += ["--placement", spec.placement]
+        if spec.racks:
+            argv += ["--racks", json.dumps(spec.racks)]
+        if spec.persist:
+            argv += ["--persist", json.dumps(spec.persist)]
+        if spec.record_digests:
+            argv += ["--digests-file", os.path.join(self.rundir, "digests.txt")]
+        self._coordinator_argv = argv
+        self.coordinator = procs.spawn(argv, procs.env(), ready=True)
+        procs.others.append(self.coordinator)
+        ready = procs.await_ready(self.coordinator, "coordinator")
+        self.address = ready["address"]
+        self._store_port = int(ready["store_port"])
+        self.rpc = RpcClient(self.address, self._secret, self.job)
+        for n in range(spec.nodes + (1 if spec.spares else 0)):
+            procs.start_agent(n, self.address, ["--spare-node"] if n >= spec.nodes else [])
+        for node in procs.nodes.values():
+            procs.await_ready(node.agent, f"agent of node {node.index}")
+        for n in range(spec.nodes):
+            for local in range(spec.nproc_per_node):
+                rank = n * spec.nproc_per_node + local
+                self._ranks[rank] = procs.start_proc(
+                    n, "rank", RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world)
+                )
+        for _ in range(spec.spares):
+            self._spares.append(procs.start_proc(spec.nodes, "spare", WORLD_SIZE=str(world)))
+        self._spare_node = spec.nodes
+        self._write_job_file()
+        log.info(
+            "job %s: %d node(s) × %d rank(s), %d spare(s); coordinator %s",
+            self.job,
+            spec.nodes,
+            spec.nproc_per_node,
+            spec.spares,
+            self.address,
+        )
+
+    def _write_job_file(self) -> None:
+        """What ``peerckpt join`` needs to find and join this job (readable by us only)."""
+        path = os.path.join(self.rundir, "job.json")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(
+                {
+                    "job": self.job,
+                    "coordinator": self.address,
+                    "secret": self._secret.hex(),
+                    "script": [self.spec.script, *self.spec.args],
+                    "nproc_per_node": self.spec.nproc_per_node,
+                },
+                f,
+            )
+
+    # -- machine-level faults and growth (``Launcher``) ------------------------------------
+    def kill_node(self, node: int) -> None:
+        self.procs.kill_node(node)
+        sweep(self.job, node)  # the node's memory is gone with it
+
+    def kill_agent(self, node: int) -> None:
+        """SIGKILL node ``node``'s agent only. Its ranks see their link close and exit; the
+        node's memory was the agent's, so it is gone with it."""
+        agent = self.procs.nodes[node].agent
+        with contextlib.suppress(ProcessLookupError):
+            agent.send_signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            agent.wait(timeout=5.0)
+        sweep(self.job, node)
+
+    def add_node(self) -> int:
+        """Start one more node (agent and --nproc-per-node processes) that joins the job."""
+        assert self.rpc is not None
+        n = self.rpc.call("AllocateNode")["node"]
+        count = self.spec.nproc_per_node
+        node = self.procs.start_agent(n, self.address, ["--joining", str(count)])
+        self.procs.await_ready(node.agent, f"agent of node {n}")
+        for _ in range(count):
+            self.procs.start_proc(n, "joiner")
+        log.info("node %d is joining the job with %d rank(s)", n, count)
+        return n
+
+    # -- running --------------------------------------------------------------------------
+    def run(self) -> JobResult:
+        start = time.time()
+        state, reason = "failed", ""
+        events: list[dict[str, Any]] = []
+        previous = (
+            {
+                sig: signal.signal(sig, lambda s, f: self._interrupted.set())
+                for sig in (signal.SIGINT, signal.SIGTERM)
+            }
+            if threading.current_thread() is threading.main_thread()
+            else {}
+        )
+        try:
+            self.start()
+            assert self.rpc is not None
+            if self.chaos is not None:
+                self.chaos.start(self, self.rpc, self._fault_dir)
+            state, reason, events = self._watch()
+        except PeerckptError as exc:
+            reason = str(exc)
+            log.error("%s", exc)
+        finally:
+            if self.chaos is not None:
+                self.chaos.stop()  # first: it thaws the processes it froze
+            digests = self._read_digests()
+            self.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if self._interrupted.is_set():
+            state, reason = "interrupted", "stopped by a signal (Ctrl-C)"
+        code = int(
+            {"succeeded": ExitCode.OK, "interrupted": ExitCode.INTERRUPTED}.get(
+                state, ExitCode.FAILED
+            )
+        )
+        result = JobResult(
+            self.job,
+            code,
+            state,
+            reason,
+            events,
+            self.chaos.fired if self.chaos is not None else [],
+            time.time() - start,
+            self._flushes,
+            digests,
+        )
+        if self.spec.report:
+            with open(self.spec.report, "w") as f:
+                json.dump(result.__dict__, f, indent=2, default=str)
+        return result
+
+    def _watch(self) -> tuple[str, str, list[dict[str, Any]]]:
+        assert self.rpc is not None and self.coordinator is not None
+        status: dict[str, Any] = {"state": "starting", "reason": "", "events": []}
+        started = time.monotonic()
+        while not self._interrupted.wait(0.05):
+            if self.coordinator.poll() is not None:
+                if status["state"] != "running" or self._restarts >= MAX_COORDINATOR_RESTARTS:
+                    return "failed", "the coordinator exited unexpectedly", self._all_events(status)
+                self._earlier_events = self._all_events(status)
+                status = {"state": "restarting", "events": []}
+                self._restart_coordinator()
+                continue
+            try:
+                status = self.rpc.call("Status", timeout=5.0)
+            except PeerckptError as exc:
+                log.warning("coordinator status: %s", exc)
+                continue
+            self._flushes = status.get("flushes", [])
+            if status["state"] in ("succeeded", "failed", "stopped"):
+                return status["state"], status["reason"], self._all_events(status)
+            if status["state"] == "running":
+                self.procs.restart_stuck(WORLD_SIZE=str(self.spec.world))
+            if self.spec.keep_spares and status["state"] == "running":
+                self._replenish(status)
+            if status["state"] == "starting" and not self._restarts:
+                problem = self._start_problem(time.monotonic() - started)
+                if problem:
+                    return "failed", problem, []
+        return "interrupted", "stopped by a signal", self._all_events(status)
+
+    def _read_digests(self) -> dict[str, list[str]]:
+        """The digests the coordinators recorded: "rank/step" → the distinct ones seen."""
+        found: dict[str, list[str]] = {}
+        path = os.path.join(self.rundir, "digests.txt")
+        if not self.spec.record_digests or not os.path.exists(path):
+            return found
+        with open(path) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) != 3 or not line.endswith("\n"):
+                    continue  # the last line of a coordinator killed while writing it
+                seen = found.setdefault(f"{parts[0]}/{parts[1]}", [])
+                if parts[2] not in seen:
+                    seen.append(parts[2])
+        return found
+
+    def _all_events(self, status: dict[str, Any]) -> list[dict[str, Any]]:
+        """The failures of the whole job: a restarted coordinator knows only its own."""
+        return [*self._earlier_events, *status.get("events", [])]
+
+    def kill_coordinator(self) -> None:
+        """SIGKILL the coordinator; the launcher restarts it (``_restart_coordinator``)."""
+        assert self.coordinator is not None
+        with contextlib.suppress(ProcessLookupError):
+            self.coordinator.send_signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.coordinator.wait(timeout=5.0)
+
+    def _restart_coordinator(self) -> None:
+        """Start a new coordinator where the last one listened. The agents, which kept their
+        epoch, their ranks and their copies, register again and it rebuilds its state from
+        what they report; the ranks go on training meanwhile."""
+        self._restarts += 1
+        port = self.address.rpartition(":")[2]
+        argv = [*self._coordinator_argv, "--port", port, "--store-port", str(self._store_port)]
+        if "--spares" in argv:  # the spares it will count are those the agents report
+            i = argv.index("--spares")
+            del argv[i : i + 2]
+        log.warning("the coordinator exited; restarting it (restart %d)", self._restarts)
+        self.coordinator = self.procs.spawn(argv, self.procs.env(), ready=True)
+        self.procs.others.append(self.coordinator)
+        self.procs.await_ready(self.coordinator, "restarted coordinator")
+
+    def _replenish(self, status: dict[str, Any]) -> None:
+        """Keep ``--spares`` spares in reserve, as a cluster's pool of hot spares does: one
+        for every spare that took a rank or died."""
+        assigned = {pid for _, pid in status["ranks"].values()}
+        waiting = [p for p in self._spares if p.poll() is None and p.pid not in assigned]
+        missing = self.spec.spares - len(waiting)
+        if missing <= 0:
+            return
+        assert self.rpc is not None
+        hosts_ranks = any(node == self._spare_node for node, _ in status["ranks"].values())
+        if hosts_ranks or not status["nodes"].get(self._spare_node, False):
+            # A spare node that now runs ranks is a failure domain of the job: new spares go
+            # to a fresh one, so that losing it does not take the reserve with it.
+            node = self.rpc.call("AllocateNode")["node"]
+            agent = self.procs.start_agent(node, self.address, ["--spare-node"])
+            self.procs.await_ready(agent.agent, f"agent of node {node}")
+            self._spare_node = node
+            log.info("node %d is the new spare node", node)
+        self.rpc.call("SparesStarting", count=missing)
+        for _ in range(missing):
+            self._spares.append(
+                self.procs.start_proc(self._spare_node, "spare", WORLD_SIZE=str(self.spec.world))
+            )
+        log.info("started %d spare(s) on node %d to replace those used", missing, self._spare_node)
+
+    def _start_problem(self, waited: float) -> str:
+        """Why the first epoch cannot open, if it cannot (a rank died or never connected)."""
+        dead = {r: p.returncode for r, p in self._ranks.items() if p.poll() is not None}
+        if dead:
+            ranks = ", ".join(f"rank {r} (exit status {c})" for r, c in sorted(dead.items()))
+            return f"{ranks} exited before the job started; see the script's output above"
+        if waited > self.spec.start_timeout:
+            return (
+                f"the rank processes did not all connect to their agents within "
+                f"{self.spec.start_timeout:.0f} s; is the script calling a @peerckpt.resilient "
+                "function?"
+            )
+        return ""
+
+    def stop(self) -> None:
+        """Stop every process of the job and remove its files. Idempotent."""
+        if self.rpc is not None:
+            with contextlib.suppress(PeerckptError):
+                self.rpc.call("Stop", timeout=2.0, reason="the launcher is stopping the job")
+        self.procs.stop()
+        if self.rpc is not None:
+            self.rpc.close()
+            self.rpc = None
+        removed = sweep(self.job)
+        if removed:
+            log.info("removed %d shared-memory file(s) left by killed processes", len(removed))
+        shutil.rmtree(self.rundir, ignore_errors=True)
+
+
+def _chaos(spec: str) -> Chaos | None:
+    if not spec:
+        return None
+    from peerckpt.chaos import Chaos  # the chaos package's public surface, loaded on use
+
+    return Chaos(spec)

@@ -1,0 +1,191 @@
+"""Starting and stopping a job's processes on this machine: node agents and training processes.
+
+Shared by ``peerckpt run`` (a whole job) and ``peerckpt join`` (one more node for a running
+job). Every process starts in a session of its own, so a Ctrl-C in the terminal reaches only
+the launcher, which then stops them in order; whatever does not stop in time is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from peerckpt.errors import PeerckptError
+from peerckpt.states import MAX_RESTARTS, ExitCode
+
+log = logging.getLogger("peerckpt.launcher")
+READY_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Node:
+    """One simulated node: its agent and the training processes started on it."""
+
+    index: int
+    agent: subprocess.Popen[bytes]
+    socket: str
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    alive: bool = True
+    restarted: set[int] = field(default_factory=set)  # pids already replaced in place
+
+
+class ProcessSet:
+    """The processes one launcher started for a job, and how to start and stop them."""
+
+    def __init__(
+        self, job: str, secret: bytes, script: list[str], rundir: str, env: dict[str, str]
+    ) -> None:
+        self.job = job
+        self.secret = secret
+        self.script = script
+        self.rundir = rundir
+        self.extra_env = env
+        self.nodes: dict[int, Node] = {}
+        self.others: list[subprocess.Popen[bytes]] = []  # e.g. the coordinator
+        self._restarts: dict[int, int] = {}  # pid -> in-place restarts its line has had
+        self.lock = threading.Lock()
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.extra_env)
+        env.setdefault("OMP_NUM_THREADS", "1")  # one intra-op thread per rank unless told
+        env.update(PEERCKPT_JOB=self.job, PEERCKPT_SECRET=self.secret.hex(), **extra)
+        return env
+
+    def spawn(self, argv: list[str], env: dict[str, str], ready: bool) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if ready else None,
+            start_new_session=True,
+        )
+
+    def await_ready(self, proc: subprocess.Popen[bytes], what: str) -> dict[str, Any]:
+        """Wait for a service's ``READY {json}`` line; return what it said."""
+        assert proc.stdout is not None
+        result: dict[str, Any] = {}
+
+        def read(stream: IO[bytes]) -> None:
+            line = stream.readline().decode()
+            if line.startswith("READY "):
+                result.update(json.loads(line[6:]))
+
+        reader = threading.Thread(target=read, args=(proc.stdout,), daemon=True)
+        reader.start()
+        reader.join(READY_TIMEOUT_S)
+        if not result:
+            raise PeerckptError(
+                f"the {what} did not start (exit status {proc.poll()}); see its log above"
+            )
+        return result
+
+    def start_agent(self, n: int, coordinator: str, flags: list[str]) -> Node:
+        sock = os.path.join(self.rundir, f"node{n}.sock")
+        argv = [
+            sys.executable,
+            "-m",
+            "peerckpt.replication.agent",
+            "--job",
+            self.job,
+            "--node",
+            str(n),
+            "--coordinator",
+            coordinator,
+            "--socket",
+            sock,
+            *flags,
+        ]
+        node = Node(n, self.spawn(argv, self.env(), ready=True), sock)
+        with self.lock:
+            self.nodes[n] = node
+        return node
+
+    def start_proc(self, n: int, role: str, **env: str) -> subprocess.Popen[bytes]:
+        node = self.nodes[n]
+        proc = self.spawn(
+            [sys.executable, *self.script],
+            self.env(PEERCKPT_AGENT=node.socket, PEERCKPT_NODE=str(n), PEERCKPT_ROLE=role, **env),
+            ready=False,
+        )
+        node.procs.append(proc)
+        return proc
+
+    def restart_stuck(self, **env: str) -> list[tuple[int, int, int]]:
+        """Start a fresh spare on the node of every process that exited with ``ExitCode.RESTART``.
+
+        Such a process was blocked in a collective that aborting its epoch did not release,
+        on a healthy node. Before exiting it told the coordinator that a spare is starting,
+        so the recovery waits for this one (it joins once warmed up, a few seconds) instead
+        of shrinking the world. Returns (node, old pid, new pid) for each restart.
+        """
+        started = []
+        with self.lock:
+            nodes = [n for n in self.nodes.values() if n.alive]
+        for node in nodes:
+            for proc in list(node.procs):
+                if proc.poll() != ExitCode.RESTART or proc.pid in node.restarted:
+                    continue
+                node.restarted.add(proc.pid)
+                count = self._restarts.get(proc.pid, 0) + 1
+                new = self.start_proc(node.index, "spare", PEERCKPT_RESTARTS=str(count), **env)
+                self._restarts[new.pid] = count
+                log.warning(
+                    "pid %d on node %d was stuck in an aborted epoch; pid %d takes its place "
+                    "(restart %d of at most %d)",
+                    proc.pid,
+                    node.index,
+                    new.pid,
+                    count,
+                    MAX_RESTARTS,
+                )
+                started.append((node.index, proc.pid, new.pid))
+        return started
+
+    def kill_node(self, n: int) -> None:
+        """SIGKILL a node's agent and processes and wait for them to die."""
+        with self.lock:
+            target = self.nodes[n]
+            target.alive = False
+            for proc in [target.agent, *target.procs]:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGKILL)
+            for proc in [target.agent, *target.procs]:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5.0)
+
+    def stop(self) -> None:
+        """Wait for every process to exit (after the job told them to), kill what does not."""
+        procs = [p for node in self.nodes.values() for p in node.procs]
+        agents = [node.agent for node in self.nodes.values()]
+        wait_all(procs, 20.0)
+        wait_all(agents, 10.0)
+        for proc in self.others:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+        wait_all(self.others, 5.0)
+        for proc in [*procs, *agents, *self.others]:
+            if proc.poll() is None:
+                log.warning("pid %d did not stop in time; killing it", proc.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5.0)
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))

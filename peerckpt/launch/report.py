@@ -1,0 +1,150 @@
+"""The report of a finished job: each failure, what caused it, how fast it was repaired.
+
+Failure events come from the coordinator (``detected_at``, ``resumed_at``, the lost ranks and
+where they were, the restore step and every rank's restore source); chaos records come from
+the launcher's chaos monkey (``fired_at``). A failure is attributed to the chaos action whose
+target it lost and that fired before it was detected; failures nobody injected are reported
+with the coordinator's reason and timed from their detection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from peerckpt.launch.base import JobResult
+from peerckpt.reads import STORAGE
+
+
+@dataclass
+class FailureRow:
+    """One failure and its recovery, timed from the fault when it was injected."""
+
+    cause: str
+    lost: dict[int, int]  # rank → node it was on
+    detected_s: float | None  # after the kill; None when nobody injected it
+    recovered_s: float | None  # kill (or detection) → every rank stepping again
+    restore_step: int | None
+    pulls: list[dict[str, Any]] = field(default_factory=list)
+    superseded: bool = False  # another failure opened a newer epoch before this one resumed
+    change: str = ""  # how the world changed, if it did
+    fallback: str = ""  # why the state came from durable storage instead of memory
+
+
+def _matches(action: dict[str, Any], event: dict[str, Any]) -> bool:
+    if action["kind"] in ("kill_rank", "hang_rank"):
+        return event["kind"] == "rank" and action["target"] in event["ranks"]
+    if action["kind"] == "add_node":
+        return event["kind"] == "grow" and action.get("node") in event["nodes"]
+    if action["kind"] in ("corrupt_rank", "slow_node"):
+        return False  # neither loses anything by itself
+    return event["kind"] == "node" and action.get("node", action["target"]) in event["nodes"]
+
+
+def failure_rows(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -> list[FailureRow]:
+    """Pair every failure event with the chaos action that caused it, if any."""
+    unmatched = [c for c in chaos if c.get("fired_at")]
+    rows = []
+    for event in events:
+        cause = next(
+            (c for c in unmatched if c["fired_at"] <= event["detected_at"] and _matches(c, event)),
+            None,
+        )
+        if cause is not None:
+            unmatched.remove(cause)
+        t0 = cause["fired_at"] if cause else event["detected_at"]
+        resumed = event.get("resumed_at")
+        if cause is not None:
+            what = cause["action"]
+        elif event["kind"] == "cold_start":
+            what = f"cold start: {event['reason']}, {event['old_world']} ranks then"
+        else:
+            what = f"{event['kind']} lost ({event['reason']})"
+        rows.append(
+            FailureRow(
+                cause=what,
+                lost={int(r): n for r, n in event.get("lost", {}).items()},
+                detected_s=event["detected_at"] - t0 if cause else None,
+                recovered_s=resumed - t0 if resumed else None,
+                restore_step=event.get("restore_step"),
+                pulls=sorted(event.get("pulls", []), key=lambda p: p["rank"]),
+                fallback=event.get("fallback", ""),
+                superseded=resumed is None
+                and any(e.get("from_epoch") == event.get("epoch") for e in events),
+                change=(
+                    f"the world grew to {event['grown_to']} ranks"
+                    if "grown_to" in event
+                    else f"the world shrank to {event['shrunk_to']} ranks"
+                    if "shrunk_to" in event
+                    else ""
+                ),
+            )
+        )
+    return rows
+
+
+def format_failures(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -> list[str]:
+    """Human lines: per failure, detection, recovery and where every rank's state came from."""
+    lines = []
+    for row in failure_rows(events, chaos):
+        where = ", ".join(f"rank {r} on node {n}" for r, n in sorted(row.lost.items()))
+        head = f"- {row.cause}: lost {where}" if where else f"- {row.cause}"
+        lines.append(head + (f"; {row.change}" if row.change else ""))
+        if row.detected_s is not None:
+            lines.append(f"    detected {row.detected_s * 1000:.0f} ms after the kill")
+        if row.fallback:
+            lines.append(f"    no memory copy survived: {row.fallback}")
+        if row.superseded:
+            lines.append(
+                "    repaired together with the next failure, which struck before this recovery ended"
+            )
+        elif row.recovered_s is None:
+            lines.append("    NOT RECOVERED")
+        else:
+            since = (
+                "the node was started"
+                if row.cause.startswith("add node")
+                else "the job started"
+                if row.cause.startswith("cold start")
+                else "the kill"
+                if row.detected_s is not None
+                else "detection"
+            )
+            lines.append(
+                f"    every rank stepping again {row.recovered_s * 1000:.0f} ms after {since}, "
+                f"from step {(row.restore_step if row.restore_step is not None else -1) + 1}"
+            )
+        for pull in row.pulls:
+            ms = pull["seconds"] * 1000
+            if pull["source"] == STORAGE:
+                lines.append(
+                    f"    rank {pull['rank']} on node {pull['node']}: read {pull['bytes']:,} bytes "
+                    f"from durable storage in {ms:.1f} ms"
+                )
+            elif pull["source"] == pull["node"]:
+                lines.append(
+                    f"    rank {pull['rank']} on node {pull['node']}: its node's own memory, "
+                    f"no network ({ms:.1f} ms)"
+                )
+            else:
+                lines.append(
+                    f"    rank {pull['rank']} on node {pull['node']}: pulled {pull['bytes']:,} bytes "
+                    f"from node {pull['source']} over TCP in {ms:.1f} ms"
+                )
+    return lines
+
+
+def format_report(result: JobResult) -> str:
+    """A short human report: how the job ended and, per failure, detection and recovery."""
+    head = f"job {result.state} in {result.wall_s:.1f} s"
+    if result.reason:
+        head += f": {result.reason}"
+    lines = [head, *format_failures(result.events, result.chaos)]
+    committed = [f for f in result.flushes if f["state"] == "committed"]
+    failed = [f for f in result.flushes if f["state"] == "failed"]
+    if committed:
+        steps = ", ".join(str(f["step"]) for f in committed)
+        lines.append(f"durable checkpoints written: step(s) {steps}")
+    for f in failed:
+        lines.append(f"durable checkpoint of step {f['step']} failed: {f['error']}")
+    return "\n".join(lines)

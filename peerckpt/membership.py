@@ -1,0 +1,96 @@
+"""Membership of an epoch, as the coordinator broadcasts it. Pure data, no I/O.
+
+An *epoch* is one membership: which process is which rank on which node, where each rank's
+replicas go, and the step everyone restores at the start of it. Every failure or replacement
+opens a new epoch; messages of older epochs are fenced off. The coordinator decides it
+(``recovery/``); every agent carries it out (``replication/``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RankAssignment:
+    """Which process plays a rank in an epoch."""
+
+    rank: int
+    node: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One epoch's membership, as broadcast to agents.
+
+    ``mode`` says how the epoch restores: ``fresh`` (nothing committed yet: start over),
+    ``same`` (the layout is unchanged: every rank restores its own snapshot, replacements
+    pull theirs whole from ``sources``), or ``reshard`` (a new layout: every rank asks for the
+    boxes it needs and gets them through a plan). ``gen`` numbers layouts; ``restore_gen`` is
+    the layout of the committed step; ``previous`` maps new ranks to the old rank the same
+    process was (None for a newcomer).
+    """
+
+    epoch: int
+    world_size: int
+    ranks: dict[int, RankAssignment]
+    placement: dict[int, list[int]]
+    restore_step: int | None
+    sources: dict[int, list[int]]
+    node_addrs: dict[int, str]
+    store_addr: str
+    mode: str = "fresh"
+    gen: int = 0
+    restore_gen: int = 0
+    previous: dict[int, int | None] = field(default_factory=dict)
+    old_world: int = 0
+    old_layout: dict[str, Any] | None = None
+    restore_url: str | None = None  # durable storage the restore may read (STORAGE reads)
+
+    def rank_nodes(self) -> dict[int, int]:
+        return {r: a.node for r, a in self.ranks.items()}
+
+    def local_ranks(self, node: int) -> list[int]:
+        return sorted(r for r, a in self.ranks.items() if a.node == node)
+
+    def to_msg(self) -> dict[str, Any]:
+        return {
+            "type": "membership",
+            "epoch": self.epoch,
+            "world_size": self.world_size,
+            "ranks": {r: [a.node, a.pid] for r, a in self.ranks.items()},
+            "placement": self.placement,
+            "restore_step": self.restore_step,
+            "sources": self.sources,
+            "node_addrs": self.node_addrs,
+            "store_addr": self.store_addr,
+            "mode": self.mode,
+            "gen": self.gen,
+            "restore_gen": self.restore_gen,
+            "previous": self.previous,
+            "old_world": self.old_world,
+            "old_layout": self.old_layout,
+            "restore_url": self.restore_url,
+        }
+
+    @classmethod
+    def from_msg(cls, msg: dict[str, Any]) -> Membership:
+        return cls(
+            epoch=msg["epoch"],
+            world_size=msg["world_size"],
+            ranks={int(r): RankAssignment(int(r), v[0], v[1]) for r, v in msg["ranks"].items()},
+            placement={int(r): list(v) for r, v in msg["placement"].items()},
+            restore_step=msg["restore_step"],
+            sources={int(r): list(v) for r, v in msg["sources"].items()},
+            node_addrs={int(n): a for n, a in msg["node_addrs"].items()},
+            store_addr=msg["store_addr"],
+            mode=msg["mode"],
+            gen=msg["gen"],
+            restore_gen=msg["restore_gen"],
+            previous={int(r): p for r, p in msg["previous"].items()},
+            old_world=msg["old_world"],
+            old_layout=msg["old_layout"],
+            restore_url=msg.get("restore_url"),
+        )

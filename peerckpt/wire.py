@@ -1,0 +1,331 @@
+"""The wire protocol between peerckpt processes: frames and the authenticated handshake.
+
+A frame is ``MAGIC | u32 header length | msgpack header | payload``. The header is a msgpack
+map that always has ``type`` and ``len`` (the payload's size in bytes). Bulk bytes are never
+msgpack-encoded: the receiver reads the header, checks ``len`` against the destination it
+will write to, and only then receives the payload straight into that destination.
+
+Every connection, TCP between agents or a Unix socket between a rank and its agent, starts
+with a mutual challenge-response handshake on the job's secret (HMAC-SHA256), so a process
+of another job, or one started with the wrong secret, is refused before any request is read.
+
+This module owns the byte format only; it never decides what a request means and never
+unpickles anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+import threading
+from typing import Any
+
+from peerckpt.codec import pack, unpack
+from peerckpt.errors import (
+    AuthenticationError,
+    ChecksumMismatch,
+    FrameTooLarge,
+    InsufficientMemory,
+    PeerUnavailable,
+    ProtocolError,
+    StaleEpoch,
+)
+from peerckpt.faults import NetHooks
+
+MAGIC = b"PCK1"
+PROTOCOL_VERSION = 2  # 2: a push's checksums travel in its end frame
+_PREFIX = struct.Struct("!4sI")
+MAX_HEADER_BYTES = 1 << 20
+# Control messages (everything that is not bulk slot bytes) are bounded too.
+MAX_CONTROL_PAYLOAD = 64 << 20
+_HANDSHAKE_TIMEOUT_S = 10.0
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into(sock, memoryview(buf), n)
+    return bytes(buf)
+
+
+def recv_into(sock: socket.socket, dest: memoryview, n: int) -> None:
+    """Receive exactly ``n`` bytes into ``dest[:n]``; raises PeerUnavailable on EOF."""
+    view = dest[:n]
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise PeerUnavailable(f"connection closed by peer after {got} of {n} bytes")
+        got += k
+
+
+class Connection:
+    """A socket speaking frames. Sends are serialised by a lock; receives are single-reader.
+
+    ``net``: the fault hooks of the agent's network links (``peerckpt/faults.py``), if any.
+    """
+
+    def __init__(self, sock: socket.socket, peer: str = "", net: NetHooks | None = None) -> None:
+        self.sock = sock
+        self.peer = peer or _peer_name(sock)
+        self._send_lock = threading.Lock()
+        self.closed = False
+        self._faults = net
+        if net is not None:
+            net.track(self)
+
+    # -- sending ----------------------------------------------------------------------------
+    def send(self, header: dict[str, Any], payload: bytes | memoryview | None = None) -> None:
+        """Send one frame. ``header['len']`` is set from the payload."""
+        header = dict(header)
+        header["len"] = 0 if payload is None else len(payload)
+        encoded = pack(header)
+        prefix = _PREFIX.pack(MAGIC, len(encoded))
+        if self._faults is not None:
+            self._faults.check(self.peer)
+            if payload is not None and self._faults.slowed():
+                self._send_slowly(prefix + encoded, payload)
+                return
+        with self._send_lock:
+            try:
+                if payload is None or len(payload) < 65536:
+                    self.sock.sendall(prefix + encoded + (bytes(payload) if payload else b""))
+                else:
+                    self.sock.sendall(prefix + encoded)
+                    self.sock.sendall(payload)
+            except OSError as exc:
+                raise PeerUnavailable(f"sending to {self.peer} failed: {exc}") from exc
+
+    def _send_slowly(self, head: bytes, payload: bytes | memoryview) -> None:
+        """Send in 256 KiB pieces, each paced by the chaos ``slow`` fault."""
+        assert self._faults is not None
+        view = memoryview(payload).cast("B")
+        with self._send_lock:
+            try:
+                self.sock.sendall(head)
+                for start in range(0, len(view), 1 << 18):
+                    piece = view[start : start + (1 << 18)]
+                    self._faults.pace(len(piece))
+                    self._faults.check(self.peer)
+                    self.sock.sendall(piece)
+            except OSError as exc:
+                raise PeerUnavailable(f"sending to {self.peer} failed: {exc}") from exc
+
+    def send_error(self, code: str, message: str) -> None:
+        """Tell the peer why its request is refused; best effort (the peer may be gone)."""
+        try:
+            self.send({"type": "error", "code": code, "message": message})
+        except PeerUnavailable:
+            pass
+
+    # -- receiving --------------------------------------------------------------------------
+    def recv_header(self) -> dict[str, Any]:
+        """Read one frame header. The payload, if any, must be consumed by the caller."""
+        try:
+            magic, hlen = _PREFIX.unpack(_recv_exactly(self.sock, _PREFIX.size))
+        except OSError as exc:
+            raise PeerUnavailable(f"receiving from {self.peer} failed: {exc}") from exc
+        if magic != MAGIC:
+            raise ProtocolError(
+                f"{self.peer} sent {magic!r} where a peerckpt frame starts; it is not a peerckpt "
+                "process of this version (or the stream lost sync)"
+            )
+        if hlen > MAX_HEADER_BYTES:
+            raise FrameTooLarge(
+                f"{self.peer} declared a {hlen}-byte frame header (limit {MAX_HEADER_BYTES})"
+            )
+        header = unpack(_recv_exactly(self.sock, hlen))
+        if self._faults is not None:
+            self._faults.check(self.peer)
+        if not isinstance(header, dict) or "type" not in header or "len" not in header:
+            raise ProtocolError(f"{self.peer} sent a frame header without 'type' and 'len'")
+        if not isinstance(header["len"], int) or header["len"] < 0:
+            raise ProtocolError(f"{self.peer} sent a frame with a bad length {header['len']!r}")
+        return header
+
+    def recv_payload_into(self, header: dict[str, Any], dest: memoryview) -> None:
+        """Receive the frame's payload into ``dest``, after checking that it fits.
+
+        The check happens before a single payload byte is read, so an oversized frame cannot
+        write past its destination; the connection is then closed, since the stream cannot be
+        resynchronised without reading the bytes.
+        """
+        n = header["len"]
+        if n > len(dest):
+            self.send_error(
+                "frame_too_large",
+                f"frame declares {n} bytes but its destination holds {len(dest)}",
+            )
+            self.close()
+            raise FrameTooLarge(
+                f"{self.peer} sent a {header['type']!r} frame of {n} bytes for a destination of "
+                f"{len(dest)} bytes; refused before reading it. The sender's snapshot layout "
+                "does not match the slot it targets (stale epoch or a bug in the sender)."
+            )
+        try:
+            recv_into(self.sock, dest, n)
+        except OSError as exc:
+            raise PeerUnavailable(f"receiving from {self.peer} failed: {exc}") from exc
+
+    def recv_message(self, max_payload: int = MAX_CONTROL_PAYLOAD) -> tuple[dict[str, Any], bytes]:
+        """Receive a control frame and its (bounded) payload as bytes."""
+        header = self.recv_header()
+        if header["len"] > max_payload:  # checked before a byte is allocated or read
+            self.recv_payload_into(header, memoryview(b""))  # raises FrameTooLarge
+        buf = bytearray(header["len"])
+        if header["len"]:
+            self.recv_payload_into(header, memoryview(buf))
+        return header, bytes(buf)
+
+    def request(self, header: dict[str, Any], payload: bytes | None = None) -> dict[str, Any]:
+        """Send a frame and wait for the reply frame's header; raise on an error reply."""
+        self.send(header, payload)
+        reply, _ = self.recv_message()
+        raise_if_error(reply, self.peer)
+        return reply
+
+    def close(self) -> None:
+        """Close the socket; further use raises PeerUnavailable."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def raise_if_error(header: dict[str, Any], peer: str) -> None:
+    """Turn an ``error`` frame from ``peer`` into the matching exception."""
+    if header.get("type") != "error":
+        return
+    code, message = header.get("code", ""), header.get("message", "")
+    if code == "auth":
+        raise AuthenticationError(f"{peer} refused the connection: {message}")
+    if code == "frame_too_large":
+        raise FrameTooLarge(f"{peer} refused a frame: {message}")
+    if code == "checksum":
+        raise ChecksumMismatch(f"{peer}: {message}")
+    if code == "memory":
+        raise InsufficientMemory(f"{peer}: {message}")
+    if code == "stale_epoch":
+        raise StaleEpoch(f"{peer}: {message}")
+    raise ProtocolError(f"{peer} answered with error {code!r}: {message}")
+
+
+def _peer_name(sock: socket.socket) -> str:
+    try:
+        name = sock.getpeername()
+    except OSError:
+        return "peer"
+    if isinstance(name, tuple):
+        return f"{name[0]}:{name[1]}"
+    return str(name) or "local peer"
+
+
+def _mac(secret: bytes, *parts: bytes) -> bytes:
+    return hmac.new(secret, b"|".join(parts), hashlib.sha256).digest()
+
+
+_WRONG_SECRET = (
+    "the job secret does not match. Every process of one job must be started with the same "
+    "PEERCKPT_SECRET (peerckpt run sets it for the processes it starts); a process of another "
+    "job, or one started by hand without it, cannot connect"
+)
+
+
+def server_handshake(conn: Connection, secret: bytes, job: str) -> dict[str, Any]:
+    """Authenticate a freshly accepted connection; return the client's ``auth`` header.
+
+    Raises AuthenticationError (after telling the client why) if the client does not prove
+    the secret. The client must prove it first, so a wrong client learns nothing.
+    """
+    conn.sock.settimeout(_HANDSHAKE_TIMEOUT_S)
+    nonce = os.urandom(32)
+    conn.send({"type": "challenge", "nonce": nonce, "proto": PROTOCOL_VERSION})
+    hello, _ = conn.recv_message(max_payload=0)
+    if hello.get("type") != "auth" or not isinstance(hello.get("nonce"), bytes):
+        conn.send_error("auth", "expected an auth frame first")
+        raise AuthenticationError(f"{conn.peer} did not start with an auth frame")
+    if hello.get("job") != job:
+        message = f"this agent serves job {job!r}, the client asked for {hello.get('job')!r}"
+        conn.send_error("auth", message)
+        raise AuthenticationError(f"{conn.peer} is from another job: {message}")
+    expected = _mac(secret, b"client", nonce, hello["nonce"], job.encode())
+    if not hmac.compare_digest(expected, hello.get("mac", b"")):
+        conn.send_error("auth", _WRONG_SECRET)
+        raise AuthenticationError(f"{conn.peer} failed the handshake: {_WRONG_SECRET}")
+    conn.send({"type": "welcome", "mac": _mac(secret, b"server", hello["nonce"], nonce)})
+    conn.sock.settimeout(None)
+    return hello
+
+
+def client_handshake(conn: Connection, secret: bytes, job: str, **fields: Any) -> None:
+    """Prove the job secret to the server and check that the server knows it too."""
+    conn.sock.settimeout(_HANDSHAKE_TIMEOUT_S)
+    challenge, _ = conn.recv_message(max_payload=0)
+    raise_if_error(challenge, conn.peer)
+    if challenge.get("type") != "challenge" or challenge.get("proto") != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"{conn.peer} speaks protocol {challenge.get('proto')!r}, this process speaks "
+            f"{PROTOCOL_VERSION}; run every process of the job from the same peerckpt version"
+        )
+    cnonce = os.urandom(32)
+    mac = _mac(secret, b"client", challenge["nonce"], cnonce, job.encode())
+    conn.send({"type": "auth", "job": job, "nonce": cnonce, "mac": mac, **fields})
+    reply, _ = conn.recv_message(max_payload=0)
+    raise_if_error(reply, conn.peer)
+    expected = _mac(secret, b"server", cnonce, challenge["nonce"])
+    if reply.get("type") != "welcome" or not hmac.compare_digest(expected, reply.get("mac", b"")):
+        raise AuthenticationError(f"{conn.peer} could not prove the job secret; refusing to talk")
+    conn.sock.settimeout(None)
+
+
+def connect_tcp(
+    addr: str,
+    secret: bytes,
+    job: str,
+    timeout: float = 5.0,
+    io_timeout: float | None = None,
+    net: NetHooks | None = None,
+    **fields: Any,
+) -> Connection:
+    """Open an authenticated TCP connection to ``host:port``.
+
+    ``io_timeout`` bounds every later send and receive (None: no bound); ``net``: the
+    connecting agent's network fault hooks.
+    """
+    host, _, port = addr.rpartition(":")
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=timeout)
+    except OSError as exc:
+        raise PeerUnavailable(f"cannot connect to peer agent at {addr}: {exc}") from exc
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn = Connection(sock, addr, net)
+    try:
+        client_handshake(conn, secret, job, **fields)
+    except BaseException:
+        conn.close()
+        raise
+    sock.settimeout(io_timeout)
+    return conn
+
+
+def connect_unix(path: str, secret: bytes, job: str, **fields: Any) -> Connection:
+    """Open an authenticated connection to a local agent's Unix socket."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+    except OSError as exc:
+        sock.close()
+        raise PeerUnavailable(f"cannot reach the node agent at {path}: {exc}") from exc
+    conn = Connection(sock, f"agent@{path}")
+    try:
+        client_handshake(conn, secret, job, **fields)
+    except BaseException:
+        conn.close()
+        raise
+    return conn

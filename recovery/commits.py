@@ -1,0 +1,110 @@
+"""The commit tracker. Pure state, no I/O, no threads.
+
+Step ``s`` is *committed* when every rank of the epoch has reported its snapshot of ``s``
+replicated to all of its buddies. The tracker also remembers, for each rank, which nodes hold
+a complete copy of the last committed step (the holders a recovery plan reads from).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from peerckpt.errors import StaleEpoch
+from peerckpt.manifest import META_KEY
+
+
+def _with_meta_size(layout: list[Any], nbytes: int | None) -> list[Any]:
+    """A layout (chunk records as msgpack lists) with its blob chunk resized to ``nbytes``."""
+    if nbytes is None:
+        return layout
+    out = []
+    for c in layout:
+        if c[0] == META_KEY:
+            c = [c[0], c[1], [nbytes], c[3], [nbytes], c[5], nbytes, None, *c[8:]]
+        out.append(c)
+    return out
+
+
+@dataclass
+class CommitTracker:
+    """Counts replicated snapshots per step and commits a step once every rank has it.
+
+    It also keeps what a recovery needs about the committed step: which nodes hold each
+    rank's copy, each rank's chunk layout, and the layout generation it belongs to.
+    """
+
+    epoch: int
+    ranks: frozenset[int]
+    gen: int = 0
+    committed_step: int | None = None
+    committed_gen: int = 0
+    committed_holders: dict[int, set[int]] = field(default_factory=dict)
+    committed_layouts: dict[int, list[Any]] = field(default_factory=dict)
+    _pending: dict[int, dict[int, set[int]]] = field(default_factory=dict)
+    _layouts: dict[int, list[Any]] = field(default_factory=dict)
+    _meta: dict[int, dict[int, int]] = field(default_factory=dict)  # step → rank → blob size
+    last_replicated: dict[int, int] = field(default_factory=dict)
+
+    def set_layout(self, rank: int, layout: list[Any]) -> None:
+        """A rank's chunk layout, known from elsewhere (a restarted coordinator's rebuild)."""
+        self._layouts.setdefault(rank, layout)
+
+    def record(
+        self,
+        epoch: int,
+        rank: int,
+        step: int,
+        holders: list[int],
+        layout: list[Any] | None = None,
+        meta_nbytes: int | None = None,
+    ) -> int | None:
+        """Record that ``rank``'s snapshot of ``step`` now lives on ``holders``.
+
+        ``layout`` (its chunks) comes on a rank's first report of the epoch and when it
+        changed; ``meta_nbytes``, the size of its blob, with every report.
+        Returns the step that this report committed, if any.
+        """
+        if epoch != self.epoch:
+            raise StaleEpoch(
+                f"replication report for epoch {epoch} arrived in epoch {self.epoch}; ignored"
+            )
+        if rank not in self.ranks:
+            raise StaleEpoch(f"rank {rank} is not a member of epoch {self.epoch}")
+        if self.committed_step is not None and step <= self.committed_step:
+            return None
+        self.last_replicated[rank] = max(step, self.last_replicated.get(rank, -1))
+        if layout is not None:
+            self._layouts[rank] = layout
+        by_rank = self._pending.setdefault(step, {})
+        by_rank[rank] = set(holders)
+        if meta_nbytes is not None:
+            self._meta.setdefault(step, {})[rank] = meta_nbytes
+        if set(by_rank) != self.ranks:
+            return None
+        missing = sorted(r for r in self.ranks if r not in self._layouts)
+        if missing:
+            raise StaleEpoch(f"no chunk layout was reported for rank(s) {missing}")
+        self.committed_step = step
+        self.committed_gen = self.gen
+        self.committed_holders = by_rank
+        sizes = self._meta.get(step, {})
+        self.committed_layouts = {
+            r: _with_meta_size(self._layouts[r], sizes.get(r)) for r in self.ranks
+        }
+        for older in [s for s in self._pending if s <= step]:
+            del self._pending[older]
+            self._meta.pop(older, None)
+        return step
+
+    def forget_node(self, node: int) -> None:
+        """A node was lost: it no longer holds anything."""
+        for holders in self.committed_holders.values():
+            holders.discard(node)
+        for by_rank in self._pending.values():
+            for holders in by_rank.values():
+                holders.discard(node)
+
+    def add_holder(self, rank: int, node: int) -> None:
+        """A recovery copied ``rank``'s committed snapshot to ``node``."""
+        self.committed_holders.setdefault(rank, set()).add(node)

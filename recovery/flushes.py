@@ -1,0 +1,190 @@
+"""When to write a committed step to durable storage, who writes what, and the commit.
+
+The coordinator owns one ``FlushScheduler``. After each commit it asks ``due``: a flush is due
+every ``every`` steps and/or every ``interval`` seconds, but never while the previous one is
+still running — that step is skipped and counted as lag, not queued. A due flush is planned
+with ``persist.durable.assign_writers`` (each unique chunk by one agent that holds it, bytes
+balanced) and sent to the agents; each writes its part and reports. When every writer has
+reported success, the scheduler merges the parts into the manifest and commits the step in a
+background thread (``DurableStore.commit``: manifest, marker, ``latest``, retention). A
+failed writer (full disk, a vanished slot) fails that flush only: it is logged, training goes
+on, and the next due step tries again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from peerckpt.errors import CheckpointError
+from peerckpt.manifest import ChunkRecord
+from peerckpt.persist.config import PersistConfig
+from peerckpt.persist.durable import DurableStore, assign_writers
+
+log = logging.getLogger("peerckpt.coordinator")
+
+
+@dataclass
+class Flush:
+    """One flush: a committed step being written."""
+
+    step: int
+    epoch: int
+    writers: dict[int, list[tuple[int, ChunkRecord]]]
+    layouts: dict[int, list[ChunkRecord]]
+    started_at: float = field(default_factory=time.time)
+    done: dict[int, dict[str, Any]] = field(default_factory=dict)
+    state: str = "writing"  # → "committing" → "committed" | "failed"
+    error: str = ""
+    committed_at: float | None = None
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "state": self.state,
+            "error": self.error,
+            "started_at": self.started_at,
+            "committed_at": self.committed_at,
+            "nbytes": sum(r.nbytes for items in self.writers.values() for _, r in items),
+            "writers": {n: d.get("seconds") for n, d in self.done.items()},
+        }
+
+
+class FlushScheduler:
+    """Decides flushes and commits them. Call its methods under the coordinator's lock."""
+
+    def __init__(self, config: PersistConfig) -> None:
+        self.config = config
+        self.current: Flush | None = None
+        self.history: list[Flush] = []
+        self.skipped: list[int] = []  # due steps not flushed because one was still running
+        self._last_started = time.monotonic()
+        self._last_step: int | None = None
+        self._threads: list[threading.Thread] = []
+        # Called (without the coordinator's lock) when a flush commits or fails.
+        self.on_settled: Callable[[], None] | None = None
+
+    def busy(self) -> bool:
+        return self.current is not None and self.current.state in ("writing", "committing")
+
+    def _settled(self) -> None:
+        if self.on_settled is not None:
+            self.on_settled()
+
+    def due(self, step: int) -> bool:
+        """Whether committed ``step`` should be flushed now."""
+        c = self.config
+        by_step = c.every is not None and step % c.every == 0
+        by_time = c.interval is not None and time.monotonic() - self._last_started >= c.interval
+        if not (by_step or by_time) or step == self._last_step:
+            return False
+        if self.current is not None and self.current.state in ("writing", "committing"):
+            self.skipped.append(step)
+            log.warning(
+                "flush of step %d is still running; step %d is not flushed (lag)",
+                self.current.step,
+                step,
+            )
+            return False
+        return True
+
+    def start(
+        self,
+        step: int,
+        epoch: int,
+        gen: int,
+        layouts: dict[int, list[Any]],
+        holders: dict[int, set[int]],
+    ) -> dict[int, dict[str, Any]]:
+        """Plan a flush of ``step``; return the event for each writer node."""
+        # Layouts are reported once per epoch: structure only, their checksums are stale.
+        records = {
+            r: [replace(ChunkRecord.from_msg(c), crc=None) for c in cs] for r, cs in layouts.items()
+        }
+        writers = assign_writers(records, holders)
+        self.current = Flush(step, epoch, writers, records)
+        self._last_started = time.monotonic()
+        self._last_step = step
+        log.info(
+            "flushing step %d to %s: %s",
+            step,
+            self.config.url,
+            {n: len(items) for n, items in sorted(writers.items())},
+        )
+        return {
+            node: {
+                "type": "flush",
+                "step": step,
+                "epoch": epoch,
+                "gen": gen,
+                "persist": self.config.to_msg(),
+                "chunks": [[rank, rec.to_msg()] for rank, rec in items],
+            }
+            for node, items in writers.items()
+        }
+
+    def written(self, req: dict[str, Any]) -> None:
+        """A writer reported; commit once all have succeeded."""
+        flush = self.current
+        if flush is None or req["step"] != flush.step or flush.state != "writing":
+            return
+        if not req.get("ok"):
+            self._failed(flush, f"node {req['node']}: {req.get('error', 'failed')}")
+            return
+        flush.done[req["node"]] = req
+        if set(flush.done) == set(flush.writers):
+            flush.state = "committing"
+            thread = threading.Thread(
+                target=self._commit, args=(flush,), name="peerckpt-flush-commit", daemon=True
+            )
+            self._threads.append(thread)
+            thread.start()
+
+    def node_lost(self, node: int) -> None:
+        flush = self.current
+        if flush is not None and flush.state == "writing" and node in flush.writers:
+            self._failed(flush, f"node {node}, one of its writers, was lost")
+
+    def _failed(self, flush: Flush, why: str) -> None:
+        flush.state, flush.error = "failed", why
+        self.history.append(flush)
+        log.warning(
+            "flush of step %d failed (%s); training goes on, the next flush tries again; the "
+            "previous checkpoints are untouched",
+            flush.step,
+            why,
+        )
+        self._settled()
+
+    def _commit(self, flush: Flush) -> None:
+        try:
+            DurableStore(self.config.url).commit(
+                flush.step, flush.epoch, flush.layouts, keep=self.config.keep
+            )
+        except (CheckpointError, OSError) as exc:
+            self._failed(flush, f"commit: {type(exc).__name__}: {exc}")
+            return
+        flush.state, flush.committed_at = "committed", time.time()
+        self.history.append(flush)
+        log.info(
+            "step %d is durable in %s (%.2f s after its flush began)",
+            flush.step,
+            self.config.url,
+            flush.committed_at - flush.started_at,
+        )
+        self._settled()
+
+    def records(self) -> list[dict[str, Any]]:
+        flushes = list(self.history)
+        if self.current is not None and self.current not in flushes:
+            flushes.append(self.current)
+        return [f.record() for f in flushes]
+
+    def join(self, timeout: float = 30.0) -> None:
+        """Wait for commits in progress (the job is ending)."""
+        for thread in self._threads:
+            thread.join(timeout)

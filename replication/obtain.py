@@ -1,0 +1,129 @@
+"""Obtaining a verified copy of a rank's committed snapshot for a recovery.
+
+The coordinator's plan gives, per rank, source nodes best first. ``obtain_committed`` tries
+them in order and returns the first copy whose every chunk matches its crc32c: the agent's
+own slot or a local replica (no network), else a fetch from a peer straight into one of the
+rank's own slots. A copy that fails verification is marked invalid and never restored from;
+the next source is tried. Only when every source failed does it raise RecoveryFailed, naming
+each source and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from peerckpt.errors import ChecksumMismatch, PeerckptError, PeerUnavailable, RecoveryFailed
+from peerckpt.manifest import SnapshotManifest
+from peerckpt.replication.store import Slot, SlotStore
+from peerckpt.replication.transfer import fetch
+from peerckpt.wire import Connection
+
+log = logging.getLogger("peerckpt.restore")
+
+
+@dataclass(frozen=True)
+class Obtained:
+    """Where a rank's committed snapshot now is, and where it came from."""
+
+    slot: Slot
+    manifest: SnapshotManifest
+    source: int
+    nbytes: int
+    seconds: float
+
+
+def obtain_committed(
+    store: SlotStore,
+    node: int,
+    epoch: int,
+    gen: int,
+    rank: int,
+    step: int,
+    sources: list[int],
+    connect: Callable[[int], Connection],
+) -> Obtained:
+    """Make ``rank``'s snapshot of ``step`` (layout ``gen``) available, verified, in one of
+    its own slots."""
+    failures = []
+    for source in sources:
+        start = time.monotonic()
+        try:
+            if source == node:
+                slot, nbytes = _local_copy(store, gen, rank, step), 0
+            else:
+                slot = _pull(store, epoch, gen, rank, step, connect(source))
+                nbytes = slot.manifest.used_bytes if slot.manifest else 0
+        except PeerckptError as exc:
+            log.error("cannot restore rank %d step %d from node %d: %s", rank, step, source, exc)
+            failures.append(f"node {source}: {exc}")
+            continue
+        except Exception as exc:  # a bad manifest or a reset mid-frame: try the next source
+            log.exception("cannot restore rank %d step %d from node %d", rank, step, source)
+            failures.append(f"node {source}: {type(exc).__name__}: {exc}")
+            continue
+        assert slot.manifest is not None
+        return Obtained(slot, slot.manifest, source, nbytes, time.monotonic() - start)
+    raise RecoveryFailed(
+        f"no valid copy of rank {rank} step {step} could be read: " + "; ".join(failures)
+    )
+
+
+def _local_copy(store: SlotStore, gen: int, rank: int, step: int) -> Slot:
+    slot = store.find(gen, rank, step)
+    if slot is None:
+        raise PeerUnavailable(f"this node holds no copy of rank {rank} step {step}")
+    with slot.lock:
+        manifest = slot.manifest
+        if manifest is None or manifest.step != step:
+            raise PeerUnavailable(f"the copy of rank {rank} step {step} was replaced meanwhile")
+        bad = manifest.bad_chunks(slot.segment.view)
+        if bad:
+            slot.invalidate()
+            raise ChecksumMismatch(
+                f"the local copy of rank {rank} step {step} fails its checksum in {bad[:3]}; "
+                "it is not restored from"
+            )
+    if slot.kind == "replica":
+        slot = store.adopt(slot, slot.index)
+    return slot
+
+
+def _pull_target(store: SlotStore, gen: int, rank: int, step: int) -> int:
+    """Which own slot a pulled copy of ``step`` goes into.
+
+    A slot that already holds (a copy of) this step is overwritten, so that the rank never
+    ends up with the same step in both slots: a recovery superseded after its pull pulls
+    again, and the snapshot engine relies on exactly one slot holding the committed step.
+    Otherwise an empty slot, otherwise slot 0.
+    """
+    own = [store.get("own", gen, rank, index) for index in (0, 1)]
+    for index, slot in enumerate(own):
+        if slot is not None and slot.step == step:
+            return index
+    if own[0] is not None and own[0].manifest is not None:
+        return 1
+    return 0
+
+
+def _pull(store: SlotStore, epoch: int, gen: int, rank: int, step: int, conn: Connection) -> Slot:
+    index = _pull_target(store, gen, rank, step)
+    holder: list[Slot] = []
+
+    def allocate(manifest: SnapshotManifest) -> memoryview:
+        slot = store.ensure("own", gen, rank, index, manifest.used_bytes)
+        slot.lock.acquire()
+        slot.invalidate()
+        holder.append(slot)
+        return slot.segment.view
+
+    try:
+        manifest = fetch(conn, epoch, gen, rank, step, allocate)
+        holder[0].manifest = manifest
+        return holder[0]
+    finally:
+        if holder:
+            holder[0].lock.release()
+        conn.close()

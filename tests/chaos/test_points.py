@@ -1,0 +1,130 @@
+"""The chaos harness's hooks inside job processes: network faults and phase points."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from peerckpt import faults
+from peerckpt.chaos.points import ChaosHooks, NetFaults
+from peerckpt.errors import PeerUnavailable
+from peerckpt.faults import NetHooks
+from peerckpt.wire import Connection
+
+
+def _wait(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+def _tcp_pair(net: NetHooks | None) -> tuple[Connection, Connection, socket.socket]:
+    listener = socket.create_server(("127.0.0.2", 0))
+    client = socket.create_connection(listener.getsockname())
+    accepted, _ = listener.accept()
+    return Connection(client, "peer", net), Connection(accepted, "server", net), listener
+
+
+@pytest.fixture
+def net_faults(tmp_path):
+    # The way an agent gets them: the launcher's fault directory in its environment, the
+    # chaos package's factory found through the ``peerckpt.faults`` entry point.
+    hooks = faults.load(node=4, network=True, environ={faults.ENV: str(tmp_path)})
+    assert isinstance(hooks, ChaosHooks) and isinstance(hooks.net, NetFaults)
+    yield hooks.net, tmp_path / "net-4.json"
+    hooks.close()
+
+
+def test_without_a_fault_directory_a_process_gets_no_hooks() -> None:
+    hooks = faults.load(node=0, network=True, environ={})
+    assert hooks is faults.NO_FAULTS and not hooks.active and hooks.net is None
+    assert hooks.strike("snapshot", rank=0) is False
+
+
+def _write(path, fault: dict) -> None:
+    path.with_suffix(".tmp").write_text(json.dumps(fault))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def test_a_partition_cuts_open_links_refuses_new_traffic_and_heals(net_faults) -> None:
+    net, path = net_faults
+    a, b, listener = _tcp_pair(net)
+    try:
+        a.send({"type": "x"})
+        assert b.recv_header()["type"] == "x"
+        blocked: list[BaseException] = []
+        reader = threading.Thread(target=lambda: blocked.append(_recv_error(b)))
+        reader.start()
+        _write(path, {"partition_until": time.time() + 0.5})
+        assert _wait(net.partitioned)
+        reader.join(5.0)
+        assert isinstance(blocked[0], PeerUnavailable)  # a blocked receive is cut at once
+        c, d, listener2 = _tcp_pair(net)
+        with pytest.raises(PeerUnavailable, match=r"cut \(chaos: partition\)"):
+            c.send({"type": "y"})
+        started = time.monotonic()
+        net.wait_healed()
+        assert not net.partitioned() and time.monotonic() - started < 2.0
+        c.send({"type": "z"})  # healed: a new send goes through
+        assert d.recv_header()["type"] == "z"
+        c.close(), d.close(), listener2.close()
+    finally:
+        a.close(), b.close(), listener.close()
+
+
+def _recv_error(conn: Connection) -> BaseException | None:
+    try:
+        conn.recv_header()
+    except BaseException as exc:
+        return exc
+    return None
+
+
+def test_a_slow_link_paces_what_it_sends(net_faults) -> None:
+    net, path = net_faults
+    _write(path, {"rate": 4e6, "slow_until": 0.0})
+    assert _wait(lambda: net.rate == 4e6)
+    a, b, listener = _tcp_pair(net)
+    try:
+        payload = bytes(1 << 20)
+        got = bytearray(1 << 20)
+        receiver = threading.Thread(
+            target=lambda: b.recv_payload_into(b.recv_header(), memoryview(got))
+        )
+        receiver.start()
+        started = time.monotonic()
+        a.send({"type": "data"}, payload)
+        elapsed = time.monotonic() - started
+        receiver.join(5.0)
+        # 1 MiB at 4 MB/s takes at least a quarter of a second (pacing is never early).
+        assert elapsed >= 0.25 and bytes(got) == payload
+    finally:
+        a.close(), b.close(), listener.close()
+
+
+def test_a_phase_point_holds_the_process_that_strikes_it_until_released(tmp_path) -> None:
+    hooks = faults.load(node=1, environ={faults.ENV: str(tmp_path)})
+    assert hooks.active and hooks.net is None  # a rank: phase points, no network faults
+    (tmp_path / "armed-3.json").write_text(json.dumps({"phase": "snapshot", "match": {"rank": 2}}))
+    assert not hooks.strike("snapshot", rank=1, node=0, step=5)  # not the armed rank
+    assert not hooks.strike("replication", rank=2, node=1, step=5)  # not the phase
+    struck: list[bool] = []
+    holder = threading.Thread(
+        target=lambda: struck.append(hooks.strike("snapshot", rank=2, node=1, step=7))
+    )
+    holder.start()
+    assert _wait(lambda: (tmp_path / "hit-3.json").exists())
+    time.sleep(0.1)
+    assert holder.is_alive()  # held still inside the phase
+    where = json.loads((tmp_path / "hit-3.json.where").read_text())
+    assert where == {"rank": 2, "node": 1, "step": 7, "pid": os.getpid()}
+    (tmp_path / "done-3").write_text("")
+    holder.join(5.0)
+    assert struck == [True]
+    assert not hooks.strike("snapshot", rank=2, node=1, step=8)  # it fires once
