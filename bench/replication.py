@@ -58,6 +58,7 @@ from peerckpt.replication.arena import Arena
 from peerckpt.replication.replicator import BuddySender, ReplicationJob
 from peerckpt.replication.store import Slot, SlotStore
 from peerckpt.replication.transfer import IO_TIMEOUT_S, DataServer, send_bytes
+from peerckpt.states import SlotKind
 from peerckpt.wire import Connection, connect_tcp, raise_if_error
 
 PIECE = 64 << 20
@@ -128,7 +129,7 @@ class Sender:
     def __init__(self, job: str, secret: bytes, nbytes: int, data_addr: str, sink_port: int):
         self.job, self.secret, self.nbytes, self.data_addr = job, secret, nbytes, data_addr
         self.arena = Arena(job, 0)
-        self.slot: Slot = SlotStore(self.arena).ensure("own", 0, 0, 0, nbytes)
+        self.slot: Slot = SlotStore(self.arena).ensure(SlotKind.OWN, 0, 0, 0, nbytes)
         pattern = bytes(range(256)) * (1 << 12)  # 1 MiB
         for off in range(0, nbytes, len(pattern)):
             self.slot.segment.view[off : off + len(pattern)] = pattern[: nbytes - off]

@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 from peerckpt.chaos.spec import ChaosAction
 from peerckpt.errors import PeerckptError
+from peerckpt.messages.control import JobStatus, Status
+from peerckpt.states import JobState
 
 log = logging.getLogger("peerckpt.chaos")
 
@@ -69,7 +71,7 @@ class FaultTarget(Protocol):
 
 
 class StatusSource(Protocol):
-    def call(self, method: str, timeout: float = 10.0, **args: Any) -> dict[str, Any]: ...
+    def call(self, msg: Status, timeout: float = 10.0) -> JobStatus: ...
 
 
 class ChaosMonkey:
@@ -105,14 +107,14 @@ class ChaosMonkey:
         due_since: dict[int, float] = {}  # step → when actions at it became due (for after=)
         while pending and not self._stop.wait(self._poll_s):
             try:
-                status = self._status.call("Status", timeout=2.0)
+                status = self._status.call(Status(), timeout=2.0)
             except PeerckptError:
                 continue
-            if status["state"] != "running":
+            if status.state is not JobState.RUNNING:
                 continue
             # Every action that is due fires now, in order: actions at the same step strike
             # together (within a millisecond), not one status poll apart.
-            committed = status["committed_step"]
+            committed = status.committed_step
             while pending:
                 index, action = pending[0]
                 due = action.at == 0 or (committed is not None and committed >= action.at - 1)
@@ -130,9 +132,7 @@ class ChaosMonkey:
                 self.fired.append(record)
                 pending.pop(0)
 
-    def _strike(
-        self, index: int, action: ChaosAction, status: dict[str, Any]
-    ) -> dict[str, Any] | None:
+    def _strike(self, index: int, action: ChaosAction, status: JobStatus) -> dict[str, Any] | None:
         """Arm the action's phase point; once a process is struck there, fire and release it."""
         directory = self._target.chaos_dir
         assert directory is not None and action.during is not None
@@ -163,37 +163,37 @@ class ChaosMonkey:
             record.update(during=action.during, struck=where)
         return record
 
-    def _fire(self, action: ChaosAction, status: dict[str, Any]) -> dict[str, Any] | None:
+    def _fire(self, action: ChaosAction, status: JobStatus) -> dict[str, Any] | None:
         record = {
             "action": action.text,
             "kind": action.kind,
             "target": action.target,
-            "committed_step": status["committed_step"],
-            "epoch": status["epoch"],
+            "committed_step": status.committed_step,
+            "epoch": status.epoch,
         }
         if action.kind == "add_node":
-            log.warning("chaos: %s (committed step %s)", action.text, status["committed_step"])
+            log.warning("chaos: %s (committed step %s)", action.text, status.committed_step)
             record["fired_at"] = time.time()
             record["node"] = self._target.add_node()
             return record
         if action.kind == "kill_coordinator":
-            log.warning("chaos: %s (committed step %s)", action.text, status["committed_step"])
+            log.warning("chaos: %s (committed step %s)", action.text, status.committed_step)
             record["fired_at"] = time.time()
             self._target.kill_coordinator()
             return record
         if action.kind == "corrupt_rank":
-            log.warning("chaos: %s (committed step %s)", action.text, status["committed_step"])
+            log.warning("chaos: %s (committed step %s)", action.text, status.committed_step)
             record["fired_at"] = time.time()
             record["segments"] = self._target.corrupt_replicas(action.target)
             return record
         if action.kind in ("kill_rank", "hang_rank"):
-            assignment = status["ranks"].get(action.target)
+            assignment = status.ranks.get(action.target)
             if assignment is None:
                 log.error("chaos: rank %d is not in the job; action skipped", action.target)
                 return {**record, "fired_at": None, "skipped": "no such rank"}
             record["pid"] = assignment[1]
             record["node"] = assignment[0]
-            log.warning("chaos: %s (committed step %s)", action.text, status["committed_step"])
+            log.warning("chaos: %s (committed step %s)", action.text, status.committed_step)
             record["fired_at"] = time.time()
             if action.kind == "kill_rank":
                 self._target.kill_pid(assignment[1])
@@ -203,13 +203,13 @@ class ChaosMonkey:
         # The rest act on a node.
         node = action.target
         if action.of_rank is not None:
-            node = status["ranks"].get(action.of_rank, [-1])[0]
+            node = status.ranks.get(action.of_rank, [-1])[0]
         record["node"] = node
-        if not status["nodes"].get(node, False):
+        if not status.nodes.get(node, False):
             log.error("chaos: node %d is not alive; action skipped", node)
             return {**record, "fired_at": None, "skipped": "no such live node"}
         log.warning(
-            "chaos: %s (node %d, committed step %s)", action.text, node, status["committed_step"]
+            "chaos: %s (node %d, committed step %s)", action.text, node, status.committed_step
         )
         record["fired_at"] = time.time()
         if action.kind == "kill_node":

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from peerckpt.states import EpochMode
+
 
 @dataclass(frozen=True)
 class RankAssignment:
@@ -25,9 +27,9 @@ class RankAssignment:
 class Membership:
     """One epoch's membership, as broadcast to agents.
 
-    ``mode`` says how the epoch restores: ``fresh`` (nothing committed yet: start over),
-    ``same`` (the layout is unchanged: every rank restores its own snapshot, replacements
-    pull theirs whole from ``sources``), or ``reshard`` (a new layout: every rank asks for the
+    ``mode`` says how the epoch restores: ``FRESH`` (nothing committed yet: start over),
+    ``SAME`` (the layout is unchanged: every rank restores its own snapshot, replacements
+    pull theirs whole from ``sources``), or ``RESHARD`` (a new layout: every rank asks for the
     boxes it needs and gets them through a plan). ``gen`` numbers layouts; ``restore_gen`` is
     the layout of the committed step; ``previous`` maps new ranks to the old rank the same
     process was (None for a newcomer).
@@ -41,7 +43,7 @@ class Membership:
     sources: dict[int, list[int]]
     node_addrs: dict[int, str]
     store_addr: str
-    mode: str = "fresh"
+    mode: EpochMode = EpochMode.FRESH
     gen: int = 0
     restore_gen: int = 0
     previous: dict[int, int | None] = field(default_factory=dict)
@@ -57,7 +59,6 @@ class Membership:
 
     def to_msg(self) -> dict[str, Any]:
         return {
-            "type": "membership",
             "epoch": self.epoch,
             "world_size": self.world_size,
             "ranks": {r: [a.node, a.pid] for r, a in self.ranks.items()},
@@ -66,7 +67,7 @@ class Membership:
             "sources": self.sources,
             "node_addrs": self.node_addrs,
             "store_addr": self.store_addr,
-            "mode": self.mode,
+            "mode": self.mode.value,
             "gen": self.gen,
             "restore_gen": self.restore_gen,
             "previous": self.previous,
@@ -86,7 +87,7 @@ class Membership:
             sources={int(r): list(v) for r, v in msg["sources"].items()},
             node_addrs={int(n): a for n, a in msg["node_addrs"].items()},
             store_addr=msg["store_addr"],
-            mode=msg["mode"],
+            mode=EpochMode(msg["mode"]),
             gen=msg["gen"],
             restore_gen=msg["restore_gen"],
             previous={int(r): p for r, p in msg["previous"].items()},

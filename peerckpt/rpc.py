@@ -1,9 +1,12 @@
-"""msgpack over gRPC: the control plane between agents, the launcher and the coordinator.
+"""Typed messages over gRPC: the control plane between agents, launchers and the coordinator.
 
 gRPC carries small control messages only (bulk bytes go over the agents' TCP data links).
-Messages are msgpack maps through gRPC's generic handlers, so there is no generated code and
-nothing is ever unpickled. Every call carries an HMAC of the job's secret, the job and the
-method name in its metadata; a call without the right one is refused as UNAUTHENTICATED.
+Each call is one ``Request`` of ``peerckpt/messages/control.py``: its class name is the
+method, its reply class the answer; both travel as msgpack maps through gRPC's generic
+handlers, decoded and type-checked at the edge (``messages.decode``), so there is no
+generated code, nothing is ever unpickled and no handler ever sees a dict. Every call
+carries an HMAC of the job's secret, the job and the method name in its metadata; a call
+without the right one is refused as UNAUTHENTICATED.
 
 Errors raised on purpose by a handler (subclasses of PeerckptError) travel back as their
 class name and message and are raised again, as the same class, in the caller.
@@ -16,19 +19,22 @@ import hmac
 import logging
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
 from peerckpt import errors
 from peerckpt.codec import pack, unpack
+from peerckpt.messages import Dispatch, decode, encode, type_name
+from peerckpt.messages.control import Event, Request, reply_class
+
+R = TypeVar("R")  # the reply class of a request (``Request[R]``)
 
 SERVICE = "peerckpt.Coordinator"
 _AUTH_KEY = "peerckpt-auth"
 log = logging.getLogger("peerckpt.rpc")
 
-Unary = Callable[[dict[str, Any]], dict[str, Any]]
-Stream = Callable[[dict[str, Any], grpc.ServicerContext], Iterator[dict[str, Any]]]
+Stream = Callable[[Any, grpc.ServicerContext], Iterator[Event]]
 
 
 def _token(secret: bytes, job: str, method: str) -> str:
@@ -42,8 +48,8 @@ class RpcServer:
         self,
         secret: bytes,
         job: str,
-        unary: dict[str, Unary],
-        streams: dict[str, Stream],
+        unary: Dispatch[Any],
+        streams: dict[type[Any], Stream],
         host: str = "127.0.0.1",
         port: int = 0,
         max_workers: int = 64,
@@ -51,13 +57,13 @@ class RpcServer:
         self._secret = secret
         self._job = job
         handlers: dict[str, grpc.RpcMethodHandler] = {}
-        for name, fn in unary.items():
-            handlers[name] = grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(name, fn), request_deserializer=unpack, response_serializer=pack
+        for cls in unary.table:
+            handlers[type_name(cls)] = grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(cls, unary), request_deserializer=unpack, response_serializer=pack
             )
-        for name, gen in streams.items():
-            handlers[name] = grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(name, gen), request_deserializer=unpack, response_serializer=pack
+        for cls, gen in streams.items():
+            handlers[type_name(cls)] = grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(cls, gen), request_deserializer=unpack, response_serializer=pack
             )
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="peerckpt-rpc"),
@@ -79,11 +85,16 @@ class RpcServer:
                 "coordinator. Start every process of a job with the same PEERCKPT_SECRET.",
             )
 
-    def _wrap_unary(self, name: str, fn: Unary) -> Callable[[Any, grpc.ServicerContext], Any]:
+    def _wrap_unary(
+        self, cls: type[Any], table: Dispatch[Any]
+    ) -> Callable[[Any, grpc.ServicerContext], Any]:
+        name = type_name(cls)
+
         def handler(request: Any, context: grpc.ServicerContext) -> Any:
             self._authenticate(name, context)
             try:
-                return fn(request or {})
+                msg = decode({**(request or {}), "type": name}, cls, where=_caller(context))
+                return encode(table.handle(msg))
             except errors.PeerckptError as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{type(exc).__name__}: {exc}")
             except Exception:
@@ -92,10 +103,19 @@ class RpcServer:
 
         return handler
 
-    def _wrap_stream(self, name: str, gen: Stream) -> Callable[[Any, grpc.ServicerContext], Any]:
+    def _wrap_stream(
+        self, cls: type[Any], gen: Stream
+    ) -> Callable[[Any, grpc.ServicerContext], Any]:
+        name = type_name(cls)
+
         def handler(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             self._authenticate(name, context)
-            yield from gen(request or {}, context)
+            try:
+                msg = decode({**(request or {}), "type": name}, cls, where=_caller(context))
+            except errors.ProtocolError as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ProtocolError: {exc}")
+            for event in gen(msg, context):
+                yield encode(event)
 
         return handler
 
@@ -127,26 +147,55 @@ class RpcClient:
     def _metadata(self, method: str) -> tuple[tuple[str, str], ...]:
         return ((_AUTH_KEY, _token(self._secret, self._job, method)),)
 
-    def call(self, method: str, timeout: float = 10.0, **args: Any) -> dict[str, Any]:
-        """Call a unary method; re-raise the handler's PeerckptError as the same class."""
+    def call(self, msg: Request[R], timeout: float = 10.0) -> R:
+        """Call the coordinator; return its typed reply, or re-raise the handler's
+        PeerckptError as the same class."""
+        method = type_name(type(msg))
         stub = self._channel.unary_unary(
             f"/{SERVICE}/{method}", request_serializer=pack, response_deserializer=unpack
         )
         try:
-            result: dict[str, Any] = stub(args, timeout=timeout, metadata=self._metadata(method))
+            raw = stub(_body(msg), timeout=timeout, metadata=self._metadata(method))
         except grpc.RpcError as exc:
             raise _translate(exc, self.address, method) from None
-        return result
+        return decode(raw, reply_class(type(msg)), where=f"the coordinator at {self.address}")
 
-    def stream(self, method: str, **args: Any) -> Any:
-        """Open a server stream; iterate the result, ``.cancel()`` it to stop."""
+    def stream(self, msg: Request[Event]) -> EventStream:
+        """Open a server stream of events; iterate it, ``.cancel()`` it to stop."""
+        method = type_name(type(msg))
         stub = self._channel.unary_stream(
             f"/{SERVICE}/{method}", request_serializer=pack, response_deserializer=unpack
         )
-        return stub(args, metadata=self._metadata(method))
+        return EventStream(stub(_body(msg), metadata=self._metadata(method)), self.address)
 
     def close(self) -> None:
         self._channel.close()
+
+
+class EventStream:
+    """A server stream's events, decoded as they arrive."""
+
+    def __init__(self, call: Any, address: str) -> None:
+        self._call = call
+        self._where = f"the coordinator at {address}"
+
+    def __iter__(self) -> Iterator[Event]:
+        for raw in self._call:
+            yield decode(raw, Event, where=self._where)
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+def _body(msg: Any) -> dict[str, Any]:
+    """A request's fields (its type is the method's name)."""
+    out = encode(msg)
+    del out["type"]
+    return out
+
+
+def _caller(context: grpc.ServicerContext) -> str:
+    return f"caller {context.peer()}"
 
 
 def _translate(exc: grpc.RpcError, address: str, method: str) -> Exception:

@@ -21,7 +21,7 @@ import os
 import socket
 import struct
 import threading
-from typing import Any
+from typing import Any, TypeVar
 
 from peerckpt.codec import pack, unpack
 from peerckpt.errors import (
@@ -34,6 +34,9 @@ from peerckpt.errors import (
     StaleEpoch,
 )
 from peerckpt.faults import NetHooks
+from peerckpt.messages import from_frame, to_frame
+
+M = TypeVar("M")
 
 MAGIC = b"PCK1"
 PROTOCOL_VERSION = 2  # 2: a push's checksums travel in its end frame
@@ -112,6 +115,18 @@ class Connection:
                     self.sock.sendall(piece)
             except OSError as exc:
                 raise PeerUnavailable(f"sending to {self.peer} failed: {exc}") from exc
+
+    def send_msg(self, msg: Any, payload: bytes | memoryview | None = None) -> None:
+        """Send a typed message; its ``PAYLOAD`` field, if any, as the frame's payload, else
+        ``payload`` (raw bytes: a data frame's)."""
+        header, packed = to_frame(msg)
+        self.send(header, packed if packed is not None else payload)
+
+    def recv_msg(self, expect: type[M], max_payload: int = MAX_CONTROL_PAYLOAD) -> M:
+        """Receive a typed control message (an ``error`` frame raises its exception)."""
+        header, payload = self.recv_message(max_payload)
+        raise_if_error(header, self.peer)
+        return from_frame(header, payload, expect, where=self.peer)
 
     def send_error(self, code: str, message: str) -> None:
         """Tell the peer why its request is refused; best effort (the peer may be gone)."""

@@ -1,68 +1,88 @@
 """The coordinator: membership and its epoch, failure decisions, commits, recovery plans.
 
-One per job. Agents register, stream events from ``Watch`` (membership, commit, shutdown),
-send heartbeats and report what happens on their node: a process joined or was lost, a
-snapshot was replicated, a rank resumed, finished or failed. The coordinator owns every
-decision that must be the same everywhere; agents and ranks only carry them out.
+One per job. Agents register, stream events from ``Watch`` (a new epoch, a commit, a
+resharding round's reads, a flush, the end) and report what happens on their node in typed
+messages (``peerckpt/messages/control.py``): a process joined or was lost, a snapshot was
+replicated, a rank resumed, finished or failed. The coordinator owns every decision that
+must be the same everywhere; agents and ranks only carry them out.
+
+It is built from parts, each owning one concern, and this class routes messages to them
+through one dispatch table (``handlers``), holding ``_lock`` while a part decides:
+
+- ``Registry`` (``registry.py``): agents and processes;
+- ``Settings``, ``JobLife``, ``Spares`` (``job.py``): the job's settings and state;
+- ``Epochs`` (``epochs.py``): the membership and its changes, decided by the pure functions
+  of ``decide.py``, with the durable tier as the holder of last resort (``fallback.py``);
+- ``CommitTracker`` (``commits.py``, held by ``Epochs``): commits;
+- ``FlushScheduler`` (``flushes.py``): durable flushes;
+- ``Clocks`` (``liveness.py``): heartbeats and every other deadline;
+- ``rebuild.adopt``: a restarted coordinator's state, from what the agents tell it.
+
+This module is the one place every message of the coordinator arrives (one short handler
+each, ~480 lines): split further, a reader would lose the table of what it answers.
 
 Failure detection here: an agent's ``Watch`` stream closing (its process is gone) or its
 heartbeats stopping (a hang or partition) loses the node; a rank process exiting is reported
-at once by its agent. Either opens a new epoch in which spares replace the lost ranks (or,
-with none left, the world shrinks) and everyone restores the last committed step.
-
-How an epoch is opened — replacement, shrink, grow — is in ``recovery/epochs.py``, mixed in.
-
-It also hosts the job's torch.distributed TCPStore; every epoch's process group uses its own
-prefix in it.
+at once by its agent.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
 
 from peerckpt.errors import CheckpointError, ConfigurationError, RecoveryFailed, StaleEpoch
-from peerckpt.membership import Membership
+from peerckpt.messages import Dispatch
+from peerckpt.messages.control import (
+    AgentConfig,
+    AllocateNode,
+    Commit,
+    Done,
+    EpochOpened,
+    Event,
+    Flushed,
+    Heartbeat,
+    HeartbeatReply,
+    JobStatus,
+    NodeAllocated,
+    Ok,
+    ProcJoined,
+    ProcLost,
+    RankFailed,
+    Reads,
+    RegisterAgent,
+    Replicated,
+    ReplicatedReply,
+    ReplicationFailed,
+    Resumed,
+    Shutdown,
+    SparesStarting,
+    Status,
+    Stop,
+    Wants,
+    Watch,
+)
 from peerckpt.persist.config import PersistConfig
 from peerckpt.reads import STORAGE
-from peerckpt.recovery.commits import CommitTracker
-from peerckpt.recovery.elastic import ReshardRounds
-from peerckpt.recovery.epochs import DeferredRecovery, EpochChanges
+from peerckpt.recovery import rebuild
+from peerckpt.recovery.decide import Loss
+from peerckpt.recovery.epochs import Epochs
 from peerckpt.recovery.flushes import FlushScheduler
-from peerckpt.recovery.liveness import Liveness
+from peerckpt.recovery.job import JobLife, Settings, Spares
+from peerckpt.recovery.liveness import Clocks
 from peerckpt.recovery.placement import Placement, RingPlacement
+from peerckpt.recovery.registry import AgentInfo, Registry
+from peerckpt.states import EpochMode, JobState, ProcRole
 
 log = logging.getLogger("peerckpt.coordinator")
-REBUILD_WAIT_FACTOR = 2.0  # a restarted coordinator waits this many heartbeat timeouts for agents
 
 
-@dataclass
-class AgentInfo:
-    node: int
-    data_addr: str
-    spare_node: bool
-    joining: int = 0  # ranks this node brings to a running job (``peerckpt join``)
-    events: queue.Queue[dict[str, Any] | None] = field(default_factory=queue.Queue)
-    alive: bool = True
-    last_heartbeat: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class ProcInfo:
-    node: int
-    pid: int
-    role: str  # "rank" or "spare"
-    rank: int | None
-    alive: bool = True
-
-
-class Coordinator(EpochChanges, Liveness):
+class Coordinator:
     """The job's single source of truth. All handlers hold ``_lock`` while they decide."""
 
     def __init__(
@@ -78,6 +98,32 @@ class Coordinator(EpochChanges, Liveness):
         placement: Placement | None = None,
         digests_file: str | None = None,
     ) -> None:
+        self._lock = threading.RLock()
+        self.settings = Settings(
+            job,
+            world_size,
+            replicas,
+            heartbeat_timeout,
+            store_addr,
+            min_nodes,
+            placement or RingPlacement(),
+        )
+        self.registry = Registry()
+        self.life = JobLife(self.registry)
+        self.spares = Spares(started=spares)  # each joins once it has warmed up
+        # Durable checkpoints: from `peerckpt run --persist`, else from the script's decorator.
+        self.flusher = FlushScheduler(persist) if persist is not None else None
+        self.epochs = Epochs(
+            self.settings,
+            self.registry,
+            self.life,
+            self.spares,
+            lambda: self.flusher.config if self.flusher is not None else None,
+        )
+        self.clocks = Clocks(heartbeat_timeout)
+        self.rebuilt = False  # restarted: state rebuilt from the agents' reports
+        self.rebuild_lost: set[int] = set()  # ranks found gone while rebuilding
+        self.stopped = threading.Event()
         # Every distinct tensor digest of every rank's snapshot of every step, appended as
         # "rank step digest" lines (the chaos campaign compares them with a fault-free run).
         # A file, not memory: a restarted coordinator appends to what the last one wrote.
@@ -87,443 +133,351 @@ class Coordinator(EpochChanges, Liveness):
             else None
         )
         self._digests_seen: set[tuple[int, int, str]] = set()
-        self.min_nodes = min_nodes  # None: the world never shrinks
-        self.spares_started = spares  # started by the launcher; each joins once it has warmed up
-        self.spares_joined = 0
-        self._deferred: DeferredRecovery | None = None
-        # Durable checkpoints: from `peerckpt run --persist`, else from the script's decorator.
-        self.flusher = FlushScheduler(persist) if persist is not None else None
-        self._finishing_since = 0.0
-        self.job = job
-        self.world_size = world_size
-        self.replicas = replicas
-        self.heartbeat_timeout = heartbeat_timeout
-        self.store_addr = store_addr
-        self.placement: Placement = placement or RingPlacement()
-        self._lock = threading.RLock()
-        self.agents: dict[int, AgentInfo] = {}
-        self.procs: dict[tuple[int, int], ProcInfo] = {}
-        self.membership: Membership | None = None
-        self.tracker: CommitTracker | None = None
-        self.state = "starting"
-        self.reason = ""
-        self.events: list[dict[str, Any]] = []
-        self.done: set[int] = set()
-        self.resumed: set[int] = set()
-        self.snapshot_bytes: dict[int, int] = {}
-        self.rounds = ReshardRounds()
-        self._reserved: set[int] = set()  # node indexes handed out to joining nodes
-        # Replication failures to a buddy that looked alive: (deadline, epoch, step, message).
-        self._stuck: list[tuple[float, int, int, int, str]] = []
-        self.stopped = threading.Event()
-        self.rebuilt = False  # restarted: state rebuilt from the agents' reports
-        self._rebuild_deadline: float | None = None  # until then, agents may still come back
-        self._rebuild_lost: set[int] = set()  # ranks found gone while rebuilding
 
     # -- registration ---------------------------------------------------------------------
-    def register_agent(self, req: dict[str, Any]) -> dict[str, Any]:
+    def register_agent(self, msg: RegisterAgent) -> AgentConfig:
         with self._lock:
-            node = req["node"]
-            config = {"replicas": self.replicas, "heartbeat_timeout": self.heartbeat_timeout}
-            known = self.agents.get(node)
-            if req.get("rejoin") is not None and known is not None and not known.alive:
-                return {**config, "lost": True}  # declared lost while we were away
-            self.agents[node] = AgentInfo(
-                node, req["data_addr"], bool(req.get("spare_node")), int(req.get("joining", 0))
+            s = self.settings
+            known = self.registry.agents.get(msg.node)
+            if msg.rejoin is not None and known is not None and not known.alive:
+                return AgentConfig(s.replicas, s.heartbeat_timeout, lost=True)
+            self.registry.agents[msg.node] = AgentInfo(
+                msg.node, msg.data_addr, msg.spare_node, msg.joining
             )
-            log.info("agent of node %d registered (data %s)", node, req["data_addr"])
-            if req.get("rejoin") is not None:
-                self._adopt(node, req["rejoin"])
-            return config
+            log.info("agent of node %d registered (data %s)", msg.node, msg.data_addr)
+            if msg.rejoin is not None:
+                rebuild.adopt(self, msg.node, msg.rejoin)
+            return AgentConfig(s.replicas, s.heartbeat_timeout)
 
-    def _adopt(self, node: int, state: dict[str, Any]) -> None:
-        """Rebuild this (restarted) coordinator's state from what node ``node``'s agent knows:
-        the epoch it is in, its live processes and the snapshot copies it holds. The first
-        agent to come back brings the membership; every agent adds its processes and copies.
-        Nodes of the membership whose agent has not come back yet are kept as alive until a
-        heartbeat timeout says otherwise; ranks whose process is gone are recovered at once."""
-        msg = state.get("membership")
-        if msg is not None and (self.membership is None or msg["epoch"] > self.membership.epoch):
-            m = Membership.from_msg(msg)
-            log.warning("rebuilding from the agents: epoch %d, %d ranks", m.epoch, len(m.ranks))
-            self.membership, self.world_size = m, m.world_size
-            self.tracker = CommitTracker(m.epoch, frozenset(m.ranks), gen=m.gen)
-            for n, addr in m.node_addrs.items():
-                if n not in self.agents:  # not back yet: alive until its heartbeats say not
-                    self.agents[n] = AgentInfo(n, addr, spare_node=False)
-            for rank, a in m.ranks.items():
-                self.procs.setdefault((a.node, a.pid), ProcInfo(a.node, a.pid, "rank", rank))
-            self.state = "running"
-            self.rebuilt = True
-        committed = state.get("committed_step")
-        tracker = self.tracker
-        if tracker is not None and committed is not None:
-            if tracker.committed_step is None or committed > tracker.committed_step:
-                tracker.committed_step = committed
-                tracker.committed_holders = {}
-            if committed == tracker.committed_step:
-                for rank, step, gen, used in state.get("held", []):
-                    if step == committed:
-                        tracker.committed_gen = gen
-                        tracker.committed_holders.setdefault(rank, set()).add(node)
-                        self.snapshot_bytes[rank] = used
-                for rank, layout in state.get("layouts", {}).items():
-                    tracker.committed_layouts[int(rank)] = layout
-                    tracker.set_layout(int(rank), layout)
-        alive = set()
-        for pid, role, rank, replicas, persist in state.get("procs", []):
-            alive.add(pid)
-            if (node, pid) not in self.procs:
-                self.procs[(node, pid)] = ProcInfo(node, pid, role, rank)
-                if role == "spare":
-                    self.spares_joined += 1
-                    self.spares_started = max(self.spares_started, self.spares_joined)
-            if rank == 0 and role == "rank":
-                self._config_from_script(replicas, persist)
-        if self.state == "starting":
-            self._maybe_open_first_epoch()  # it went away before the first epoch opened
-        if self.membership is not None:
-            for rank, a in self.membership.ranks.items():
-                if a.node == node and a.pid not in alive:
-                    self.procs[(a.node, a.pid)].alive = False
-                    self._rebuild_lost.add(rank)
-        if self._rebuild_deadline is None:
-            # Agents come back one by one; the spares' node may be the last. Nobody is
-            # declared lost by heartbeat meanwhile, and losses found are recovered together
-            # once the others had their time to return.
-            self._rebuild_deadline = time.monotonic() + REBUILD_WAIT_FACTOR * self.heartbeat_timeout
-
-    def _end_rebuild(self) -> None:
-        """The agents had their time to come back: recover what was lost while we were away."""
-        self._rebuild_deadline = None
-        lost, self._rebuild_lost = self._rebuild_lost, set()
-        if lost:
-            self._recover(
-                kind="rank",
-                ranks=lost,
-                nodes=set(),
-                reason="its process exited while the coordinator was down",
-            )
-
-    def watch(self, req: dict[str, Any], context: grpc.ServicerContext) -> Any:
-        node = req["node"]
+    def watch(self, msg: Watch, context: grpc.ServicerContext) -> Iterator[Event]:
         with self._lock:
-            agent = self.agents.get(node)
+            agent = self.registry.agents.get(msg.node)
             if agent is None:
-                raise ConfigurationError(f"node {node} watched before registering")
+                raise ConfigurationError(f"node {msg.node} watched before registering")
             events = agent.events
-            if self.membership is not None:
-                events.put(self.membership.to_msg())
-        context.add_callback(lambda: self._watch_closed(node, events))
+            if self.epochs.membership is not None:
+                events.put(EpochOpened(self.epochs.membership))
+        context.add_callback(lambda: self._watch_closed(msg.node, agent))
         while True:
             event = events.get()
             if event is None:
                 return
             yield event
 
-    def _watch_closed(self, node: int, events: queue.Queue[dict[str, Any] | None]) -> None:
-        events.put(None)
+    def _watch_closed(self, node: int, agent: AgentInfo) -> None:
+        agent.events.put(None)
         with self._lock:
-            agent = self.agents.get(node)
-            if agent is None or agent.events is not events or not agent.alive:
+            if self.registry.agents.get(node) is not agent or not agent.alive:
                 return
-            if self.state in ("running", "starting", "finishing"):
-                self._lose_node(node, "its agent's connection to the coordinator closed")
+            if self.life.state in (JobState.RUNNING, JobState.STARTING, JobState.FINISHING):
+                self.lose_node(node, "its agent's connection to the coordinator closed")
 
-    def allocate_node(self, req: dict[str, Any]) -> dict[str, Any]:
-        """A free node index for a node about to join (``peerckpt join``, chaos ``add node``)."""
+    def allocate_node(self, msg: AllocateNode) -> NodeAllocated:
         with self._lock:
-            node = max([*self.agents, *self._reserved, -1]) + 1
-            self._reserved.add(node)
-            return {"node": node}
+            return NodeAllocated(self.registry.allocate_node())
 
-    def spares_starting(self, req: dict[str, Any]) -> dict[str, Any]:
-        """The launcher started ``count`` more spares (they join once warmed up)."""
+    def spares_starting(self, msg: SparesStarting) -> Ok:
         with self._lock:
-            self.spares_started += int(req["count"])
-            return {}
+            self.spares.started += msg.count
+            return Ok()
 
-    def heartbeat(self, req: dict[str, Any]) -> dict[str, Any]:
+    def heartbeat(self, msg: Heartbeat) -> HeartbeatReply:
         with self._lock:
-            agent = self.agents.get(req["node"])
+            agent = self.registry.agents.get(msg.node)
             if agent is not None and agent.alive:
                 agent.last_heartbeat = time.monotonic()
-            return {"epoch": self.membership.epoch if self.membership else -1}
+            m = self.epochs.membership
+            return HeartbeatReply(m.epoch if m else -1)
 
-    def proc_joined(self, req: dict[str, Any]) -> dict[str, Any]:
+    def proc_joined(self, msg: ProcJoined) -> Ok:
         with self._lock:
-            key = (req["node"], req["pid"])
-            self.procs[key] = ProcInfo(req["node"], req["pid"], req["role"], req.get("rank"))
-            if req.get("rank") == 0:
-                self._config_from_script(req.get("replicas"), req.get("persist"))
-            log.info("%s pid %d joined on node %d", req["role"], req["pid"], req["node"])
-            if req["role"] == "spare":
-                self.spares_joined += 1
-            if self.state == "starting":
-                self._maybe_open_first_epoch()
-            self._maybe_grow()
-            if req["role"] == "spare":
-                self._retry_deferred()
-            return {}
+            p = msg.proc
+            self.registry.add_proc(msg.node, p.pid, p.role, p.rank)
+            if p.rank == 0:
+                self.config_from_script(p.replicas, p.persist)
+            log.info("%s pid %d joined on node %d", p.role.value, p.pid, msg.node)
+            if p.role is ProcRole.SPARE:
+                self.spares.joined += 1
+            if self.life.state is JobState.STARTING:
+                self.epochs.open_first()
+            self.epochs.maybe_grow()
+            if p.role is ProcRole.SPARE:
+                self.epochs.retry_deferred()
+            return Ok()
 
-    def _config_from_script(self, replicas: int | None, persist: Any) -> None:
+    def config_from_script(self, replicas: int | None, persist: dict[str, Any] | None) -> None:
         """Rank 0's @resilient(replicas=…, persist=…), unless the launcher set them."""
-        if self.replicas is None and replicas is not None:
-            self.replicas = int(replicas)
+        if self.settings.replicas is None and replicas is not None:
+            self.settings.replicas = int(replicas)
         if self.flusher is None:
             config = PersistConfig.from_msg(persist)
             self.flusher = FlushScheduler(config) if config is not None else None
 
     # -- failures -------------------------------------------------------------------------
-    def proc_lost(self, req: dict[str, Any]) -> dict[str, Any]:
+    def proc_lost(self, msg: ProcLost) -> Ok:
         with self._lock:
-            proc = self.procs.get((req["node"], req["pid"]))
+            proc = self.registry.procs.get((msg.node, msg.pid))
             if proc is None or not proc.alive:
-                return {}
+                return Ok()
             proc.alive = False
-            member = self._member_rank(proc)
+            member = self.registry.member_rank(proc, self.epochs.membership)
             if member is None:
-                log.info("spare pid %d on node %d is gone", proc.pid, proc.node)
-                return {}
-            self._recover(
-                kind="rank", ranks={member}, nodes=set(), reason=req.get("reason", "exited")
+                log.info("%s pid %d on node %d is gone", proc.role.value, proc.pid, proc.node)
+                return Ok()
+            self.epochs.recover(
+                Loss("rank", frozenset({member}), frozenset(), msg.reason, time.time())
             )
-            return {}
+            return Ok()
 
-    def _member_rank(self, proc: ProcInfo) -> int | None:
-        if self.membership is None:
-            return proc.rank if proc.role == "rank" else None
-        for rank, a in self.membership.ranks.items():
-            if (a.node, a.pid) == (proc.node, proc.pid):
-                return rank
-        return None
-
-    def _lose_node(self, node: int, reason: str) -> None:
-        agent = self.agents[node]
-        agent.alive = False
-        agent.events.put(None)
-        lost = set()
-        for proc in self.procs.values():
-            if proc.node == node and proc.alive:
-                proc.alive = False
-                rank = self._member_rank(proc)
-                if rank is not None:
-                    lost.add(rank)
-        if self.tracker is not None:
-            self.tracker.forget_node(node)
+    def lose_node(self, node: int, reason: str) -> None:
+        """Declare node ``node`` lost, with every process on it."""
+        lost = self.registry.lose_node(node, self.epochs.membership)
+        if self.epochs.tracker is not None:
+            self.epochs.tracker.forget_node(node)
         if self.flusher is not None:
             self.flusher.node_lost(node)
         log.warning("node %d lost: %s", node, reason)
-        if self.state == "starting":
-            self._fail(f"node {node} was lost before the job started: {reason}")
+        if self.life.state is JobState.STARTING:
+            self.life.fail(f"node {node} was lost before the job started: {reason}")
             return
-        self._recover(kind="node", ranks=lost, nodes={node}, reason=reason)
+        self.epochs.recover(Loss("node", frozenset(lost), frozenset({node}), reason, time.time()))
 
-    def _broadcast(self, event: dict[str, Any]) -> None:
-        for agent in self.agents.values():
-            if agent.alive:
-                agent.events.put(event)
+    def replication_failed(self, msg: ReplicationFailed) -> Ok:
+        """A snapshot could not be mirrored to a buddy; the step cannot commit without it.
 
-    def _fail(self, reason: str) -> None:
-        if self.state in ("failed", "succeeded", "stopped"):
-            return
-        log.error("job failed: %s", reason)
-        self.state, self.reason = "failed", reason
-        self._broadcast({"type": "shutdown", "state": "failed", "reason": reason})
+        If the buddy refused it (out of memory, checksums), the job fails now with that
+        reason. If the buddy could not be reached, its node is probably gone and will be
+        declared lost; should it still look alive after one heartbeat timeout while the step
+        is still uncommitted, the job fails rather than wait forever.
+        """
+        with self._lock:
+            m = self.epochs.membership
+            if m is None or msg.epoch != m.epoch:
+                return Ok()
+            message = (
+                f"replicating rank {msg.rank}'s snapshot of step {msg.step} to node "
+                f"{msg.buddy} failed: {msg.message}"
+            )
+            log.warning("%s", message)
+            buddy = self.registry.agents.get(msg.buddy)
+            if buddy is not None and not buddy.alive:
+                return Ok()  # already declared lost: its recovery (perhaps waiting) handles it
+            if msg.fatal:
+                self.life.fail(message)
+            else:
+                self.clocks.replication_stuck(
+                    time.monotonic(), msg.epoch, msg.step, msg.buddy, message
+                )
+            return Ok()
+
+    def check_heartbeats(self) -> None:
+        """Act on every deadline that passed (the server loop calls it a few times a second)."""
+        with self._lock:
+            d = self.epochs.deferred
+            expired = self.clocks.expired(
+                time.monotonic(),
+                self.life.state,
+                self.registry,
+                self.epochs.membership,
+                self.epochs.tracker,
+                d.deadline if d is not None else None,
+            )
+            if expired.finish:
+                log.warning("the last flush did not finish in time; ending anyway")
+                self._finish()
+            if expired.rebuild:
+                self._end_rebuild()
+            if expired.spare_wait:
+                self.epochs.retry_deferred(force=True)
+            for reason in expired.failures:
+                self.life.fail(reason)
+            for node, silent_s in expired.silent.items():
+                if self.registry.agents[node].alive:
+                    self.lose_node(
+                        node,
+                        f"no heartbeat for {silent_s:.1f} s "
+                        f"(timeout {self.settings.heartbeat_timeout} s)",
+                    )
+
+    def _end_rebuild(self) -> None:
+        """The agents had their time to come back: recover what was lost while we were away."""
+        lost, self.rebuild_lost = self.rebuild_lost, set()
+        if lost:
+            reason = "its process exited while the coordinator was down"
+            self.epochs.recover(Loss("rank", frozenset(lost), frozenset(), reason, time.time()))
 
     # -- progress -------------------------------------------------------------------------
-    def replicated(self, req: dict[str, Any]) -> dict[str, Any]:
+    def replicated(self, msg: Replicated) -> ReplicatedReply:
         with self._lock:
-            if self.tracker is None:
+            tracker = self.epochs.tracker
+            if tracker is None:
                 raise StaleEpoch("no epoch is open yet")
-            self.snapshot_bytes[req["rank"]] = req["nbytes"]
-            committed = self.tracker.record(
-                req["epoch"],
-                req["rank"],
-                req["step"],
-                req["holders"],
-                req.get("layout"),
-                req.get("meta_nbytes"),
+            self.epochs.snapshot_bytes[msg.rank] = msg.nbytes
+            committed = tracker.record(
+                msg.epoch, msg.rank, msg.step, msg.holders, msg.layout, msg.meta_nbytes
             )
-            key = (req["rank"], req["step"], req.get("digest", ""))
-            if self._digests_file is not None and key[2] and key not in self._digests_seen:
+            key = (msg.rank, msg.step, msg.digest)
+            if self._digests_file is not None and msg.digest and key not in self._digests_seen:
                 self._digests_seen.add(key)
-                self._digests_file.write(f"{key[0]} {key[1]} {key[2]}\n")
+                self._digests_file.write(f"{msg.rank} {msg.step} {msg.digest}\n")
             if committed is not None:
-                self._broadcast({"type": "commit", "epoch": req["epoch"], "step": committed})
+                self.registry.broadcast(Commit(msg.epoch, committed))
                 self._maybe_flush(committed)
-            return {"committed": self.tracker.committed_step}
+            return ReplicatedReply(tracker.committed_step)
 
     def _maybe_flush(self, step: int) -> None:
-        if self.flusher is None or self.tracker is None or not self.flusher.due(step):
+        tracker = self.epochs.tracker
+        if self.flusher is None or tracker is None or not self.flusher.due(step):
             return
         try:
             events = self.flusher.start(
                 step,
-                self.tracker.epoch,
-                self.tracker.committed_gen,
-                self.tracker.committed_layouts,
-                {r: h - {STORAGE} for r, h in self.tracker.committed_holders.items()},
+                tracker.epoch,
+                tracker.committed_gen,
+                tracker.committed_layouts,
+                {r: h - {STORAGE} for r, h in tracker.committed_holders.items()},
             )
         except CheckpointError as exc:
             log.warning("step %d cannot be flushed: %s", step, exc)
             return
         for node, event in events.items():
-            self.agents[node].events.put(event)
+            self.registry.send(node, event)
 
-    def flushed(self, req: dict[str, Any]) -> dict[str, Any]:
+    def flushed(self, msg: Flushed) -> Ok:
         """A writer finished its share of a flush (or failed)."""
         with self._lock:
             if self.flusher is not None:
-                self.flusher.written(req)
-            return {}
+                self.flusher.written(msg)
+            return Ok()
 
-    def wants(self, req: dict[str, Any]) -> dict[str, Any]:
+    def wants(self, msg: Wants) -> Ok:
         """A resharding rank's boxes for one round; the last one in triggers the plan."""
         with self._lock:
-            m, tracker = self.membership, self.tracker
-            if m is None or tracker is None or req["epoch"] != m.epoch or m.mode != "reshard":
-                raise StaleEpoch(f"wants of epoch {req['epoch']} are stale")
+            epochs = self.epochs
+            m, tracker = epochs.membership, epochs.tracker
+            if (
+                m is None
+                or tracker is None
+                or msg.epoch != m.epoch
+                or m.mode is not EpochMode.RESHARD
+            ):
+                raise StaleEpoch(f"wants of epoch {msg.epoch} are stale")
             try:
-                by_node = self.rounds.add(m, tracker, req["round"], req["rank"], req["chunks"])
+                by_node = epochs.rounds.add(m, tracker, msg.round, msg.rank, msg.chunks)
             except RecoveryFailed as exc:
-                event = self.events[-1] if self.events else {}
-                if event.get("epoch") != m.epoch or not self._storage_fallback(
-                    event, dict(m.ranks), str(exc), dict(m.previous)
-                ):
-                    self._fail(str(exc))
-                return {}
-            if by_node is not None:
-                for node, reads in by_node.items():
-                    agent = self.agents.get(node)
-                    if agent is not None and agent.alive:
-                        agent.events.put(
-                            {
-                                "type": "reads",
-                                "epoch": m.epoch,
-                                "round": req["round"],
-                                "reads": reads,
-                            }
-                        )
-            return {}
+                if not epochs.storage_fallback_now(str(exc), partial=True):
+                    self.life.fail(str(exc))
+                return Ok()
+            for node, reads in (by_node or {}).items():
+                self.registry.send(node, Reads(m.epoch, msg.round, reads))
+            return Ok()
 
-    def resumed_rank(self, req: dict[str, Any]) -> dict[str, Any]:
+    def resumed_rank(self, msg: Resumed) -> Ok:
         with self._lock:
-            if self.membership is None or req["epoch"] != self.membership.epoch:
-                raise StaleEpoch(f"resume report of epoch {req['epoch']} is stale")
-            self.resumed.add(req["rank"])
-            restore = req.get("restore")
-            event = self.events[-1] if self.events else None
-            if event is not None and event.get("epoch") == req["epoch"]:
-                for pull in restore if isinstance(restore, list) else [restore] if restore else []:
-                    event["pulls"].append({"rank": req["rank"], **pull})
-                if self.resumed == set(self.membership.ranks):
-                    event["resumed_at"] = time.time()
-                    log.info(
-                        "recovered: every rank stepping again %.3f s after detection",
-                        event["resumed_at"] - event["detected_at"],
-                    )
-            if isinstance(restore, dict) and restore.get("node") is not None and self.tracker:
-                self.tracker.add_holder(req["rank"], restore["node"])
-            return {}
+            self.epochs.rank_resumed(msg.epoch, msg.rank, msg.pulls, msg.holds_committed, msg.node)
+            return Ok()
 
-    def rank_done(self, req: dict[str, Any]) -> dict[str, Any]:
+    def rank_done(self, msg: Done) -> Ok:
         with self._lock:
-            if self.membership is None or req["epoch"] != self.membership.epoch:
-                return {}
-            self.done.add(req["rank"])
-            if self.done == set(self.membership.ranks) and self.state == "running":
+            m = self.epochs.membership
+            if m is None or msg.epoch != m.epoch:
+                return Ok()
+            self.epochs.done.add(msg.rank)
+            if self.epochs.done == set(m.ranks) and self.life.state is JobState.RUNNING:
                 if self.flusher is not None and self.flusher.busy():
                     # Let the flush in progress finish: it is the newest durable checkpoint.
-                    self.state, self._finishing_since = "finishing", time.monotonic()
+                    self.life.become(JobState.FINISHING)
+                    self.clocks.finishing_since = time.monotonic()
                     log.info("every rank is done; waiting for the flush in progress")
                     self.flusher.on_settled = self._finish
-                    return {}
+                    return Ok()
                 self._finish()
-            return {}
+            return Ok()
 
     def _finish(self) -> None:
         with self._lock:
-            if self.state not in ("running", "finishing") or self.membership is None:
+            m = self.epochs.membership
+            if self.life.state not in (JobState.RUNNING, JobState.FINISHING) or m is None:
                 return
-            self.state = "succeeded"
-            log.info("job succeeded in epoch %d", self.membership.epoch)
-            self._broadcast({"type": "shutdown", "state": "succeeded", "reason": ""})
+            log.info("job succeeded in epoch %d", m.epoch)
+            self.life.end(JobState.SUCCEEDED, "")
 
-    def rank_error(self, req: dict[str, Any]) -> dict[str, Any]:
+    def rank_failed(self, msg: RankFailed) -> Ok:
         with self._lock:
-            m = self.membership
-            if m is not None and req["epoch"] < m.epoch:
-                log.info("ignoring an error of ended epoch %d: %s", req["epoch"], req["message"])
-                return {}
-            event = self.events[-1] if self.events else {}
-            if (
-                m is not None
-                and req["message"].startswith("RecoveryFailed")
-                and event.get("epoch") == m.epoch
-                and self._storage_fallback(
-                    event, dict(m.ranks), req["message"], dict(m.previous), partial=False
-                )
+            m = self.epochs.membership
+            if m is not None and msg.epoch < m.epoch:
+                log.info("ignoring an error of ended epoch %d: %s", msg.epoch, msg.message)
+                return Ok()
+            # Every memory copy of a rank failed its checksum: storage may hold one.
+            if msg.error == RecoveryFailed.__name__ and self.epochs.storage_fallback_now(
+                msg.message, partial=False
             ):
-                return {}  # every memory copy of a rank failed its checksum: storage has one
-            self._fail(f"rank {req['rank']} raised: {req['message']}")
-            return {}
+                return Ok()
+            self.life.fail(f"rank {msg.rank} raised: {msg.error}: {msg.message}")
+            return Ok()
 
-    def stop(self, req: dict[str, Any]) -> dict[str, Any]:
+    def stop(self, msg: Stop) -> Ok:
         with self._lock:
-            if self.state in ("starting", "running"):
-                self.state, self.reason = "stopped", req.get("reason", "stopped by the launcher")
-            self._broadcast({"type": "shutdown", "state": self.state, "reason": self.reason})
-            return {}
+            if not self.life.state.ended:
+                self.life.end(JobState.STOPPED, msg.reason)
+            else:  # tell agents that may have missed it
+                self.registry.broadcast(Shutdown(self.life.state, self.life.reason))
+            return Ok()
 
-    def status(self, req: dict[str, Any]) -> dict[str, Any]:
+    def status(self, msg: Status) -> JobStatus:
         with self._lock:
-            m = self.membership
-            return {
-                "job": self.job,
-                "state": self.state,
-                "reason": self.reason,
-                "epoch": m.epoch if m else -1,
-                "world_size": self.world_size,
-                "min_nodes": self.min_nodes,
-                "committed_step": self.tracker.committed_step if self.tracker else None,
-                "last_replicated": dict(self.tracker.last_replicated) if self.tracker else {},
-                "ranks": {r: [a.node, a.pid] for r, a in m.ranks.items()} if m else {},
-                "spares": [
-                    [p.node, p.pid] for p in self.procs.values() if p.role == "spare" and p.alive
+            m, tracker = self.epochs.membership, self.epochs.tracker
+            return JobStatus(
+                job=self.settings.job,
+                state=self.life.state,
+                reason=self.life.reason,
+                epoch=m.epoch if m else -1,
+                world_size=self.settings.world_size,
+                min_nodes=self.settings.min_nodes,
+                committed_step=tracker.committed_step if tracker else None,
+                last_replicated=dict(tracker.last_replicated) if tracker else {},
+                ranks={r: [a.node, a.pid] for r, a in m.ranks.items()} if m else {},
+                spares=[
+                    [p.node, p.pid]
+                    for p in self.registry.procs.values()
+                    if p.role is ProcRole.SPARE and p.alive
                 ],
-                "nodes": {n: a.alive for n, a in self.agents.items()},
-                "events": self.events,
-                "flushes": self.flusher.records() if self.flusher else [],
-                "flush_skipped": list(self.flusher.skipped) if self.flusher else [],
-            }
+                nodes={n: a.alive for n, a in self.registry.agents.items()},
+                events=list(self.epochs.events),
+                flushes=self.flusher.records() if self.flusher else [],
+                flush_skipped=list(self.flusher.skipped) if self.flusher else [],
+            )
 
     def close(self) -> None:
         """End every agent's event stream (the process is stopping)."""
         with self._lock:
-            for agent in self.agents.values():
+            for agent in self.registry.agents.values():
                 agent.events.put(None)
         if self.flusher is not None:
             self.flusher.join()
         if self._digests_file is not None:
             self._digests_file.close()
 
-    def handlers(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        unary = {
-            "RegisterAgent": self.register_agent,
-            "Heartbeat": self.heartbeat,
-            "SparesStarting": self.spares_starting,
-            "ProcJoined": self.proc_joined,
-            "ProcLost": self.proc_lost,
-            "Replicated": self.replicated,
-            "Resumed": self.resumed_rank,
-            "Done": self.rank_done,
-            "Error": self.rank_error,
-            "ReplicationFailed": self.replication_failed,
-            "Wants": self.wants,
-            "AllocateNode": self.allocate_node,
-            "Flushed": self.flushed,
-            "Stop": self.stop,
-            "Status": self.status,
-        }
-        return unary, {"Watch": self.watch}
+    def handlers(self) -> tuple[Dispatch[Any], dict[type[Any], Any]]:
+        """The dispatch table of unary calls, and the server streams."""
+        unary = Dispatch[Any](
+            {
+                RegisterAgent: self.register_agent,
+                Heartbeat: self.heartbeat,
+                SparesStarting: self.spares_starting,
+                ProcJoined: self.proc_joined,
+                ProcLost: self.proc_lost,
+                Replicated: self.replicated,
+                Resumed: self.resumed_rank,
+                Done: self.rank_done,
+                RankFailed: self.rank_failed,
+                ReplicationFailed: self.replication_failed,
+                Wants: self.wants,
+                AllocateNode: self.allocate_node,
+                Flushed: self.flushed,
+                Stop: self.stop,
+                Status: self.status,
+            },
+            "the coordinator",
+        )
+        return unary, {Watch: self.watch}

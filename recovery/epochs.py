@@ -1,147 +1,238 @@
 """How the coordinator changes its membership: the first epoch, spares replacing lost ranks,
-shrinking when no spare is left, growing when a node joins.
+shrinking when no spare is left, growing when a node joins, and the durable tier as the
+holder of last resort.
 
-``EpochChanges`` is mixed into ``Coordinator`` (``recovery/coordinator.py``); its methods run
-under the coordinator's lock and change only the coordinator's own state, then broadcast the
-new membership to the agents. The arithmetic of who becomes which rank lives in
-``recovery/elastic.py``, the choice of restore sources in ``recovery/planning/sources.py``.
+``Epochs`` holds the membership, its commit tracker and the record of every change. Its
+methods run under the coordinator's lock. Each change gathers a ``JobView``, asks the pure
+decision (``recovery/decide.py``) and carries out the answer: open the epoch (promote the
+spares, broadcast the membership), wait for spares, fail, or — no memory copy survived —
+restore from storage. Only the storage paths do I/O here (reading a durable manifest).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
-from peerckpt.errors import CheckpointError, NoCheckpoint, RecoveryFailed
+from peerckpt.errors import CheckpointError, NoCheckpoint, StaleEpoch
 from peerckpt.membership import Membership, RankAssignment
-from peerckpt.persist.durable import DurableCheckpoint, DurableStore
+from peerckpt.messages.control import EpochOpened, Pull, RecoveryEvent
+from peerckpt.persist.config import PersistConfig
+from peerckpt.persist.durable import DurableCheckpoint
 from peerckpt.reads import STORAGE
 from peerckpt.recovery.commits import CommitTracker
-from peerckpt.recovery.elastic import grown, old_layout_summary, replaced, shrunk
-from peerckpt.recovery.planning.sources import plan_sources
-
-if TYPE_CHECKING:
-    from peerckpt.recovery.coordinator import AgentInfo, ProcInfo
-    from peerckpt.recovery.flushes import FlushScheduler
-    from peerckpt.recovery.placement import Placement
+from peerckpt.recovery.decide import (
+    Decision,
+    Fail,
+    JobView,
+    Join,
+    Loss,
+    NeedStorage,
+    OpenEpoch,
+    Topology,
+    Wait,
+    decide_join,
+    decide_loss,
+    next_epoch,
+)
+from peerckpt.recovery.elastic import ReshardRounds
+from peerckpt.recovery.fallback import durable_to_restore, same_chunks
+from peerckpt.recovery.job import JobLife, Settings, Spares
+from peerckpt.recovery.registry import Registry
+from peerckpt.states import EpochMode, JobState, ProcRole
 
 log = logging.getLogger("peerckpt.coordinator")
 
 SPARE_WAIT_S = 60.0  # how long a recovery waits for spares the launcher started to join
 
 
-@dataclass
-class DeferredRecovery:
-    """Ranks lost while too few spares had joined but more were still starting."""
+class Epochs:
+    """The membership and its changes. Call every method under the coordinator's lock."""
 
-    kind: str
-    ranks: set[int]
-    nodes: set[int]
-    reason: str
-    detected_at: float
-    deadline: float  # time.monotonic(): then the recovery goes on with what has joined
-    never_joined: int = 0  # spares given up on when the wait ran out
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        life: JobLife,
+        spares: Spares,
+        persist: Callable[[], PersistConfig | None],
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.life = life
+        self.spares = spares
+        self._persist = persist  # the durable tier, once known
+        self.membership: Membership | None = None
+        self.tracker: CommitTracker | None = None
+        self.events: list[RecoveryEvent] = []
+        self.deferred: Loss | None = None  # a recovery waiting for spares still starting
+        self.done: set[int] = set()
+        self.resumed: set[int] = set()
+        self.snapshot_bytes: dict[int, int] = {}
+        self.rounds = ReshardRounds()
 
+    # -- the view the decisions read ---------------------------------------------------------
+    def topology(self) -> Topology:
+        s = self.settings
+        return Topology(s.placement, s.replicas or 0, self.registry.node_addrs(), s.store_addr)
 
-class EpochChanges:
-    """Opening epochs. Expects the coordinator's state (declared here for type checking)."""
+    def view(self) -> JobView:
+        assert self.membership is not None and self.tracker is not None
+        spares = self.registry.joined_spares(self.membership)
+        return JobView(
+            self.membership,
+            self.tracker,
+            dict(self.snapshot_bytes),
+            tuple((p.node, p.pid) for p in spares),
+            self.spares.starting,
+            self.settings.min_nodes,
+            self.topology(),
+        )
 
-    agents: dict[int, AgentInfo]
-    procs: dict[tuple[int, int], ProcInfo]
-    membership: Membership | None
-    tracker: CommitTracker | None
-    placement: Placement
-    state: str
-    world_size: int
-    replicas: int | None
-    min_nodes: int | None
-    store_addr: str
-    events: list[dict[str, Any]]
-    done: set[int]
-    resumed: set[int]
-    snapshot_bytes: dict[int, int]
-    spares_started: int
-    spares_joined: int
-    _deferred: DeferredRecovery | None
-
-    flusher: FlushScheduler | None
-
-    if TYPE_CHECKING:  # provided by Coordinator
-
-        def _member_rank(self, proc: ProcInfo) -> int | None: ...
-        def _fail(self, reason: str) -> None: ...
-        def _broadcast(self, event: dict[str, Any]) -> None: ...
-
-    def _maybe_grow(self) -> None:
-        """Once every process of a joining node has connected, widen the world to include it."""
-        if self.state != "running" or self.membership is None:
+    # -- changes -------------------------------------------------------------------------------
+    def open_first(self) -> None:
+        """Every rank of the job has joined: open epoch 0 (or restore from storage)."""
+        ranks = {
+            p.rank: p
+            for p in self.registry.procs.values()
+            if p.role is ProcRole.RANK and p.alive and p.rank is not None
+        }
+        if set(ranks) != set(range(self.settings.world_size)):
             return
-        for agent in sorted(self.agents.values(), key=lambda a: a.node):
-            joiners = sorted(
-                (
-                    p
-                    for p in self.procs.values()
-                    if p.node == agent.node and p.role == "joiner" and p.alive
-                ),
-                key=lambda p: p.pid,
+        if self.settings.replicas is None:
+            self.settings.replicas = 1
+        assignments = {r: RankAssignment(r, p.node, p.pid) for r, p in ranks.items()}
+        if not self._cold_start(assignments):
+            membership, tracker = next_epoch(
+                self.topology(),
+                None,
+                0,
+                assignments,
+                None,
+                {},
+                EpochMode.FRESH,
+                gen=0,
+                previous={},
+                old_world=0,
             )
+            self._open(membership, tracker)
+        if self.life.state is JobState.STARTING:
+            self.life.become(JobState.RUNNING)
+        self.maybe_grow()
+
+    def recover(self, loss: Loss) -> None:
+        """Ranks were lost: replace them, shrink, wait for spares, or fail."""
+        if self.life.state is not JobState.RUNNING or self.membership is None:
+            return
+        if loss.deadline is None and self.deferred is not None:
+            # A recovery is waiting for spares: this loss joins it (one epoch change for both).
+            self.deferred = self.deferred.merged(loss)
+            self.retry_deferred()
+            return
+        decision = decide_loss(self.view(), loss, time.monotonic(), SPARE_WAIT_S)
+        if isinstance(decision, Wait):
+            if self.deferred is None and loss.deadline is None:
+                log.warning(
+                    "lost rank(s) %s (%s); %d spare(s) joined, %d still starting: the "
+                    "recovery waits up to %.0f s for them",
+                    sorted(loss.ranks),
+                    loss.reason,
+                    len(self.view().spares),
+                    self.spares.starting,
+                    SPARE_WAIT_S,
+                )
+            self.deferred = decision.loss
+            return
+        event = self._record(loss.kind, loss.ranks, loss.nodes, loss.reason)
+        if loss.deadline is not None:  # it waited for spares
+            event = self._amend(
+                event,
+                detected_at=loss.detected_at,
+                waited_for_spares_s=round(time.time() - loss.detected_at, 3),
+            )
+        self._carry_out(decision, event)
+
+    def retry_deferred(self, force: bool = False) -> None:
+        """A spare joined (or the wait ran out, ``force``): go on with a waiting recovery."""
+        loss = self.deferred
+        if loss is None:
+            return
+        short = len(self.registry.joined_spares(self.membership)) < len(loss.ranks)
+        if not force and short and self.spares.starting > 0:
+            return  # more are coming; keep waiting
+        self.deferred = None
+        if force:
+            never = self.spares.starting
+            log.warning(
+                "%d spare(s) did not join within %.0f s; recovering without them",
+                never,
+                SPARE_WAIT_S,
+            )
+            self.spares.started = self.spares.joined  # they are not coming
+            loss = replace(loss, never_joined=never, deadline=0.0)
+        self.recover(loss)
+
+    def maybe_grow(self) -> None:
+        """Once every process of a joining node has connected, widen the world to include it."""
+        if self.life.state is not JobState.RUNNING or self.membership is None:
+            return
+        for agent in sorted(self.registry.agents.values(), key=lambda a: a.node):
+            joiners = self.registry.joiners(agent.node)
             if not agent.alive or not agent.joining or len(joiners) < agent.joining:
                 continue
             agent.joining = 0
-            event = self._event("grow", set(), {agent.node}, f"node {agent.node} joined")
-            assignments, previous = grown(self.membership.ranks, [(p.node, p.pid) for p in joiners])
-            for p, rank in zip(
-                joiners, sorted(set(assignments) - set(self.membership.ranks)), strict=True
-            ):
-                p.role, p.rank = "rank", rank
-            event["grown_to"] = len(assignments)
-            self._change(event, assignments, previous)
+            event = self._record("grow", frozenset(), {agent.node}, f"node {agent.node} joined")
+            join = Join(agent.node, tuple((p.node, p.pid) for p in joiners))
+            self._carry_out(decide_join(self.view(), join), event)
 
-    def _maybe_open_first_epoch(self) -> None:
-        ranks = {
-            p.rank: p
-            for p in self.procs.values()
-            if p.role == "rank" and p.alive and p.rank is not None
-        }
-        if set(ranks) != set(range(self.world_size)):
-            return
-        if self.replicas is None:
-            self.replicas = 1
-        assignments = {r: RankAssignment(r, p.node, p.pid) for r, p in ranks.items()}
-        if not self._cold_start(assignments):
-            self._open_epoch(0, assignments, restore_step=None, sources={})
-        self.state = "running"
-        self._maybe_grow()
-
-    def _durable_to_restore(self, url: str) -> DurableCheckpoint:
-        """The latest committed step; with ``allow_older``, the latest that verifies."""
-        store = DurableStore(url)
-        assert self.flusher is not None
-        if not self.flusher.config.allow_older:
-            return store.open()  # damage is found (and named) as the ranks load it
-        steps = store.committed_steps()
-        for step in reversed(steps):
-            ckpt = store.open(step)
-            problems = ckpt.verify()
-            if not problems:
-                return ckpt
-            log.warning(
-                "step %d in %s is damaged (%s); --allow-older: trying the step before it",
-                step,
-                url,
-                problems[0],
+    def _carry_out(self, decision: Decision, event: int) -> None:
+        if isinstance(decision, Fail):
+            self.life.fail(decision.reason)
+        elif isinstance(decision, NeedStorage):
+            d = decision
+            if not self.storage_fallback(event, d.assignments, d.why, d.previous):
+                self.life.fail(d.why)
+        elif isinstance(decision, OpenEpoch):
+            for (node, pid), rank in decision.promoted.items():
+                self.registry.procs[(node, pid)].promote(rank)
+            m = decision.membership
+            self._amend(
+                event,
+                epoch=m.epoch,
+                restore_step=m.restore_step,
+                mode=m.mode,
+                replacements=decision.replacements,
+                shrunk_to=decision.shrunk_to,
+                grown_to=decision.grown_to,
             )
-        if steps:
-            raise CheckpointError(f"every committed step in {url} ({steps}) is damaged")
-        raise NoCheckpoint(f"no committed checkpoint in {url}")
+            self._open(m, decision.tracker)
+        else:  # Wait comes only from a loss, handled by ``recover``
+            raise AssertionError(f"unexpected decision {decision!r}")
 
+    def _open(self, membership: Membership, tracker: CommitTracker) -> None:
+        self.membership, self.tracker = membership, tracker
+        self.settings.world_size = membership.world_size
+        self.done.clear()
+        self.resumed.clear()
+        log.info(
+            "epoch %d opened (%s, layout %d): restore step %s, ranks %s",
+            membership.epoch,
+            membership.mode.value,
+            membership.gen,
+            membership.restore_step,
+            membership.rank_nodes(),
+        )
+        self.registry.broadcast(EpochOpened(membership))
+
+    # -- the durable tier as a holder --------------------------------------------------------
     def _restore_from_storage(
         self,
         ckpt: DurableCheckpoint,
         url: str,
-        event: dict[str, Any],
+        event: int,
         epoch: int,
         gen: int,
         assignments: dict[int, RankAssignment],
@@ -169,24 +260,32 @@ class EpochChanges:
                 committed_holders={r: {STORAGE} for r in layouts},
                 committed_layouts=layouts,
             )
-        event.update(
-            restore_step=m.step, mode="reshard", epoch=epoch, url=url, old_world=m.world_size
+        self._amend(
+            event,
+            restore_step=m.step,
+            mode=EpochMode.RESHARD,
+            epoch=epoch,
+            url=url,
+            old_world=m.world_size,
         )
-        self._open_epoch(
+        membership, tracker = next_epoch(
+            self.topology(),
+            self.tracker,
             epoch,
             assignments,
             m.step,
             {},
-            "reshard",
+            EpochMode.RESHARD,
             gen=gen,
             previous=previous or {},
             old_world=m.world_size,
             restore_url=url,
         )
+        self._open(membership, tracker)
 
-    def _storage_fallback(
+    def storage_fallback(
         self,
-        event: dict[str, Any],
+        event: int,
         assignments: dict[int, RankAssignment],
         why: str,
         previous: dict[int, int | None],
@@ -201,16 +300,16 @@ class EpochChanges:
         epoch already reads from storage. ``partial=False``: always the whole job from storage
         (when a surviving memory copy turned out corrupt, memory is not trusted for that step).
         """
-        m, tracker = self.membership, self.tracker
-        if self.flusher is None or m is None or tracker is None or m.restore_url is not None:
+        m, tracker, config = self.membership, self.tracker, self._persist()
+        if config is None or m is None or tracker is None or m.restore_url is not None:
             return False
-        url = self.flusher.config.url
         try:
-            ckpt = self._durable_to_restore(url)
+            ckpt = durable_to_restore(config)
         except (CheckpointError, OSError) as exc:
             log.error("no memory copy survived (%s) and storage cannot help: %s", why, exc)
             return False
-        if partial and ckpt.step == tracker.committed_step and _same_chunks(ckpt, tracker):
+        url = config.url
+        if partial and ckpt.step == tracker.committed_step and same_chunks(ckpt, tracker):
             log.warning(
                 "no memory copy survived (%s); step %d is also in %s: reading what was lost "
                 "from there and the rest from memory",
@@ -218,8 +317,11 @@ class EpochChanges:
                 ckpt.step,
                 url,
             )
-            event["fallback"] = f"{why}; read the lost chunks of step {ckpt.step} from storage"
-            event["partial"] = True
+            self._amend(
+                event,
+                fallback=f"{why}; read the lost chunks of step {ckpt.step} from storage",
+                partial=True,
+            )
             self._restore_from_storage(
                 ckpt, url, event, m.epoch + 1, m.gen + 1, assignments, previous, with_memory=True
             )
@@ -230,264 +332,93 @@ class EpochChanges:
             ckpt.step,
             url,
         )
-        event["fallback"] = f"{why}; restored durable step {ckpt.step}"
+        self._amend(event, fallback=f"{why}; restored durable step {ckpt.step}")
         self._restore_from_storage(ckpt, url, event, m.epoch + 1, m.gen + 1, assignments)
         return True
+
+    def storage_fallback_now(self, why: str, partial: bool) -> bool:
+        """The current epoch cannot restore from memory (``why``): restore it from storage
+        into the same processes. False if storage cannot help."""
+        m = self.membership
+        if m is None or not self.events or self.events[-1].epoch != m.epoch:
+            return False
+        return self.storage_fallback(
+            len(self.events) - 1, dict(m.ranks), why, dict(m.previous), partial=partial
+        )
 
     def _cold_start(self, assignments: dict[int, RankAssignment]) -> bool:
         """A job starting with a durable checkpoint restores its latest committed step from
         storage, resharded into this job's topology. False if there is none to restore."""
-        if self.flusher is None:
+        config = self._persist()
+        if config is None:
             return False
-        url = self.flusher.config.url
         try:
-            ckpt = self._durable_to_restore(url)
+            ckpt = durable_to_restore(config)
         except NoCheckpoint as exc:
             log.info("%s: a fresh start", exc)
             return False
         except (CheckpointError, OSError) as exc:
-            self._fail(f"cannot read the durable checkpoints in {url}: {exc}")
+            self.life.fail(f"cannot read the durable checkpoints in {config.url}: {exc}")
             return True
-        event = self._event("cold_start", set(), set(), f"restored step {ckpt.step} from {url}")
+        event = self._record(
+            "cold_start", frozenset(), frozenset(), f"restored step {ckpt.step} from {config.url}"
+        )
         log.info(
             "cold start: restoring step %d (%d ranks) from %s into %d ranks",
             ckpt.step,
             ckpt.manifest.world_size,
-            url,
+            config.url,
             len(assignments),
         )
-        self._restore_from_storage(ckpt, url, event, 0, 1, assignments)
+        self._restore_from_storage(ckpt, config.url, event, 0, 1, assignments)
         return True
 
-    def _recover(
+    # -- what ranks report ---------------------------------------------------------------------
+    def rank_resumed(
+        self, epoch: int, rank: int, pulls: list[Pull], holds_committed: bool, node: int
+    ) -> None:
+        """``rank`` is stepping again; its restore's pulls join the epoch's record."""
+        m = self.membership
+        if m is None or epoch != m.epoch:
+            raise StaleEpoch(f"resume report of epoch {epoch} is stale")
+        self.resumed.add(rank)
+        if self.events and self.events[-1].epoch == epoch:
+            event = len(self.events) - 1
+            self._amend(event, pulls=[*self.events[event].pulls, *pulls])
+            if self.resumed == set(m.ranks):
+                now = time.time()
+                self._amend(event, resumed_at=now)
+                log.info(
+                    "recovered: every rank stepping again %.3f s after detection",
+                    now - self.events[event].detected_at,
+                )
+        if holds_committed and self.tracker is not None:
+            self.tracker.add_holder(rank, node)
+
+    # -- the record ----------------------------------------------------------------------------
+    def _record(
         self,
         kind: str,
-        ranks: set[int],
-        nodes: set[int],
+        ranks: frozenset[int] | set[int],
+        nodes: frozenset[int] | set[int],
         reason: str,
-        deferred: DeferredRecovery | None = None,
-    ) -> None:
-        if self.state != "running" or self.membership is None or self.tracker is None:
-            return
-        if deferred is None and self._deferred is not None:
-            # A recovery is waiting for spares: this loss joins it (one epoch change for both).
-            d = self._deferred
-            d.ranks |= ranks
-            d.nodes |= nodes
-            d.reason = f"{d.reason}; {reason}"
-            d.kind = "node" if "node" in (d.kind, kind) else d.kind
-            self._retry_deferred()
-            return
+    ) -> int:
+        """Record a membership change (before the first epoch: a cold start, nothing lost);
+        return its index in ``events``."""
         old = self.membership
-        spares = self._joined_spares()
-        starting = self.spares_started - self.spares_joined
-        if len(spares) < len(ranks) and starting > 0:
-            if deferred is None:
-                deferred = DeferredRecovery(
-                    kind, ranks, nodes, reason, time.time(), time.monotonic() + SPARE_WAIT_S
-                )
-                log.warning(
-                    "lost rank(s) %s (%s); %d spare(s) joined, %d still starting: the "
-                    "recovery waits up to %.0f s for them",
-                    sorted(deferred.ranks),
-                    deferred.reason,
-                    len(spares),
-                    starting,
-                    SPARE_WAIT_S,
-                )
-            if time.monotonic() < deferred.deadline:
-                self._deferred = deferred
-                return
-        event = self._event(kind, ranks, nodes, reason)
-        if deferred is not None:
-            event["detected_at"] = deferred.detected_at
-            event["waited_for_spares_s"] = round(time.time() - deferred.detected_at, 3)
-        if len(spares) >= len(ranks):
-            assignments, previous = replaced(old.ranks, ranks, [(p.node, p.pid) for p in spares])
-            for rank, spare in zip(sorted(ranks), spares, strict=False):
-                spare.role, spare.rank = "rank", rank
-            event["replacements"] = {
-                r: [assignments[r].node, assignments[r].pid] for r in sorted(ranks)
-            }
-        elif self.min_nodes is not None:
-            assignments, previous = shrunk(old.ranks, ranks)
-            remaining = {a.node for a in assignments.values()}
-            if len(remaining) < self.min_nodes:
-                self._fail(
-                    f"lost rank(s) {sorted(ranks)} ({reason}); {len(remaining)} node(s) would be "
-                    f"left, fewer than --min-nodes {self.min_nodes}, and no spare is left"
-                )
-                return
-            event["shrunk_to"] = len(assignments)
-        else:
-            missing = starting or (deferred.never_joined if deferred else 0)
-            never = f" ({missing} more never joined)" if missing else ""
-            self._fail(
-                f"lost rank(s) {sorted(ranks)} ({reason}) and only {len(spares)} spare(s) are "
-                f"left{never}; start the job with more --spares, or let it shrink with --min-nodes"
+        self.events.append(
+            RecoveryEvent(
+                kind=kind,
+                ranks=sorted(ranks),
+                nodes=sorted(nodes),
+                reason=reason,
+                lost={r: old.ranks[r].node for r in sorted(ranks)} if old else {},
+                detected_at=time.time(),
+                from_epoch=old.epoch if old else -1,
             )
-            return
-        self._change(event, assignments, previous)
-
-    def _joined_spares(self) -> list[ProcInfo]:
-        """Spares ready to take a rank: alive, on a live node, not in the membership."""
-        return sorted(
-            (
-                p
-                for p in self.procs.values()
-                if p.role == "spare"
-                and p.alive
-                and self._member_rank(p) is None
-                and self.agents[p.node].alive
-            ),
-            key=lambda p: (not self.agents[p.node].spare_node, p.node, p.pid),
         )
+        return len(self.events) - 1
 
-    def _retry_deferred(self, force: bool = False) -> None:
-        """A spare joined (or the wait ran out, ``force``): go on with a deferred recovery."""
-        d = self._deferred
-        if d is None:
-            return
-        short = len(self._joined_spares()) < len(d.ranks)
-        if not force and short and self.spares_started > self.spares_joined:
-            return  # more are coming; keep waiting
-        self._deferred = None
-        if force:
-            log.warning(
-                "%d spare(s) did not join within %.0f s; recovering without them",
-                self.spares_started - self.spares_joined,
-                SPARE_WAIT_S,
-            )
-            d.never_joined = self.spares_started - self.spares_joined
-            self.spares_started = self.spares_joined  # they are not coming
-            d.deadline = 0.0
-        self._recover(d.kind, d.ranks, d.nodes, d.reason, deferred=d)
-
-    def _event(self, kind: str, ranks: set[int], nodes: set[int], reason: str) -> dict[str, Any]:
-        """Record a membership event (before the first epoch: a cold start, nothing lost)."""
-        old = self.membership
-        event: dict[str, Any] = {
-            "kind": kind,
-            "ranks": sorted(ranks),
-            "nodes": sorted(nodes),
-            "reason": reason,
-            "lost": {r: old.ranks[r].node for r in sorted(ranks)} if old else {},
-            "detected_at": time.time(),
-            "from_epoch": old.epoch if old else -1,
-            "pulls": [],
-            "resumed_at": None,
-        }
-        self.events.append(event)
-        return event
-
-    def _change(
-        self,
-        event: dict[str, Any],
-        assignments: dict[int, RankAssignment],
-        previous: dict[int, int | None],
-    ) -> None:
-        """Open the next epoch for ``assignments``, restoring the last committed step."""
-        assert self.membership is not None and self.tracker is not None
-        old, tracker = self.membership, self.tracker
-        restore = tracker.committed_step
-        same = (
-            restore is not None
-            and tracker.committed_gen == old.gen
-            and len(assignments) == len(old.ranks)
-            and all(previous.get(r) in (r, None) for r in assignments)
-        )
-        mode = "same" if same else ("reshard" if restore is not None else "fresh")
-        sources: dict[int, list[int]] = {}
-        if mode == "same":
-            try:
-                sources = plan_sources(
-                    {r: a.node for r, a in assignments.items()},
-                    {r: set(h) - {STORAGE} for r, h in tracker.committed_holders.items()},
-                    self.snapshot_bytes,
-                    {r: a.node for r, a in old.ranks.items()},
-                )
-            except RecoveryFailed as exc:
-                if not self._storage_fallback(event, assignments, str(exc), previous):
-                    self._fail(str(exc))
-                return
-        event["restore_step"] = restore
-        event["mode"] = mode
-        self._open_epoch(
-            old.epoch + 1,
-            assignments,
-            restore,
-            sources,
-            mode,
-            gen=old.gen if mode == "same" else old.gen + 1,
-            previous=previous,
-            old_world=len(old.ranks),
-        )
-        event["epoch"] = old.epoch + 1
-
-    def _open_epoch(
-        self,
-        epoch: int,
-        assignments: dict[int, RankAssignment],
-        restore_step: int | None,
-        sources: dict[int, list[int]],
-        mode: str = "fresh",
-        gen: int = 0,
-        previous: dict[int, int | None] | None = None,
-        old_world: int = 0,
-        restore_url: str | None = None,
-    ) -> None:
-        rank_nodes = {r: a.node for r, a in assignments.items()}
-        old = self.tracker
-        layouts = old.committed_layouts if old else {}
-        self.world_size = len(assignments)
-        self.membership = Membership(
-            epoch=epoch,
-            world_size=self.world_size,
-            ranks=assignments,
-            placement=self.placement.buddies(rank_nodes, self.replicas or 0),
-            restore_step=restore_step,
-            sources=sources,
-            node_addrs={n: a.data_addr for n, a in self.agents.items() if a.alive},
-            store_addr=self.store_addr,
-            mode=mode,
-            gen=gen,
-            restore_gen=old.committed_gen if old else 0,
-            previous=previous or {},
-            old_world=old_world,
-            old_layout=old_layout_summary(layouts) if mode == "reshard" else None,
-            restore_url=restore_url,
-        )
-        self.tracker = CommitTracker(
-            epoch=epoch,
-            ranks=frozenset(assignments),
-            gen=gen,
-            committed_step=restore_step,
-            committed_gen=old.committed_gen if old else 0,
-            committed_holders={
-                r: set(h) for r, h in (old.committed_holders if old else {}).items()
-            },
-            committed_layouts=dict(layouts),
-        )
-        self.done.clear()
-        self.resumed.clear()
-        log.info(
-            "epoch %d opened (%s, layout %d): restore step %s, ranks %s",
-            epoch,
-            mode,
-            gen,
-            restore_step,
-            rank_nodes,
-        )
-        self._broadcast(self.membership.to_msg())
-
-
-def _same_chunks(ckpt: DurableCheckpoint, tracker: CommitTracker) -> bool:
-    """Does the durable step hold every rank's chunks as the committed layout describes them?"""
-    stored = {r: {_box(c.record.to_msg()) for c in cs} for r, cs in ckpt.manifest.ranks.items()}
-    committed = {r: {_box(c) for c in cs} for r, cs in tracker.committed_layouts.items()}
-    return stored == committed
-
-
-def _box(chunk: list[Any]) -> tuple[Any, ...]:
-    """(key, offsets, lengths) of a chunk record in its message form."""
-    return (chunk[0], tuple(chunk[3]), tuple(chunk[4]))
+    def _amend(self, index: int, **fields: Any) -> int:
+        self.events[index] = replace(self.events[index], **fields)
+        return index

@@ -22,14 +22,16 @@ from typing import Any
 
 from peerckpt.errors import CheckpointError
 from peerckpt.manifest import ChunkRecord
+from peerckpt.messages.control import Flush, Flushed, FlushRecord
 from peerckpt.persist.config import PersistConfig
 from peerckpt.persist.durable import DurableStore, assign_writers
+from peerckpt.states import FLUSH, FlushState
 
 log = logging.getLogger("peerckpt.coordinator")
 
 
 @dataclass
-class Flush:
+class FlushInProgress:
     """One flush: a committed step being written."""
 
     step: int
@@ -37,21 +39,25 @@ class Flush:
     writers: dict[int, list[tuple[int, ChunkRecord]]]
     layouts: dict[int, list[ChunkRecord]]
     started_at: float = field(default_factory=time.time)
-    done: dict[int, dict[str, Any]] = field(default_factory=dict)
-    state: str = "writing"  # → "committing" → "committed" | "failed"
+    done: dict[int, Flushed] = field(default_factory=dict)
+    state: FlushState = FlushState.WRITING
     error: str = ""
     committed_at: float | None = None
 
-    def record(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "state": self.state,
-            "error": self.error,
-            "started_at": self.started_at,
-            "committed_at": self.committed_at,
-            "nbytes": sum(r.nbytes for items in self.writers.values() for _, r in items),
-            "writers": {n: d.get("seconds") for n, d in self.done.items()},
-        }
+    def become(self, state: FlushState, error: str = "") -> None:
+        self.state = FLUSH.check(self.state, state)
+        self.error = error or self.error
+
+    def record(self) -> FlushRecord:
+        return FlushRecord(
+            step=self.step,
+            state=self.state.value,
+            error=self.error,
+            started_at=self.started_at,
+            committed_at=self.committed_at,
+            nbytes=sum(r.nbytes for items in self.writers.values() for _, r in items),
+            writers={n: d.seconds for n, d in self.done.items()},
+        )
 
 
 class FlushScheduler:
@@ -59,8 +65,8 @@ class FlushScheduler:
 
     def __init__(self, config: PersistConfig) -> None:
         self.config = config
-        self.current: Flush | None = None
-        self.history: list[Flush] = []
+        self.current: FlushInProgress | None = None
+        self.history: list[FlushInProgress] = []
         self.skipped: list[int] = []  # due steps not flushed because one was still running
         self._last_started = time.monotonic()
         self._last_step: int | None = None
@@ -69,7 +75,7 @@ class FlushScheduler:
         self.on_settled: Callable[[], None] | None = None
 
     def busy(self) -> bool:
-        return self.current is not None and self.current.state in ("writing", "committing")
+        return self.current is not None and self.current.state.busy
 
     def _settled(self) -> None:
         if self.on_settled is not None:
@@ -82,7 +88,8 @@ class FlushScheduler:
         by_time = c.interval is not None and time.monotonic() - self._last_started >= c.interval
         if not (by_step or by_time) or step == self._last_step:
             return False
-        if self.current is not None and self.current.state in ("writing", "committing"):
+        if self.busy():
+            assert self.current is not None
             self.skipped.append(step)
             log.warning(
                 "flush of step %d is still running; step %d is not flushed (lag)",
@@ -99,14 +106,14 @@ class FlushScheduler:
         gen: int,
         layouts: dict[int, list[Any]],
         holders: dict[int, set[int]],
-    ) -> dict[int, dict[str, Any]]:
+    ) -> dict[int, Flush]:
         """Plan a flush of ``step``; return the event for each writer node."""
         # Layouts are reported once per epoch: structure only, their checksums are stale.
         records = {
             r: [replace(ChunkRecord.from_msg(c), crc=None) for c in cs] for r, cs in layouts.items()
         }
         writers = assign_writers(records, holders)
-        self.current = Flush(step, epoch, writers, records)
+        self.current = FlushInProgress(step, epoch, writers, records)
         self._last_started = time.monotonic()
         self._last_step = step
         log.info(
@@ -116,28 +123,27 @@ class FlushScheduler:
             {n: len(items) for n, items in sorted(writers.items())},
         )
         return {
-            node: {
-                "type": "flush",
-                "step": step,
-                "epoch": epoch,
-                "gen": gen,
-                "persist": self.config.to_msg(),
-                "chunks": [[rank, rec.to_msg()] for rank, rec in items],
-            }
+            node: Flush(
+                step,
+                epoch,
+                gen,
+                self.config.to_msg(),
+                [(rank, rec.to_msg()) for rank, rec in items],
+            )
             for node, items in writers.items()
         }
 
-    def written(self, req: dict[str, Any]) -> None:
+    def written(self, msg: Flushed) -> None:
         """A writer reported; commit once all have succeeded."""
         flush = self.current
-        if flush is None or req["step"] != flush.step or flush.state != "writing":
+        if flush is None or msg.step != flush.step or flush.state is not FlushState.WRITING:
             return
-        if not req.get("ok"):
-            self._failed(flush, f"node {req['node']}: {req.get('error', 'failed')}")
+        if not msg.ok:
+            self._failed(flush, f"node {msg.node}: {msg.error or 'failed'}")
             return
-        flush.done[req["node"]] = req
+        flush.done[msg.node] = msg
         if set(flush.done) == set(flush.writers):
-            flush.state = "committing"
+            flush.become(FlushState.COMMITTING)
             thread = threading.Thread(
                 target=self._commit, args=(flush,), name="peerckpt-flush-commit", daemon=True
             )
@@ -146,11 +152,11 @@ class FlushScheduler:
 
     def node_lost(self, node: int) -> None:
         flush = self.current
-        if flush is not None and flush.state == "writing" and node in flush.writers:
+        if flush is not None and flush.state is FlushState.WRITING and node in flush.writers:
             self._failed(flush, f"node {node}, one of its writers, was lost")
 
-    def _failed(self, flush: Flush, why: str) -> None:
-        flush.state, flush.error = "failed", why
+    def _failed(self, flush: FlushInProgress, why: str) -> None:
+        flush.become(FlushState.FAILED, why)
         self.history.append(flush)
         log.warning(
             "flush of step %d failed (%s); training goes on, the next flush tries again; the "
@@ -160,7 +166,7 @@ class FlushScheduler:
         )
         self._settled()
 
-    def _commit(self, flush: Flush) -> None:
+    def _commit(self, flush: FlushInProgress) -> None:
         try:
             DurableStore(self.config.url).commit(
                 flush.step, flush.epoch, flush.layouts, keep=self.config.keep
@@ -168,7 +174,8 @@ class FlushScheduler:
         except (CheckpointError, OSError) as exc:
             self._failed(flush, f"commit: {type(exc).__name__}: {exc}")
             return
-        flush.state, flush.committed_at = "committed", time.time()
+        flush.committed_at = time.time()
+        flush.become(FlushState.COMMITTED)
         self.history.append(flush)
         log.info(
             "step %d is durable in %s (%.2f s after its flush began)",
@@ -178,7 +185,7 @@ class FlushScheduler:
         )
         self._settled()
 
-    def records(self) -> list[dict[str, Any]]:
+    def records(self) -> list[FlushRecord]:
         flushes = list(self.history)
         if self.current is not None and self.current not in flushes:
             flushes.append(self.current)

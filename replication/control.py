@@ -1,11 +1,12 @@
 """The agent's control socket: one authenticated Unix-socket link per local rank process.
 
-A rank (or spare) connects once, proves the job secret and says who it is (role, pid, rank).
-Requests that carry ``req`` get a ``reply`` with the same id; everything else is a notice.
-The agent pushes events (``abort``, ``epoch``, ``commit``, ``shutdown``) down the same link.
-A link that closes means its process is gone: the agent sees a rank exit at once.
+A rank (or spare) connects once, proves the job secret and says who it is (``ProcHello``).
+Then it sends typed messages (``peerckpt/messages/local.py``): requests that carry a ``req``
+id get a ``Reply`` with the same id; everything else is a notice. The agent pushes events
+(``Abort``, ``EpochStart``, ``Commit``, ``Shutdown``) down the same link. A link that closes
+means its process is gone: the agent sees a rank exit at once.
 
-A process also sends ``hb`` frames a few times a second. One that falls silent for longer
+A process also sends ``Beat`` frames a few times a second. One that falls silent for longer
 than the agent's heartbeat timeout (stopped, frozen) is *fenced*: it is told ``fenced`` (it
 reads that when it wakes up, and exits), every frame it sends afterwards is dropped (requests
 get an error), and no event reaches it again — so a process declared dead and replaced can
@@ -24,8 +25,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from peerckpt.codec import pack, unpack
-from peerckpt.errors import PeerckptError, PeerUnavailable
+from peerckpt.errors import PeerckptError, PeerUnavailable, ProtocolError
+from peerckpt.messages import Message, decode, encode, from_frame, type_name
+from peerckpt.messages.control import Shutdown
+from peerckpt.messages.local import Beat, Fenced, ProcHello, Reply, ToAgent
+from peerckpt.serving import Listener
+from peerckpt.states import ProcRole
 from peerckpt.wire import Connection, server_handshake
 
 log = logging.getLogger("peerckpt.control")
@@ -34,29 +39,30 @@ log = logging.getLogger("peerckpt.control")
 class ProcLink:
     """The agent's end of one rank process's control connection."""
 
-    def __init__(self, conn: Connection, hello: dict[str, Any]) -> None:
+    def __init__(self, conn: Connection, hello: ProcHello) -> None:
         self.conn = conn
-        self.pid: int = hello["pid"]
-        self.role: str = hello["role"]
-        self.rank: int | None = hello.get("rank")
-        self.replicas: int | None = hello.get("replicas")
-        self.persist: dict[str, Any] | None = hello.get("persist")
+        self.hello = hello
+        self.pid = hello.pid
+        self.role: ProcRole = hello.role
+        self.rank = hello.rank
         self.last_seen = time.monotonic()
         self.fenced: str | None = None  # why the agent stopped listening to this process
 
     def __repr__(self) -> str:
-        return f"{self.role} pid {self.pid}"
+        return f"{self.role.value} pid {self.pid}"
 
-    def send(self, msg: dict[str, Any], body: Any = None) -> bool:
-        """Send an event (``body`` travels msgpack-encoded as payload); False if gone."""
+    def send(self, msg: Message) -> bool:
+        """Send an event; False if the process is gone."""
         try:
-            self.conn.send(msg, pack(body) if body is not None else None)
+            self.conn.send_msg(msg)
             return True
         except PeerUnavailable:
             return False
 
 
-OnMessage = Callable[[ProcLink, dict[str, Any]], "dict[str, Any] | None"]
+# A notice or request from a process; a request's handler returns its answer.
+OnMessage = Callable[[ProcLink, ToAgent], "Message | None"]
+_HELLO = object()  # the first item of a link's inbox: it said who it is
 
 
 class ControlServer:
@@ -69,39 +75,33 @@ class ControlServer:
         job: str,
         on_message: OnMessage,
         on_lost: Callable[[ProcLink], None],
+        on_hello: Callable[[ProcLink], None],
     ) -> None:
         self.path = path
         self._secret = secret
         self._job = job
         self._on_message = on_message
         self._on_lost = on_lost
+        self._on_hello = on_hello
         self._links: dict[int, ProcLink] = {}
         self._cond = threading.Condition()
-        self._stop = threading.Event()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        self._sock.bind(path)
+        sock.bind(path)
         os.chmod(path, 0o600)
-        self._sock.listen(64)
-        self._thread = threading.Thread(target=self._accept, name="peerckpt-control", daemon=True)
+        sock.listen(64)
+        self._listener = Listener(sock, self._serve, "peerckpt-control", peer="local process")
 
     def start(self) -> None:
-        self._thread.start()
+        self._listener.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
+        self._listener.stop()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         with self._cond:
-            links = list(self._links.values())
-        for link in links:
-            link.conn.close()
-        if self._thread.is_alive():
-            self._thread.join(timeout=2.0)
+            self._cond.notify_all()
 
     def link_of(self, pid: int) -> ProcLink | None:
         with self._cond:
@@ -111,14 +111,14 @@ class ControlServer:
     def wait_link(self, pid: int, timeout: float) -> ProcLink | None:
         deadline = time.monotonic() + timeout
         with self._cond:
-            while pid not in self._links and not self._stop.is_set():
+            while pid not in self._links and not self._listener.stopping:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
                 self._cond.wait(left)
             return self._links.get(pid)
 
-    def broadcast(self, msg: dict[str, Any]) -> None:
+    def broadcast(self, msg: Message) -> None:
         with self._cond:
             links = [link for link in self._links.values() if link.fenced is None]
         for link in links:
@@ -145,57 +145,43 @@ class ControlServer:
             if link.fenced is not None:
                 return
             link.fenced = reason
-        link.send({"type": "fenced", "reason": reason})
+        link.send(Fenced(reason))
 
-    def shutdown_links(self, msg: dict[str, Any], wait_s: float = 0.0) -> None:
+    def shutdown_links(self, msg: Shutdown, wait_s: float = 0.0) -> None:
         """Tell every process to exit and wait (bounded) for their links to close."""
-        self.broadcast({"type": "shutdown", "state": msg.get("state"), "reason": msg.get("reason")})
+        self.broadcast(msg)
         deadline = time.monotonic() + wait_s
         with self._cond:
             while self._links and time.monotonic() < deadline:
                 self._cond.wait(max(0.0, deadline - time.monotonic()))
 
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                sock, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(
-                target=self._serve,
-                args=(Connection(sock, "local process"),),
-                name="peerckpt-control-link",
-                daemon=True,
-            ).start()
-
     def _serve(self, conn: Connection) -> None:
         link = None
         try:
-            hello = server_handshake(conn, self._secret, self._job)
-            link = ProcLink(conn, hello)
-            conn.peer = f"{link.role} pid {link.pid}"
+            auth = server_handshake(conn, self._secret, self._job)
+            link = ProcLink(conn, decode(auth.get("hello"), ProcHello, where=conn.peer))
+            conn.peer = repr(link)
             with self._cond:
                 self._links[link.pid] = link
                 self._cond.notify_all()
             # Frames are handled in order on a thread of their own, so that a handler that
             # waits (a report held back by a partition) never stops this thread from reading
             # heartbeats: the process would look hung to its agent.
-            inbox: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+            inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
             handler = threading.Thread(
                 target=self._handle, args=(link, inbox), name="peerckpt-control-handler"
             )
             handler.daemon = True
             handler.start()
-            inbox.put({"type": "hello"})
+            inbox.put(_HELLO)
             try:
-                while not self._stop.is_set():
+                while not self._listener.stopping:
                     header, payload = conn.recv_message()
                     link.last_seen = time.monotonic()
-                    if header["type"] == "hb":
+                    msg = from_frame(header, payload, ToAgent, where=conn.peer)
+                    if isinstance(msg, Beat):
                         continue
-                    if payload:
-                        header["body"] = unpack(payload)
-                    inbox.put(header)
+                    inbox.put((header.get("req"), msg))
             finally:
                 inbox.put(None)
                 handler.join(timeout=5.0)
@@ -214,36 +200,36 @@ class ControlServer:
                     self._cond.notify_all()
                 self._on_lost(link)
 
-    def _handle(self, link: ProcLink, inbox: queue.SimpleQueue[dict[str, Any] | None]) -> None:
-        while (msg := inbox.get()) is not None:
+    def _handle(self, link: ProcLink, inbox: queue.SimpleQueue[Any]) -> None:
+        while (item := inbox.get()) is not None:
+            name = "hello" if item is _HELLO else type_name(type(item[1]))
             try:
-                if msg["type"] == "hello":
-                    self._on_message(link, msg)
+                if item is _HELLO:
+                    self._on_hello(link)
                 elif link.fenced is not None:
-                    self._refuse_fenced(link, msg)
+                    self._refuse_fenced(link, *item)
                 else:
-                    self._dispatch(link, msg)
+                    self._dispatch(link, *item)
             except Exception:  # a bug, not the peer's fault: drop the link, as a crash would
-                log.exception("handling %r from %s failed", msg.get("type"), link.conn.peer)
+                log.exception("handling %r from %s failed", name, link.conn.peer)
                 link.conn.close()
                 return
 
-    def _refuse_fenced(self, link: ProcLink, msg: dict[str, Any]) -> None:
-        log.warning("dropped %r from fenced %r (%s)", msg["type"], link, link.fenced)
-        if msg.get("req") is not None:
-            link.send(
-                {"type": "reply", "req": msg["req"], "error": f"StaleEpoch: fenced: {link.fenced}"}
-            )
+    def _refuse_fenced(self, link: ProcLink, req: int | None, msg: ToAgent) -> None:
+        log.warning("dropped %r from fenced %r (%s)", type_name(type(msg)), link, link.fenced)
+        if req is not None:
+            link.send(Reply(req, error="StaleEpoch", message=f"fenced: {link.fenced}"))
 
-    def _dispatch(self, link: ProcLink, msg: dict[str, Any]) -> None:
-        req = msg.get("req")
+    def _dispatch(self, link: ProcLink, req: int | None, msg: ToAgent) -> None:
+        if req is not None and not isinstance(req, int):
+            raise ProtocolError(f"{link!r} sent a request id {req!r}")
         try:
             reply = self._on_message(link, msg)
         except PeerckptError as exc:
             if req is None:
-                log.warning("notice %s from %s refused: %s", msg["type"], link.conn.peer, exc)
+                log.warning("notice %s from %r refused: %s", type_name(type(msg)), link, exc)
                 return
-            link.send({"type": "reply", "req": req, "error": f"{type(exc).__name__}: {exc}"})
+            link.send(Reply(req, error=type(exc).__name__, message=str(exc)))
             return
         if req is not None:
-            link.send({"type": "reply", "req": req, **(reply or {})})
+            link.send(Reply(req, answer=encode(reply) if reply is not None else None))

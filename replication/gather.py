@@ -32,9 +32,13 @@ from peerckpt.errors import (
     RecoveryFailed,
 )
 from peerckpt.manifest import ChunkRecord, SnapshotManifest, align, chunk_name
+from peerckpt.messages import decode
+from peerckpt.messages.data import Box as BoxFrame
+from peerckpt.messages.data import End, FetchBoxes
 from peerckpt.persist.durable import DurableStore
 from peerckpt.reads import STORAGE, Read
 from peerckpt.replication.store import Slot, SlotStore
+from peerckpt.states import SlotKind
 from peerckpt.wire import Connection, raise_if_error
 
 log = logging.getLogger("peerckpt.reshard")
@@ -86,11 +90,11 @@ def _held(store: SlotStore, gen: int, rank: int, step: int) -> _Held:
     return _Held(slot, rank)
 
 
-def serve_boxes(conn: Connection, store: SlotStore, header: dict[str, Any]) -> None:
+def serve_boxes(conn: Connection, store: SlotStore, request: FetchBoxes) -> None:
     """Answer a ``fetch_boxes`` request: each item's region, packed, with its crc32c."""
-    gen, step = header["gen"], header["step"]
+    gen, step = request.gen, request.step
     held: dict[int, _Held] = {}
-    for i, (rank, name, box, region) in enumerate(header["items"]):
+    for i, (rank, name, box, region) in enumerate(request.items):
         if rank not in held:
             try:
                 held[rank] = _held(store, gen, rank, step)
@@ -113,8 +117,8 @@ def serve_boxes(conn: Connection, store: SlotStore, header: dict[str, Any]) -> N
                 data: Any = view[run[0] : run[0] + run[1]]
             else:
                 data = extract_box(view, _box(box), _box(region), size)
-            conn.send({"type": "box", "i": i, "crc": crc32c.crc32c(data)}, data)
-    conn.send({"type": "end"})
+            conn.send_msg(BoxFrame(i, crc32c.crc32c(data)), data)
+    conn.send_msg(End())
 
 
 @dataclass(frozen=True)
@@ -134,11 +138,12 @@ def _receive_boxes(conn: Connection, pieces: list[_Piece]) -> int:
     while True:
         header = conn.recv_header()
         raise_if_error(header, conn.peer)
-        if header["type"] == "end":
+        frame = decode(header, where=conn.peer)
+        if isinstance(frame, End):
             return received
-        if header["type"] != "box" or not 0 <= header.get("i", -1) < len(pieces):
+        if not isinstance(frame, BoxFrame) or not 0 <= frame.i < len(pieces):
             raise ProtocolError(f"{conn.peer} sent {header['type']!r} in answer to fetch_boxes")
-        piece = pieces[header["i"]]
+        piece = pieces[frame.i]
         run = contiguous_range(piece.dst_box, piece.region, piece.itemsize)
         if run is not None:  # one run of the wanted chunk: straight into place
             dst = piece.dst[run[0] : run[0] + run[1]]
@@ -148,10 +153,7 @@ def _receive_boxes(conn: Connection, pieces: list[_Piece]) -> int:
             buf = bytearray(piece.region.numel() * piece.itemsize)
             conn.recv_payload_into(header, memoryview(buf))
             data = buf
-        if (
-            crc32c.crc32c(data) != header["crc"]
-            or len(data) != piece.region.numel() * piece.itemsize
-        ):
+        if crc32c.crc32c(data) != frame.crc or len(data) != piece.region.numel() * piece.itemsize:
             raise ChecksumMismatch(
                 f"a piece of {piece.read.key!r} from {conn.peer} arrived damaged"
             )
@@ -213,6 +215,28 @@ def staging_layout(wanted: list[ChunkRecord]) -> tuple[list[ChunkRecord], int]:
     return placed, offset
 
 
+@dataclass(frozen=True)
+class GatherJob:
+    """One rank's share of a resharding round: what to gather, and where it comes from.
+
+    ``rank`` of the new layout (generation ``gen``) on this ``node`` wants the boxes
+    ``wanted`` for ``round``; ``reads`` (the coordinator's plan) say which region of which
+    chunk of which old rank to read from which node (or ``STORAGE``: the durable step at
+    ``storage_url``); the old snapshots are step ``step`` of layout ``old_gen``.
+    """
+
+    node: int
+    epoch: int
+    gen: int
+    rank: int
+    round: int
+    old_gen: int
+    step: int
+    wanted: list[ChunkRecord]
+    reads: list[Read]
+    storage_url: str | None = None
+
+
 @dataclass
 class Assembled:
     slot: Slot
@@ -222,25 +246,15 @@ class Assembled:
     seconds: float
 
 
-def assemble(
-    store: SlotStore,
-    node: int,
-    epoch: int,
-    gen: int,
-    rank: int,
-    round_: int,
-    old_gen: int,
-    step: int,
-    wanted: list[ChunkRecord],
-    reads: list[Read],
-    connect: Callable[[int], Connection],
-    storage_url: str | None = None,
-) -> Assembled:
-    """Build ``rank``'s staging slot for planning round ``round_`` from ``reads``."""
+def assemble(store: SlotStore, job: GatherJob, connect: Callable[[int], Connection]) -> Assembled:
+    """Build ``job.rank``'s staging slot for its round from ``job.reads``; ``connect(node)``
+    opens an authenticated data link to a source node."""
     start = time.monotonic()
-    layout, used = staging_layout(wanted)
+    node, epoch, rank, step, old_gen = job.node, job.epoch, job.rank, job.step, job.old_gen
+    reads, storage_url = job.reads, job.storage_url
+    layout, used = staging_layout(job.wanted)
     # Not touched first: the local copy and the pulls fault its pages in parallel.
-    slot = store.ensure("staging", gen, rank, round_, used, touch=False)
+    slot = store.ensure(SlotKind.STAGING, job.gen, rank, job.round, used, touch=False)
     by_box = {(c.key, _record_box(c)): c for c in layout}
 
     def piece(read: Read) -> _Piece:
@@ -263,17 +277,16 @@ def assemble(
         try:
             conn = connect(source)
             try:
-                conn.send(
-                    {
-                        "type": "fetch_boxes",
-                        "epoch": epoch,
-                        "gen": old_gen,
-                        "step": step,
-                        "items": [
-                            [r.source_rank, r.key, box_msg(r.src_box), box_msg(r.region)]
+                conn.send_msg(
+                    FetchBoxes(
+                        epoch,
+                        old_gen,
+                        step,
+                        [
+                            (r.source_rank, r.key, box_msg(r.src_box), box_msg(r.region))
                             for r in items
                         ],
-                    }
+                    )
                 )
                 pulled[source] = _receive_boxes(conn, [piece(r) for r in items])
             finally:

@@ -19,6 +19,7 @@ from peerckpt.errors import ChecksumMismatch, PeerckptError, PeerUnavailable, Re
 from peerckpt.manifest import SnapshotManifest
 from peerckpt.replication.store import Slot, SlotStore
 from peerckpt.replication.transfer import fetch
+from peerckpt.states import SlotKind
 from peerckpt.wire import Connection
 
 log = logging.getLogger("peerckpt.restore")
@@ -86,7 +87,7 @@ def _local_copy(store: SlotStore, gen: int, rank: int, step: int) -> Slot:
                 f"the local copy of rank {rank} step {step} fails its checksum in {bad[:3]}; "
                 "it is not restored from"
             )
-    if slot.kind == "replica":
+    if slot.kind is SlotKind.REPLICA:
         slot = store.adopt(slot, slot.index)
     return slot
 
@@ -99,7 +100,7 @@ def _pull_target(store: SlotStore, gen: int, rank: int, step: int) -> int:
     again, and the snapshot engine relies on exactly one slot holding the committed step.
     Otherwise an empty slot, otherwise slot 0.
     """
-    own = [store.get("own", gen, rank, index) for index in (0, 1)]
+    own = [store.get(SlotKind.OWN, gen, rank, index) for index in (0, 1)]
     for index, slot in enumerate(own):
         if slot is not None and slot.step == step:
             return index
@@ -113,7 +114,7 @@ def _pull(store: SlotStore, epoch: int, gen: int, rank: int, step: int, conn: Co
     holder: list[Slot] = []
 
     def allocate(manifest: SnapshotManifest) -> memoryview:
-        slot = store.ensure("own", gen, rank, index, manifest.used_bytes)
+        slot = store.ensure(SlotKind.OWN, gen, rank, index, manifest.used_bytes)
         slot.lock.acquire()
         slot.invalidate()
         holder.append(slot)

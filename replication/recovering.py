@@ -1,12 +1,15 @@
-"""The agent's side of an epoch change: fence, abort, and give every local rank its state.
+"""The agent's side of an epoch change: give every local rank of the new epoch its state.
 
-``RankRecovery`` is mixed into ``Agent`` (``replication/agent.py``). On a ``membership``
-event it fences the new epoch, tells the local processes to abort, cancels replication in
-flight, and prepares each local rank of the new epoch in its own thread: in the same
-topology it obtains the rank's committed snapshot (own slot, local replica, or a fetch from
-the plan's sources, checksums verified, ``replication/obtain.py``); after a topology
-change it gathers the pieces the coordinator's plan names into a staging segment
-(``replication/gather.py``). Then it sends the rank ``epoch`` (or ``staging``).
+The agent fences the new epoch, tells its processes to abort and cancels replication in
+flight (``Agent._on_membership``); then ``Preparer.prepare`` readies each local rank in a
+thread of its own: in the same topology it obtains the rank's committed snapshot (own slot,
+local replica, or a fetch from the plan's sources, checksums verified,
+``replication/obtain.py``) and sends the rank ``EpochStart``; after a topology change it
+sends ``EpochStart`` at once, and gathers the pieces each resharding round's plan names into
+a staging segment (``replication/gather.py``, on ``Reads``), answered with ``Staging``.
+
+What a rank's restore pulled from where is kept until the rank reports it resumed, then
+travels to the coordinator with ``Resumed`` (``take_pulls``).
 """
 
 from __future__ import annotations
@@ -14,48 +17,51 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from peerckpt.errors import RecoveryFailed
 from peerckpt.faults import FaultHooks, NetHooks
 from peerckpt.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.membership import Membership
+from peerckpt.messages.control import ProcLost, Pull, RankFailed, Reads, Request
+from peerckpt.messages.local import EpochStart, RestoreBody, RestorePlan, Staging
 from peerckpt.reads import decode as decode_reads
-from peerckpt.replication.gather import assemble
+from peerckpt.replication.control import ControlServer
+from peerckpt.replication.gather import GatherJob, assemble
 from peerckpt.replication.obtain import obtain_committed
+from peerckpt.replication.store import SlotStore
 from peerckpt.replication.transfer import IO_TIMEOUT_S
+from peerckpt.states import EpochMode
 from peerckpt.wire import Connection, connect_tcp
-
-if TYPE_CHECKING:
-    from peerckpt.replication.control import ControlServer
-    from peerckpt.replication.replicator import BuddySender
-    from peerckpt.replication.store import SlotStore
 
 log = logging.getLogger("peerckpt.agent")
 
 
-class RankRecovery:
-    """Epoch changes on one node. Expects the agent's state (declared for type checking)."""
+class Preparer:
+    """Readies local ranks for new epochs. Its threads check ``current_epoch`` before they
+    hand a rank anything: a newer epoch supersedes what an older one prepared."""
 
-    job: str
-    node: int
-    faults: FaultHooks
-    net: NetHooks | None
-    _secret: bytes
-    epoch: int
-    gen: int
-    membership: Membership | None
-    committed_step: int | None
-    store: SlotStore
-    control: ControlServer
-    _lock: threading.RLock
-    _senders: dict[int, BuddySender]
-    _restore_info: dict[tuple[int, int], Any]
-    _wanted: dict[tuple[int, int, int], list[ChunkRecord]]
-
-    if TYPE_CHECKING:  # provided by Agent
-
-        def _report(self, method: str, **args: Any) -> None: ...
+    def __init__(
+        self,
+        node: int,
+        job: str,
+        secret: bytes,
+        store: SlotStore,
+        control: ControlServer,
+        report: Callable[[Request[Any]], None],
+        current_epoch: Callable[[], int],
+        faults: FaultHooks,
+        net: NetHooks | None,
+    ) -> None:
+        self.node, self.job, self._secret = node, job, secret
+        self.store, self.control = store, control
+        self._report = report
+        self._current_epoch = current_epoch
+        self.faults, self.net = faults, net
+        self._lock = threading.Lock()
+        self._pulls: dict[tuple[int, int], list[Pull]] = {}  # (epoch, rank) → its restore's
+        self._holds: set[tuple[int, int]] = set()  # restored in place: this node holds a copy
+        self._wanted: dict[tuple[int, int, int], list[ChunkRecord]] = {}
 
     def _connect(self, members: Membership) -> Callable[[int], Connection]:
         """Data connections to the epoch's agents, by node."""
@@ -71,16 +77,8 @@ class RankRecovery:
 
         return connect
 
-    def _on_membership(self, members: Membership) -> None:
-        with self._lock:
-            if members.epoch <= self.epoch:
-                return
-            self.epoch, self.membership = members.epoch, members
-            self.gen = members.gen
-            self.committed_step = members.restore_step
-        self.control.broadcast({"type": "abort", "epoch": members.epoch})
-        for sender in list(self._senders.values()):
-            sender.cancel_inflight()
+    def prepare(self, members: Membership) -> None:
+        """Ready every local rank of ``members``, each in its own thread."""
         for rank in members.local_ranks(self.node):
             threading.Thread(
                 target=self._prepare_rank,
@@ -89,133 +87,110 @@ class RankRecovery:
                 daemon=True,
             ).start()
 
+    def take_pulls(self, epoch: int, rank: int) -> tuple[list[Pull], bool]:
+        """What ``rank``'s restore in ``epoch`` pulled, and whether this node now holds its
+        committed snapshot; forgotten once taken."""
+        with self._lock:
+            pulls = self._pulls.pop((epoch, rank), [])
+            holds = (epoch, rank) in self._holds
+            self._holds.discard((epoch, rank))
+        return pulls, holds
+
+    def want(self, epoch: int, rank: int, round_: int, chunks: list[ChunkRecord]) -> None:
+        """A resharding rank's boxes for ``round_`` (kept until the round's plan arrives)."""
+        with self._lock:
+            self._wanted[(epoch, rank, round_)] = chunks
+
     def _prepare_rank(self, members: Membership, rank: int) -> None:
         pid = members.ranks[rank].pid
         link = self.control.wait_link(pid, timeout=10.0)
         if link is None:
             log.error("process %d for rank %d never connected to this agent", pid, rank)
-            self._report("ProcLost", pid=pid, reason="never connected to its agent")
+            self._report(ProcLost(self.node, pid, "never connected to its agent"))
             return
-        restore: dict[str, Any] | None = None
+        restore: RestorePlan | None = None
         manifest = None
         self.faults.strike("recovery", node=self.node, rank=rank, epoch=members.epoch)
         try:
-            if members.mode == "same":
+            if members.mode is EpochMode.SAME:
                 restore, manifest = self._obtain(members, rank)
-            elif members.mode == "reshard":
-                restore = {
-                    "mode": "reshard",
-                    "step": members.restore_step,
-                    "previous_rank": members.previous.get(rank),
-                    "old_world": members.old_world,
-                }
+            elif members.mode is EpochMode.RESHARD:
+                assert members.restore_step is not None
+                restore = RestorePlan(
+                    EpochMode.RESHARD,
+                    members.restore_step,
+                    previous_rank=members.previous.get(rank),
+                    old_world=members.old_world,
+                )
         except Exception as exc:  # a rank left without its state would wait forever
             if not isinstance(exc, RecoveryFailed):
                 log.exception("preparing rank %d for epoch %d failed", rank, members.epoch)
-            self._report(
-                "Error", epoch=members.epoch, rank=rank, message=f"{type(exc).__name__}: {exc}"
-            )
+            self._report(RankFailed(self.node, members.epoch, rank, type(exc).__name__, str(exc)))
             return
-        if self.epoch != members.epoch:
+        if self._current_epoch() != members.epoch:
             return  # a newer epoch superseded this one while we were pulling
-        local = members.local_ranks(self.node)
         link.send(
-            {
-                "type": "epoch",
-                "epoch": members.epoch,
-                "rank": rank,
-                "world_size": members.world_size,
-                "local_rank": local.index(rank),
-                "node": self.node,
-                "store_addr": members.store_addr,
-                "hosts": sorted({a.rpartition(":")[0] for a in members.node_addrs.values()}),
-                "restore": restore,
-            },
-            body={
-                "manifest": manifest.to_msg() if manifest is not None else None,
-                "old_layout": members.old_layout,
-            },
+            EpochStart(
+                epoch=members.epoch,
+                rank=rank,
+                world_size=members.world_size,
+                local_rank=members.local_ranks(self.node).index(rank),
+                node=self.node,
+                store_addr=members.store_addr,
+                hosts=sorted({a.rpartition(":")[0] for a in members.node_addrs.values()}),
+                restore=restore,
+                body=RestoreBody(manifest, members.old_layout),
+            )
         )
 
-    def _on_reads(self, event: dict[str, Any]) -> None:
+    def on_reads(self, members: Membership, event: Reads) -> None:
         """A resharding round was planned: gather each local rank's staging slot."""
-        members = self.membership
-        if members is None or event["epoch"] != self.epoch:
+        if event.epoch != members.epoch:
             return
-        for rank, reads in event["reads"].items():
+        for rank, reads in event.reads.items():
             threading.Thread(
                 target=self._gather,
-                args=(members, int(rank), event["round"], reads),
+                args=(members, rank, event.round, reads),
                 name=f"peerckpt-gather-r{rank}",
                 daemon=True,
             ).start()
 
     def _gather(self, members: Membership, rank: int, round_: int, msg: dict[str, Any]) -> None:
         link = self.control.link_of(members.ranks[rank].pid)
-        wanted = self._wanted.pop((members.epoch, rank, round_), None)
+        with self._lock:
+            wanted = self._wanted.pop((members.epoch, rank, round_), None)
         if link is None or wanted is None or members.restore_step is None:
             return
-
-        connect = self._connect(members)
-
+        job = GatherJob(
+            node=self.node,
+            epoch=members.epoch,
+            gen=members.gen,
+            rank=rank,
+            round=round_,
+            old_gen=members.restore_gen,
+            step=members.restore_step,
+            wanted=wanted,
+            reads=decode_reads(msg, wanted),  # the plan's compact message (peerckpt/reads.py)
+            storage_url=members.restore_url,
+        )
         try:
-            got = assemble(
-                self.store,
-                self.node,
-                members.epoch,
-                members.gen,
-                rank,
-                round_,
-                members.restore_gen,
-                members.restore_step,
-                wanted,
-                decode_reads(msg, wanted),  # the plan's compact message (peerckpt/reads.py)
-                connect,
-                storage_url=members.restore_url,
-            )
+            got = assemble(self.store, job, self._connect(members))
         except Exception as exc:
             log.error("gathering rank %d's state failed: %s", rank, exc)
-            self._report(
-                "Error", epoch=members.epoch, rank=rank, message=f"{type(exc).__name__}: {exc}"
-            )
+            self._report(RankFailed(self.node, members.epoch, rank, type(exc).__name__, str(exc)))
             return
-        pulls = self._restore_info.setdefault((members.epoch, rank), [])
+        pulls = []
         if got.local_bytes:
-            pulls.append(
-                {
-                    "node": self.node,
-                    "source": self.node,
-                    "bytes": got.local_bytes,
-                    "seconds": got.seconds,
-                    "round": round_,
-                }
-            )
+            pulls.append(Pull(rank, self.node, self.node, got.local_bytes, got.seconds, round_))
         for source, nbytes in sorted(got.pulled.items()):
-            pulls.append(
-                {
-                    "node": self.node,
-                    "source": source,
-                    "bytes": nbytes,
-                    "seconds": got.seconds,
-                    "round": round_,
-                }
-            )
-        link.send(
-            {
-                "type": "staging",
-                "epoch": members.epoch,
-                "round": round_,
-                "path": got.slot.segment.path,
-            },
-            body=got.manifest.to_msg(),
-        )
+            pulls.append(Pull(rank, self.node, source, nbytes, got.seconds, round_))
+        with self._lock:
+            self._pulls.setdefault((members.epoch, rank), []).extend(pulls)
+        link.send(Staging(members.epoch, round_, got.slot.segment.path, got.manifest))
 
-    def _obtain(self, members: Membership, rank: int) -> tuple[dict[str, Any], SnapshotManifest]:
+    def _obtain(self, members: Membership, rank: int) -> tuple[RestorePlan, SnapshotManifest]:
         """Make the committed snapshot of ``rank`` available in one of its own local slots."""
         assert members.restore_step is not None
-
-        connect = self._connect(members)
-
         got = obtain_committed(
             self.store,
             self.node,
@@ -224,17 +199,13 @@ class RankRecovery:
             rank,
             members.restore_step,
             members.sources.get(rank, []),
-            connect,
+            self._connect(members),
         )
-        info = {
-            "mode": "same",
-            "step": members.restore_step,
-            "slot": got.slot.index,
-            "path": got.slot.segment.path,
-            "source": got.source,
-            "node": self.node,
-            "bytes": got.nbytes,
-            "seconds": got.seconds,
-        }
-        self._restore_info[(members.epoch, rank)] = info
-        return info, got.manifest
+        with self._lock:
+            key = (members.epoch, rank)
+            self._pulls[key] = [Pull(rank, self.node, got.source, got.nbytes, got.seconds)]
+            self._holds.add(key)
+        plan = RestorePlan(
+            EpochMode.SAME, members.restore_step, got.slot.index, got.slot.segment.path
+        )
+        return plan, got.manifest

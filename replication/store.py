@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from peerckpt.manifest import SnapshotManifest
 from peerckpt.replication.arena import Arena, Segment
 from peerckpt.replication.checksums import RunningChecksums
+from peerckpt.states import SlotKind
 
 
 @dataclass
@@ -30,7 +31,7 @@ class Slot:
 
     rank: int
     index: int
-    kind: str  # "own", "replica" or "staging"
+    kind: SlotKind
     segment: Segment
     gen: int = 0
     manifest: SnapshotManifest | None = None
@@ -56,15 +57,15 @@ class SlotStore:
 
     def __init__(self, arena: Arena) -> None:
         self.arena = arena
-        self._slots: dict[tuple[str, int, int, int], Slot] = {}
+        self._slots: dict[tuple[SlotKind, int, int, int], Slot] = {}
         self._lock = threading.Lock()
 
-    def get(self, kind: str, gen: int, rank: int, index: int) -> Slot | None:
+    def get(self, kind: SlotKind, gen: int, rank: int, index: int) -> Slot | None:
         with self._lock:
             return self._slots.get((kind, gen, rank, index))
 
     def ensure(
-        self, kind: str, gen: int, rank: int, index: int, nbytes: int, touch: bool = True
+        self, kind: SlotKind, gen: int, rank: int, index: int, nbytes: int, touch: bool = True
     ) -> Slot:
         """Return the slot, (re)allocated so that it holds at least ``nbytes``.
 
@@ -74,8 +75,8 @@ class SlotStore:
             slot = self._slots.get((kind, gen, rank, index))
         if slot is not None and slot.segment.size >= nbytes:
             return slot
-        what = f"{kind} slot {index} of rank {rank} (layout {gen})"
-        segment = self.arena.create(f"{kind[0]}{rank}-g{gen}-{index}", nbytes, what, touch)
+        what = f"{kind.value} slot {index} of rank {rank} (layout {gen})"
+        segment = self.arena.create(f"{kind.value[0]}{rank}-g{gen}-{index}", nbytes, what, touch)
         new = Slot(rank, index, kind, segment, gen=gen)
         with self._lock:
             old = self._slots.get((kind, gen, rank, index))
@@ -93,7 +94,7 @@ class SlotStore:
         older one. The receiver decides, not the sender: after a recovery the sender's slot
         numbering restarts, and its index may name the buddy's only committed copy.
         """
-        held = [self.get("replica", gen, rank, i) for i in (0, 1)]
+        held = [self.get(SlotKind.REPLICA, gen, rank, i) for i in (0, 1)]
         steps = [s.step if s is not None else None for s in held]
         if keep_step is not None and keep_step in steps:
             return 1 - steps.index(keep_step)
@@ -104,10 +105,12 @@ class SlotStore:
     def find(self, gen: int, rank: int, step: int) -> Slot | None:
         """A complete copy of ``rank``'s snapshot of ``step`` in layout ``gen``: own slots first."""
         with self._lock:
-            slots = sorted(self._slots.values(), key=lambda s: (s.kind != "own", s.index))
+            slots = sorted(
+                self._slots.values(), key=lambda s: (s.kind is not SlotKind.OWN, s.index)
+            )
         for slot in slots:
             if (
-                slot.kind != "staging"
+                slot.kind is not SlotKind.STAGING
                 and slot.gen == gen
                 and slot.rank == rank
                 and slot.step == step
@@ -119,11 +122,11 @@ class SlotStore:
         """Turn a replica slot into own slot ``index`` of its rank (a local restore source)."""
         with self._lock:
             self._slots.pop((slot.kind, slot.gen, slot.rank, slot.index), None)
-            old = self._slots.pop(("own", slot.gen, slot.rank, index), None)
+            old = self._slots.pop((SlotKind.OWN, slot.gen, slot.rank, index), None)
             adopted = Slot(
-                slot.rank, index, "own", slot.segment, gen=slot.gen, manifest=slot.manifest
+                slot.rank, index, SlotKind.OWN, slot.segment, gen=slot.gen, manifest=slot.manifest
             )
-            self._slots[("own", slot.gen, slot.rank, index)] = adopted
+            self._slots[(SlotKind.OWN, slot.gen, slot.rank, index)] = adopted
         # Whoever still holds the replaced objects (a flush reading them) must see that they
         # are gone: the adopted bytes belong to the new slot and its lock from now on.
         with slot.lock:

@@ -44,7 +44,6 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from peerckpt.errors import (
     ChecksumMismatch,
@@ -55,9 +54,23 @@ from peerckpt.errors import (
 )
 from peerckpt.faults import NetHooks
 from peerckpt.manifest import SnapshotManifest
+from peerckpt.messages import Dispatch, decode
+from peerckpt.messages.data import (
+    Ack,
+    Data,
+    DataRequest,
+    End,
+    Fetch,
+    FetchBoxes,
+    ManifestReply,
+    Push,
+    Ready,
+)
 from peerckpt.replication.checksums import RunningChecksums
 from peerckpt.replication.gather import serve_boxes
 from peerckpt.replication.store import SlotStore
+from peerckpt.serving import Listener
+from peerckpt.states import SlotKind
 from peerckpt.wire import Connection, raise_if_error, server_handshake
 
 PIECE_BYTES = 16 << 20
@@ -86,10 +99,10 @@ def send_bytes(
         if cancel is not None and cancel.is_set():
             conn.close()
             raise Cancelled("transfer cancelled by an epoch change")
-        conn.send({"type": "data", "off": off}, view[off : min(off + PIECE_BYTES, used)])
+        conn.send_msg(Data(off), view[off : min(off + PIECE_BYTES, used)])
         if off == 0 and midway is not None:
             midway()
-    conn.send({"type": "end"} if crcs is None else {"type": "end", "crcs": crcs()})
+    conn.send_msg(End(crcs() if crcs is not None else None))
 
 
 def recv_bytes(
@@ -97,8 +110,8 @@ def recv_bytes(
     view: memoryview,
     used: int,
     progress: Callable[[int], None] | None = None,
-) -> dict[str, Any]:
-    """Receive data frames into ``view[:used]`` until ``end``; return the ``end`` header.
+) -> End:
+    """Receive data frames into ``view[:used]`` until ``end``; return the ``End``.
 
     Frames must come front to back with no gap and no overlap (every sender sends them so),
     which lets ``progress(n)`` tell a checksummer that the first ``n`` bytes are final. Each
@@ -107,17 +120,18 @@ def recv_bytes(
     got = 0
     while True:
         header = conn.recv_header()
-        if header["type"] == "end":
+        raise_if_error(header, conn.peer)
+        frame = decode(header, where=conn.peer)
+        if isinstance(frame, End):
             if got != used:
                 raise ProtocolError(f"{conn.peer} ended a transfer after {got} of {used} bytes")
-            return header
-        raise_if_error(header, conn.peer)
-        if header["type"] != "data" or not isinstance(header.get("off"), int):
+            return frame
+        if not isinstance(frame, Data):
             raise ProtocolError(f"{conn.peer} sent {header['type']!r} inside a snapshot transfer")
-        if header["off"] != got:
-            conn.send_error("protocol", f"data frame at offset {header['off']}, expected {got}")
+        if frame.off != got:
+            conn.send_error("protocol", f"data frame at offset {frame.off}, expected {got}")
             raise ProtocolError(
-                f"{conn.peer} sent a data frame at offset {header['off']} of {used}; the next "
+                f"{conn.peer} sent a data frame at offset {frame.off} of {used}; the next "
                 f"one must start at {got}"
             )
         conn.recv_payload_into(header, view[got:used])
@@ -145,30 +159,19 @@ def push(
     own); the buddy computes its own while they arrive and acknowledges only if they match.
     ``midway`` runs once the first data frame is sent (the chaos harness strikes there).
     """
-    conn.request(
-        {
-            "type": "push",
-            "epoch": epoch,
-            "gen": gen,
-            "rank": rank,
-            "committed": committed,
-            "manifest": manifest.to_msg(),
-        }
-    )
+    conn.send_msg(Push(epoch, gen, rank, committed, manifest))
+    conn.recv_msg(Ready)
     if crcs is None:
         if any(c.crc is None for c in manifest.chunks):
             raise ValueError("push of a manifest without checksums and no way to get them")
         crcs = lambda: [c.crc for c in manifest.chunks if c.crc is not None]  # noqa: E731
     send_bytes(conn, view, manifest.used_bytes, cancel, midway, crcs)
-    reply, _ = conn.recv_message()
-    raise_if_error(reply, conn.peer)
-    if reply.get("type") != "ack":
-        raise ProtocolError(f"{conn.peer} answered a push with {reply.get('type')!r}")
+    conn.recv_msg(Ack)
 
 
 def _receive_verified(
     conn: Connection, manifest: SnapshotManifest, view: memoryview, name: str
-) -> tuple[dict[str, Any], list[int]]:
+) -> tuple[End, list[int]]:
     """Receive a snapshot's bytes into ``view`` while a thread checksums each finished chunk;
     return the ``end`` header and the checksums of what arrived."""
     sums = RunningChecksums(manifest.chunks, view, name=name)
@@ -188,10 +191,8 @@ def fetch(
     allocate: Callable[[SnapshotManifest], memoryview],
 ) -> SnapshotManifest:
     """Pull ``rank``'s snapshot of ``step`` into the view ``allocate`` returns; verify it."""
-    reply = conn.request({"type": "fetch", "epoch": epoch, "gen": gen, "rank": rank, "step": step})
-    if reply.get("type") != "manifest":
-        raise ProtocolError(f"{conn.peer} answered a fetch with {reply.get('type')!r}")
-    manifest = SnapshotManifest.from_msg(reply["manifest"])
+    conn.send_msg(Fetch(epoch, gen, rank, step))
+    manifest = conn.recv_msg(ManifestReply).manifest
     if manifest.rank != rank or manifest.step != step:
         raise ProtocolError(
             f"{conn.peer} sent rank {manifest.rank} step {manifest.step} for rank {rank} step {step}"
@@ -227,100 +228,65 @@ class DataServer:
         self._secret = secret
         self._job = job
         self._current_epoch = current_epoch
-        self._sock = socket.create_server((host, 0), backlog=128)
-        self.address = f"{host}:{self._sock.getsockname()[1]}"
-        self._stop = threading.Event()
-        self._conns: set[Connection] = set()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(
-            target=self._accept, name="peerckpt-data-accept", daemon=True
-        )
+        sock = socket.create_server((host, 0), backlog=128)
+        self.address = f"{host}:{sock.getsockname()[1]}"
+        self._listener = Listener(sock, self._serve, "peerckpt-data", tcp=True, net=net)
         self.bytes_served = 0
+        self._requests = Dispatch[None](
+            {Push: self._on_push, Fetch: self._on_fetch, FetchBoxes: self._on_fetch_boxes},
+            "a data server",
+        )
 
     def start(self) -> None:
-        self._thread.start()
+        self._listener.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
-        with self._lock:
-            conns = list(self._conns)
-        for conn in conns:
-            conn.close()
-        if self._thread.is_alive():
-            self._thread.join(timeout=2.0)
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                sock, _ = self._sock.accept()
-            except OSError:
-                return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Connection(sock, net=self._net)
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(
-                target=self._serve, args=(conn,), name="peerckpt-data-conn", daemon=True
-            ).start()
+        self._listener.stop()
 
     def _serve(self, conn: Connection) -> None:
         try:
             server_handshake(conn, self._secret, self._job)
-            while not self._stop.is_set():
+            while not self._listener.stopping:
                 conn.sock.settimeout(None)  # idle between requests: wait as long as it takes
-                header = conn.recv_header()
+                try:
+                    request = conn.recv_msg(DataRequest)
+                except ProtocolError as exc:
+                    conn.send_error("protocol", str(exc))
+                    raise
                 conn.sock.settimeout(IO_TIMEOUT_S)
-                if header["type"] == "push":
-                    self._on_push(conn, header)
-                elif header["type"] == "fetch":
-                    self._on_fetch(conn, header)
-                elif header["type"] == "fetch_boxes":
-                    serve_boxes(conn, self.store, header)
-                else:
-                    conn.send_error("protocol", f"unknown request {header['type']!r}")
-                    return
+                self._requests.handle(request, conn)
         except PeerUnavailable:
             pass  # the peer went away; nothing half-written is ever marked complete
         except PeerckptError as exc:
             log.warning("refused a request from %s: %s", conn.peer, exc)
         except Exception:
             log.exception("data connection from %s failed", conn.peer)
-        finally:
-            conn.close()
-            with self._lock:
-                self._conns.discard(conn)
 
-    def _on_push(self, conn: Connection, header: dict[str, Any]) -> None:
-        epoch = header["epoch"]
+    def _on_push(self, msg: Push, conn: Connection) -> None:
+        epoch = msg.epoch
         if epoch < self._current_epoch():
             conn.send_error(
                 "stale_epoch", f"push of epoch {epoch} after epoch {self._current_epoch()} began"
             )
             return
-        manifest = SnapshotManifest.from_msg(header["manifest"])
-        rank, gen = header["rank"], header["gen"]
-        keep = [s for s in (self._committed_step(), header.get("committed")) if s is not None]
+        manifest, rank, gen = msg.manifest, msg.rank, msg.gen
+        keep = [s for s in (self._committed_step(), msg.committed) if s is not None]
         index = self.store.replica_target(gen, rank, max(keep) if keep else None)
         try:
-            slot = self.store.ensure("replica", gen, rank, index, manifest.used_bytes)
+            slot = self.store.ensure(SlotKind.REPLICA, gen, rank, index, manifest.used_bytes)
         except InsufficientMemory as exc:
             conn.send_error("memory", str(exc))
             return
         with slot.lock:
             slot.invalidate()
             manifest.validate_bounds(slot.segment.size)
-            conn.send({"type": "ready"})
+            conn.send_msg(Ready())
             end, computed = _receive_verified(conn, manifest, slot.segment.view, f"push{rank}")
             if epoch < self._current_epoch():
                 conn.send_error("stale_epoch", f"epoch {epoch} ended during the push")
                 return
-            sent = end.get("crcs")
-            if not isinstance(sent, list) or len(sent) != len(manifest.chunks):
+            sent = end.crcs
+            if sent is None or len(sent) != len(manifest.chunks):
                 conn.send_error("protocol", "the push ended without a checksum per chunk")
                 raise ProtocolError(f"{conn.peer} ended a push without a checksum per chunk")
             manifest = manifest.with_crcs(sent)
@@ -336,27 +302,29 @@ class DataServer:
                 conn.send_error("checksum", f"replica fails verification in chunk(s) {bad[:3]}")
                 return
             slot.manifest = manifest
-        conn.send({"type": "ack"})
+        conn.send_msg(Ack())
 
-    def _on_fetch(self, conn: Connection, header: dict[str, Any]) -> None:
-        if header["epoch"] < self._current_epoch():
+    def _on_fetch(self, msg: Fetch, conn: Connection) -> None:
+        if msg.epoch < self._current_epoch():
             conn.send_error(
                 "stale_epoch",
-                f"fetch of epoch {header['epoch']} after epoch {self._current_epoch()} began",
+                f"fetch of epoch {msg.epoch} after epoch {self._current_epoch()} began",
             )
             return
-        slot = self.store.find(header["gen"], header["rank"], header["step"])
+        slot = self.store.find(msg.gen, msg.rank, msg.step)
         if slot is None:
             conn.send_error(
-                "missing",
-                f"this agent holds no copy of rank {header['rank']} step {header['step']}",
+                "missing", f"this agent holds no copy of rank {msg.rank} step {msg.step}"
             )
             return
         with slot.lock:
             manifest = slot.manifest
-            if manifest is None or manifest.step != header["step"]:
+            if manifest is None or manifest.step != msg.step:
                 conn.send_error("missing", "the copy was replaced while the request waited")
                 return
-            conn.send({"type": "manifest", "manifest": manifest.to_msg()})
+            conn.send_msg(ManifestReply(manifest))
             send_bytes(conn, slot.segment.view, manifest.used_bytes)
             self.bytes_served += manifest.used_bytes
+
+    def _on_fetch_boxes(self, msg: FetchBoxes, conn: Connection) -> None:
+        serve_boxes(conn, self.store, msg)

@@ -20,12 +20,12 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import psutil
 
 from peerckpt.errors import CheckpointError
 from peerckpt.manifest import ChunkRecord, SnapshotManifest
+from peerckpt.messages.control import Flush, Flushed
 from peerckpt.persist.config import PersistConfig
 from peerckpt.persist.durable import DurableStore, HeldBytesChanged, Piece, copied
 from peerckpt.replication.store import Slot, SlotStore
@@ -49,8 +49,8 @@ def _lower_priority(nice: int) -> None:
 class Flusher:
     """Writes this node's share of durable checkpoints, one flush at a time."""
 
-    def __init__(self, store: SlotStore, node: int, report: Callable[..., None]) -> None:
-        """``report(method, **fields)`` sends to the coordinator (the agent adds its node)."""
+    def __init__(self, store: SlotStore, node: int, report: Callable[[Flushed], None]) -> None:
+        """``report`` sends to the coordinator."""
         self.store = store
         self.node = node
         self._report = report
@@ -59,13 +59,15 @@ class Flusher:
         # disk slower than the snapshots), each flush copies its share out first instead.
         self._copy_first = False
 
-    def start(self, event: dict[str, Any]) -> None:
+    def start(self, event: Flush) -> None:
         if self._thread is not None and self._thread.is_alive():
             self._report(
-                "Flushed",
-                step=event["step"],
-                ok=False,
-                error=f"node {self.node} is still writing an earlier flush",
+                Flushed(
+                    self.node,
+                    event.step,
+                    ok=False,
+                    error=f"node {self.node} is still writing an earlier flush",
+                )
             )
             return
         self._thread = threading.Thread(
@@ -77,15 +79,15 @@ class Flusher:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def _run(self, event: dict[str, Any]) -> None:
+    def _run(self, event: Flush) -> None:
         # Writing straight from the slots takes little CPU (a crc32c per chunk, 18 ms per
         # 256 MiB, and the write calls), but at the lowest priority each of those waits for
         # a core the ranks keep busy, and the flush fell behind the slots' reuse (measured:
         # 0.7 s per 256 MiB while training, 0.24 s idle). Copying a share out first is
         # memory-bound work that training would notice: that runs at the lowest priority.
         _lower_priority(19 if self._copy_first else 5)
-        step, start = event["step"], time.monotonic()
-        config = PersistConfig.from_msg(event["persist"])
+        step, start = event.step, time.monotonic()
+        config = PersistConfig.from_msg(event.persist)
         assert config is not None
         pace = _Pace(config.rate)
         try:
@@ -104,12 +106,7 @@ class Flusher:
                 )
             else:
                 log.warning("flush of step %d on node %d failed: %s", step, self.node, exc)
-            self._report(
-                "Flushed",
-                step=step,
-                ok=False,
-                error=f"{type(exc).__name__}: {exc}",
-            )
+            self._report(Flushed(self.node, step, ok=False, error=f"{type(exc).__name__}: {exc}"))
             return
         seconds = time.monotonic() - start
         log.info(
@@ -119,14 +116,14 @@ class Flusher:
             seconds,
             pace.nbytes / max(seconds, 1e-9) / 1e6,
         )
-        self._report("Flushed", step=step, ok=True, nbytes=pace.nbytes, seconds=seconds)
+        self._report(Flushed(self.node, step, ok=True, nbytes=pace.nbytes, seconds=seconds))
 
-    def _share(self, event: dict[str, Any]) -> list[Piece]:
+    def _share(self, event: Flush) -> list[Piece]:
         """This node's share of the step: each chunk in the slot that holds it."""
-        step, gen = event["step"], event["gen"]
+        step, gen = event.step, event.gen
         out: list[Piece] = []
         held: dict[int, _HeldSlot] = {}
-        for rank, msg in event["chunks"]:
+        for rank, msg in event.chunks:
             want = ChunkRecord.from_msg(msg)
             if rank not in held:
                 slot = self.store.find(gen, rank, step)

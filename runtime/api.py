@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from peerckpt.errors import ConfigurationError, PeerUnavailable
 from peerckpt.runtime.env import LaunchEnv
 from peerckpt.runtime.rank import Assignment, RankRuntime, configure_logging
+from peerckpt.states import ProcRole
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -125,11 +126,11 @@ def resilient(
                     abort_timeout_s=abort_timeout_s,
                 )
             except PeerUnavailable as exc:
-                if env.role == "rank":
+                if env.role is ProcRole.RANK:
                     raise
                 # A spare or joining process whose node agent is gone (the job ended, or the
                 # node was lost) has nothing to stand by for.
-                logging.getLogger("peerckpt.rank").info("%s exits: %s", env.role, exc)
+                logging.getLogger("peerckpt.rank").info("%s exits: %s", env.role.value, exc)
                 raise SystemExit(0) from None
             return runtime.run(func, args, kwargs)
 

@@ -1,9 +1,9 @@
 """The rank's link to its node agent: requests with replies, notices, and pushed events.
 
-One authenticated Unix-socket connection per rank process. A reader thread routes ``reply``
-frames to the waiting request and every other frame (``abort``, ``epoch``, ``commit``,
-``shutdown``) to the runtime's event handler. If the link closes, the handler gets
-``{"type": "agent_lost"}``.
+One authenticated Unix-socket connection per rank process, speaking the typed messages of
+``peerckpt/messages/local.py``. A reader thread routes each ``Reply`` to the waiting request
+and every event (``Abort``, ``EpochStart``, ``Commit``, ``Staging``, ``Shutdown``,
+``Fenced``) to the runtime's handler. If the link closes, the handler gets ``AgentLost``.
 """
 
 from __future__ import annotations
@@ -15,12 +15,15 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TypeVar
 
 from peerckpt import errors
-from peerckpt.codec import pack, unpack
-from peerckpt.errors import PeerckptError, PeerUnavailable
+from peerckpt.errors import PeerckptError, PeerUnavailable, ProtocolError
+from peerckpt.messages import Message, decode, encode, from_frame, to_frame
+from peerckpt.messages.local import AgentLost, Beat, ProcHello, Reply, ToAgent
 from peerckpt.wire import connect_unix
+
+M = TypeVar("M")
 
 log = logging.getLogger("peerckpt.channel")
 HEARTBEAT_S = 0.25  # how often a rank process tells its agent it is alive
@@ -34,54 +37,44 @@ class AgentChannel:
         socket_path: str,
         secret: bytes,
         job: str,
-        role: str,
-        rank: int | None,
-        on_event: Callable[[dict[str, Any]], None],
-        replicas: int | None = None,
-        persist: dict[str, Any] | None = None,
+        hello: ProcHello,
+        on_event: Callable[[Message], None],
     ) -> None:
         self._on_event = on_event
         self._ids = itertools.count(1)
-        self._pending: dict[int, Future[dict[str, Any]]] = {}
+        self._pending: dict[int, Future[Reply]] = {}
         self._lock = threading.Lock()
         self._closing = False
-        self.conn = connect_unix(
-            socket_path,
-            secret,
-            job,
-            role=role,
-            pid=os.getpid(),
-            rank=rank,
-            replicas=replicas,
-            persist=persist,
-        )
+        assert hello.pid == os.getpid()
+        self.conn = connect_unix(socket_path, secret, job, hello=encode(hello))
         self._reader = threading.Thread(target=self._read, name="peerckpt-agent-link", daemon=True)
         self._reader.start()
         self._beater = threading.Thread(target=self._beat, name="peerckpt-heartbeat", daemon=True)
         self._beater.start()
 
-    def request(self, kind: str, timeout: float = 60.0, **fields: Any) -> dict[str, Any]:
-        """Send a request and wait for its reply; raise the agent's error if it refused."""
+    def request(self, msg: ToAgent, answer: type[M], timeout: float = 60.0) -> M:
+        """Send a request and wait for its ``answer``; raise the agent's error if it refused."""
         req = next(self._ids)
-        future: Future[dict[str, Any]] = Future()
+        future: Future[Reply] = Future()
         with self._lock:
             self._pending[req] = future
         try:
-            self.conn.send({"type": kind, "req": req, **fields})
+            header, payload = to_frame(msg)
+            self.conn.send({**header, "req": req}, payload)
             reply = future.result(timeout=timeout)
         finally:
             with self._lock:
                 self._pending.pop(req, None)
-        if "error" in reply:
-            cls_name, _, message = reply["error"].partition(": ")
-            cls = getattr(errors, cls_name, PeerckptError)
-            raise cls(message)
-        return reply
+        if reply.error:
+            cls = getattr(errors, reply.error, None)
+            if not (isinstance(cls, type) and issubclass(cls, PeerckptError)):
+                cls = PeerckptError
+            raise cls(reply.message)
+        return decode(reply.answer, answer, where="the node agent")
 
-    def notify(self, kind: str, body: Any = None, **fields: Any) -> None:
-        """Send a notice (no reply). ``body`` travels msgpack-encoded as the payload."""
-        payload = pack(body) if body is not None else None
-        self.conn.send({"type": kind, **fields}, payload)
+    def notify(self, msg: ToAgent) -> None:
+        """Send a notice (no reply)."""
+        self.conn.send_msg(msg)
 
     def expect_close(self) -> None:
         """The agent is about to close the link (the job ended); that is not a failure."""
@@ -96,7 +89,7 @@ class AgentChannel:
     def _beat(self) -> None:
         while not self._closing and not self.conn.closed:
             try:
-                self.conn.send({"type": "hb"})
+                self.conn.send_msg(Beat())
             except PeerckptError:
                 return  # the reader sees the link close and reports it
             time.sleep(HEARTBEAT_S)
@@ -105,15 +98,16 @@ class AgentChannel:
         try:
             while True:
                 header, payload = self.conn.recv_message()
-                if payload:
-                    header["body"] = unpack(payload)
-                if header["type"] == "reply":
+                msg = from_frame(header, payload, where="the node agent")
+                if isinstance(msg, Reply):
                     with self._lock:
-                        future = self._pending.get(header["req"])
+                        future = self._pending.get(msg.req)
                     if future is not None:
-                        future.set_result(header)
+                        future.set_result(msg)
+                elif isinstance(msg, ToAgent):
+                    raise ProtocolError(f"the node agent sent {type(msg).__name__}")
                 else:
-                    self._on_event(header)
+                    self._on_event(msg)
         except PeerckptError as exc:
             if not self._closing:
                 log.warning("link to the node agent closed: %s", exc)
@@ -129,4 +123,4 @@ class AgentChannel:
             if not future.done():
                 future.set_exception(PeerUnavailable("the node agent went away"))
         if not self._closing:
-            self._on_event({"type": "agent_lost"})
+            self._on_event(AgentLost())

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from peerckpt.errors import ConfigurationError
+from peerckpt.states import ProcRole
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class LaunchEnv:
     secret: bytes
     agent_socket: str
     node: int
-    role: str
+    role: ProcRole
     rank: int | None
     world_size: int | None
 
@@ -37,11 +38,13 @@ class LaunchEnv:
                 "unset). A function decorated with @peerckpt.resilient runs inside a job: start "
                 "the script with `peerckpt run --nodes N --nproc-per-node P script.py`."
             )
-        role = env.get("PEERCKPT_ROLE", "rank")
-        if role not in ("rank", "spare", "joiner"):
+        try:
+            role = ProcRole(env.get("PEERCKPT_ROLE", "rank"))
+        except ValueError:
             raise ConfigurationError(
-                f"PEERCKPT_ROLE must be 'rank', 'spare' or 'joiner', not {role!r}"
-            )
+                f"PEERCKPT_ROLE must be 'rank', 'spare' or 'joiner', not "
+                f"{env.get('PEERCKPT_ROLE')!r}"
+            ) from None
         try:
             secret = bytes.fromhex(env["PEERCKPT_SECRET"])
         except ValueError:
@@ -52,7 +55,7 @@ class LaunchEnv:
             agent_socket=env["PEERCKPT_AGENT"],
             node=int(env.get("PEERCKPT_NODE", "0")),
             role=role,
-            rank=int(env["RANK"]) if role == "rank" and "RANK" in env else None,
+            rank=int(env["RANK"]) if role is ProcRole.RANK and "RANK" in env else None,
             world_size=int(env["WORLD_SIZE"]) if "WORLD_SIZE" in env else None,
         )
 

@@ -18,7 +18,6 @@ step from the rank's own slot (or from what the agent pulled from a peer).
 
 from __future__ import annotations
 
-import faulthandler
 import logging
 import os
 import sys
@@ -31,20 +30,35 @@ import torch
 
 from peerckpt import faults as fault_hooks
 from peerckpt.errors import MembershipChanged, PeerckptError
-from peerckpt.manifest import ChunkRecord, SnapshotManifest
+from peerckpt.manifest import ChunkRecord
+from peerckpt.messages import Dispatch, Message
+from peerckpt.messages.control import Commit, Shutdown
+from peerckpt.messages.local import (
+    Abort,
+    AgentLost,
+    EpochStart,
+    Fenced,
+    Granted,
+    ProcHello,
+    RankDone,
+    RankError,
+    Restarting,
+    Staging,
+)
 from peerckpt.runtime import capture
+from peerckpt.runtime.abort import AbortWatchdog, exit_code
 from peerckpt.runtime.channel import AgentChannel
 from peerckpt.runtime.env import LaunchEnv, RankFilter
 from peerckpt.runtime.pg import ProcessGroupLifecycle
 from peerckpt.runtime.snapshot import SnapshotEngine
 from peerckpt.runtime.state import Assignment, RankState, check_transition
 from peerckpt.runtime.tracking import Tracking
-from peerckpt.states import MAX_RESTARTS, ExitCode
+from peerckpt.states import ExitCode, ProcRole
 
 log = logging.getLogger("peerckpt.rank")
 
 
-class Shutdown(Exception):
+class JobEnded(Exception):
     """The job ended while this process waited."""
 
 
@@ -67,11 +81,11 @@ class RankRuntime(Tracking):
         self._unwound = -1  # the last epoch whose function this process has left
         self.env = env
         self.suspect_s = suspect_s
-        self.state = RankState.SPARE if env.role in ("spare", "joiner") else RankState.WAITING
+        self.state = RankState.WAITING if env.role is ProcRole.RANK else RankState.SPARE
         self._cond = threading.Condition()
         self._latest_epoch = -1
         self._assignments: dict[int, Assignment] = {}
-        self._shutdown: dict[str, Any] | None = None
+        self._shutdown: Shutdown | None = None
         self.assignment: Assignment | None = None
         self.tracked: dict[str, Any] = {}
         self._restored: dict[str, Any] | None = None
@@ -84,16 +98,20 @@ class RankRuntime(Tracking):
         RankFilter.runtime = self
         if self.state is RankState.SPARE:
             self._warm_up()  # before saying hello: a spare is chosen only once it is ready
-        self.channel = AgentChannel(
-            env.agent_socket,
-            env.secret,
-            env.job,
-            env.role,
-            env.rank,
-            self._on_event,
-            replicas,
-            persist,
+        self._events = Dispatch[None](
+            {
+                Abort: lambda e: self._abort(e.epoch),
+                EpochStart: self._on_epoch,
+                Commit: lambda e: self.engine.on_commit(e.epoch, e.step),
+                Staging: self._on_staging,
+                Shutdown: self._on_shutdown,
+                Fenced: self._on_fenced,
+                AgentLost: self._on_agent_lost,
+            },
+            f"rank process {os.getpid()}",
         )
+        hello = ProcHello(env.role, os.getpid(), env.rank, replicas, persist)
+        self.channel = AgentChannel(env.agent_socket, env.secret, env.job, hello, self._on_event)
         self.pg = ProcessGroupLifecycle(env.job, pg_timeout_s, backend)
         self.faults = fault_hooks.load(env.node)
         self.engine = SnapshotEngine(self.channel, node=env.node, faults=self.faults)
@@ -104,45 +122,45 @@ class RankRuntime(Tracking):
         self._watchdog.start()
 
     # -- events from the agent (reader thread) ---------------------------------------------
-    def _on_event(self, event: dict[str, Any]) -> None:
-        kind = event["type"]
-        if kind == "abort":
-            self._abort(event["epoch"])
-        elif kind == "epoch":
-            with self._cond:
-                self._assignments[event["epoch"]] = Assignment.from_event(event)
-                self._latest_epoch = max(self._latest_epoch, event["epoch"])
-                self._cond.notify_all()
-        elif kind == "commit":
-            self.engine.on_commit(event["epoch"], event["step"])
-        elif kind == "staging":
-            chunks = list(SnapshotManifest.from_msg(event["body"]).chunks)
-            with self._cond:
-                self._staging[(event["epoch"], event["round"])] = (event["path"], chunks)
-                self._cond.notify_all()
-        elif kind == "shutdown":
-            self.channel.expect_close()
-            with self._cond:
-                self._shutdown = event
-                self._cond.notify_all()
-            self.engine.abort()
-            if self.state in (RankState.RUNNING, RankState.JOINING):
-                self.pg.abort()
-        elif kind == "fenced":
-            # Declared lost while this process was stopped or frozen, and replaced. Whatever
-            # it was doing, it must not act in the job again: no snapshot, no collective, no
-            # write. Nothing of the job is owned here (the agent owns the memory), so leaving
-            # at once is clean.
-            log.error("%s; this process exits without touching the job", event["reason"])
-            self.channel.expect_close()
-            logging.shutdown()
-            os._exit(0)
-        elif kind == "agent_lost":
-            with self._cond:
-                if self._shutdown is not None:
-                    return
-            log.error("the node agent is gone (node lost); this rank process exits")
-            os._exit(ExitCode.NODE_LOST)
+    def _on_event(self, event: Message) -> None:
+        self._events.handle(event)
+
+    def _on_epoch(self, event: EpochStart) -> None:
+        with self._cond:
+            self._assignments[event.epoch] = Assignment.from_event(event)
+            self._latest_epoch = max(self._latest_epoch, event.epoch)
+            self._cond.notify_all()
+
+    def _on_staging(self, event: Staging) -> None:
+        with self._cond:
+            self._staging[(event.epoch, event.round)] = (event.path, list(event.manifest.chunks))
+            self._cond.notify_all()
+
+    def _on_shutdown(self, event: Shutdown) -> None:
+        self.channel.expect_close()
+        with self._cond:
+            self._shutdown = event
+            self._cond.notify_all()
+        self.engine.abort()
+        if self.state in (RankState.RUNNING, RankState.JOINING):
+            self.pg.abort()
+
+    def _on_fenced(self, event: Fenced) -> None:
+        # Declared lost while this process was stopped or frozen, and replaced. Whatever it
+        # was doing, it must not act in the job again: no snapshot, no collective, no write.
+        # Nothing of the job is owned here (the agent owns the memory), so leaving at once
+        # is clean.
+        log.error("%s; this process exits without touching the job", event.reason)
+        self.channel.expect_close()
+        logging.shutdown()
+        os._exit(ExitCode.OK)
+
+    def _on_agent_lost(self, event: AgentLost) -> None:
+        with self._cond:
+            if self._shutdown is not None:
+                return
+        log.error("the node agent is gone (node lost); this rank process exits")
+        os._exit(ExitCode.NODE_LOST)
 
     def _abort(self, epoch: int) -> None:
         with self._cond:
@@ -159,58 +177,32 @@ class RankRuntime(Tracking):
             self._cond.notify_all()
         self.engine.abort()
         self.pg.abort()
-        threading.Thread(
-            target=self._escalate, args=(current,), name="peerckpt-abort-watchdog", daemon=True
-        ).start()
-
-    def _escalate(self, epoch: int) -> None:
-        """Make sure the function leaves aborted epoch ``epoch``.
-
-        Cutting the group's connections releases every blocked collective we have seen but
-        one: under heavy load, FSDP2's gloo reduce-scatter stayed blocked once, in about
-        twenty runs. So a watchdog escalates: after ``abort_grace_s`` it cuts every connection
-        this process opened to the job's hosts since the epoch began; after
-        ``abort_timeout_s`` the process gives up (``_give_up``): a fresh process on the same
-        node takes its place, rather than the job waiting out a 30-minute timeout.
-        """
-        for wait_s, final in ((self.abort_grace_s, False), (self.abort_timeout_s, True)):
-            with self._cond:
-                if self._cond.wait_for(lambda: self._unwound >= epoch, timeout=wait_s):
-                    return
-            # Where every thread is: what the collective that did not return was waiting on.
-            faulthandler.dump_traceback(all_threads=True)
-            if not final:
-                log.warning(
-                    "still inside aborted epoch %d after %.0f s (the threads' stacks are above); "
-                    "cutting harder",
-                    epoch,
-                    wait_s,
-                )
-                self.pg.abort(everything=True)
-            else:
-                self._give_up(epoch, self.abort_grace_s + wait_s)
+        AbortWatchdog(
+            self._cond,
+            lambda: self._unwound >= current,
+            lambda: self.pg.abort(everything=True),
+            lambda waited_s: self._give_up(current, waited_s),
+            self.abort_grace_s,
+            self.abort_timeout_s,
+        ).start(current)
 
     def _give_up(self, epoch: int, waited_s: float) -> None:
-        """Leave for good a process that cannot leave aborted epoch ``epoch``.
-
-        Its node is healthy and its state is in the agent's memory, so a fresh process on
-        the same node can take its place: it tells its agent, which tells the coordinator
-        that a spare is starting (the recovery then waits for it instead of shrinking the
-        world), and exits with ``ExitCode.RESTART``; the launcher starts that spare. After
-        ``MAX_RESTARTS`` in a row it exits as a lost rank instead.
-        """
-        restarts = int(os.environ.get("PEERCKPT_RESTARTS", "0"))
+        """Leave for good a process that cannot leave aborted epoch ``epoch``
+        (``runtime/abort.py``): a fresh process on this node takes its place, or none."""
         why = (
             f"could not leave aborted epoch {epoch} within {waited_s:.0f} s (blocked in a "
             "collective that cutting its connections did not release)"
         )
-        code = ExitCode.GAVE_UP
-        if restarts < MAX_RESTARTS:
+
+        def announce() -> bool:
             try:
-                self.channel.request("restarting", timeout=5.0, reason=why)
-                code = ExitCode.RESTART
+                self.channel.request(Restarting(why), Granted, timeout=5.0)
+                return True
             except Exception as exc:  # the agent is gone or did not answer: just leave
                 log.warning("could not announce a restart in place: %s", _short(exc))
+                return False
+
+        code = exit_code(int(os.environ.get("PEERCKPT_RESTARTS", "0")), announce)
         if code is ExitCode.RESTART:
             log.error("%s; a fresh process on this node takes its place", why)
         else:
@@ -239,7 +231,7 @@ class RankRuntime(Tracking):
             while True:
                 try:
                     assignment = self._next_assignment()
-                except Shutdown:
+                except JobEnded:
                     break
                 try:
                     self._join(assignment)
@@ -255,7 +247,7 @@ class RankRuntime(Tracking):
                         self._leave()
                         continue
                     if self._shutdown is not None and isinstance(exc, Exception):
-                        log.error("the job was stopped: %s", self._shutdown.get("reason") or "-")
+                        log.error("the job was stopped: %s", self._shutdown.reason or "-")
                         raise SystemExit(1) from None
                     self._fail(exc)
                     raise
@@ -288,7 +280,7 @@ class RankRuntime(Tracking):
         with self._cond:
             while True:
                 if self._shutdown is not None:
-                    raise Shutdown()
+                    raise JobEnded()
                 current = self.assignment.epoch if self.assignment else -1
                 if self._latest_epoch > current and self._latest_epoch in self._assignments:
                     return self._assignments.pop(self._latest_epoch)
@@ -373,7 +365,7 @@ class RankRuntime(Tracking):
             if self.state is not RankState.RUNNING:
                 raise MembershipChanged("membership changed as the function returned")
             self._become(RankState.FINISHED)
-        self.channel.notify("done", epoch=self.assignment.epoch, rank=self.assignment.rank)
+        self.channel.notify(RankDone(self.assignment.epoch, self.assignment.rank))
 
     def _await_end(self) -> bool:
         """After the function returned: True when the job ended, False for a new epoch."""
@@ -392,10 +384,12 @@ class RankRuntime(Tracking):
         if self.assignment is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
             try:
                 self.channel.notify(
-                    "error",
-                    epoch=self.assignment.epoch,
-                    rank=self.assignment.rank,
-                    message=f"{type(exc).__name__}: {exc}"[:2000],
+                    RankError(
+                        self.assignment.epoch,
+                        self.assignment.rank,
+                        type(exc).__name__,
+                        str(exc)[:2000],
+                    )
                 )
             except PeerckptError:
                 pass

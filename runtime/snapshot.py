@@ -3,9 +3,9 @@
 Each rank has two slots (ping-pong). The slot holding the last committed step is never
 written; a snapshot goes to the other one, and only once the previous snapshot has been
 committed, so at most one snapshot per rank is in flight. The copy runs on a named thread
-(torch's copy releases the GIL); the training loop blocks only in ``wait_copy``, which the
-runtime calls from an optimizer step pre-hook: the optimizer must not change state that is
-still being copied.
+(torch's copy releases the GIL); the training loop blocks only in ``guard_step``, which the
+runtime calls from an optimizer step pre-hook (the optimizer must not change state that is
+still being copied), and in ``wait_copy`` before the next snapshot.
 
 On a GPU the copy runs on a side CUDA stream into the slot registered as pinned memory
 (``runtime/cuda_copy.py``), and the optimizer step waits for it on the GPU, not in Python.
@@ -27,6 +27,7 @@ import torch
 from peerckpt.errors import CommitTimeout, MembershipChanged
 from peerckpt.faults import NO_FAULTS, FaultHooks
 from peerckpt.manifest import ChunkRecord, SnapshotManifest
+from peerckpt.messages.local import AllocSlot, SlotGranted, SnapshotTaken
 from peerckpt.runtime import cuda_copy
 from peerckpt.runtime.capture import Captured, layout, write_slot
 from peerckpt.runtime.channel import AgentChannel
@@ -94,6 +95,7 @@ class SnapshotEngine:
         self.committed_index: int | None = None
         self.committed_step: int | None = None
         self._awaiting: tuple[int, int] | None = None  # (slot, step) written, not committed
+        self._blocked_on: int | None = None  # the step whose commit the copy thread awaits
         self._busy = False
         self._copies_queued: cuda_copy.Events | None = None  # the job's device copies, queued
         self._side = cuda_copy.SideStreams()
@@ -129,6 +131,13 @@ class SnapshotEngine:
                 # Fresh start: the agent may have dropped our slots; ask again on first use.
                 for index in list(self._slots):
                     self._slots.pop(index).close()
+
+    @property
+    def blocked_on_commit(self) -> int | None:
+        """The step whose commit the copy thread is waiting for before it may write the next
+        snapshot (None when it is not waiting)."""
+        with self._cond:
+            return self._blocked_on
 
     def slot_tensor(self, index: int) -> torch.Tensor:
         return self._slots[index].tensor
@@ -232,16 +241,20 @@ class SnapshotEngine:
     def _write(self, job: _Job) -> None:
         deadline = time.monotonic() + self.commit_timeout_s
         with self._cond:
-            while self._awaiting is not None and not self._aborted and job.epoch == self.epoch:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CommitTimeout(
-                        f"step {self._awaiting[1]} was not committed within "
-                        f"{self.commit_timeout_s:.0f} s, so step {job.step} cannot be snapshotted "
-                        "without overwriting the last committed copy; replication is stuck "
-                        "(see the agents' and the coordinator's logs)"
-                    )
-                self._cond.wait(left)
+            try:
+                while self._awaiting is not None and not self._aborted and job.epoch == self.epoch:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise CommitTimeout(
+                            f"step {self._awaiting[1]} was not committed within "
+                            f"{self.commit_timeout_s:g} s, so step {job.step} cannot be "
+                            "snapshotted without overwriting the last committed copy; "
+                            "replication is stuck (see the agents' and the coordinator's logs)"
+                        )
+                    self._blocked_on = self._awaiting[1]
+                    self._cond.wait(left)
+            finally:
+                self._blocked_on = None
             if self._aborted or job.epoch != self.epoch:
                 raise MembershipChanged("epoch ended before the snapshot could be written")
             target = 0 if self.committed_index is None else 1 - self.committed_index
@@ -266,14 +279,7 @@ class SnapshotEngine:
             if self._aborted or job.epoch != self.epoch:
                 raise MembershipChanged("epoch ended during the snapshot copy")
             self._awaiting = (target, job.step)
-        self._channel.notify(
-            "snapshot",
-            body=manifest.to_msg(),
-            epoch=job.epoch,
-            rank=self.rank,
-            step=job.step,
-            slot=target,
-        )
+        self._channel.notify(SnapshotTaken(job.epoch, self.rank, job.step, target, manifest))
 
     def _chunks(self, captured: Captured) -> tuple[list[ChunkRecord], int]:
         key = (
@@ -293,10 +299,10 @@ class SnapshotEngine:
         slot = self._slots.get(index)
         if slot is None or slot.size < used:
             capacity = used + (64 << 10) + used // 64
-            reply = self._channel.request(
-                "alloc", epoch=self.epoch, rank=self.rank, slot=index, nbytes=capacity
+            granted = self._channel.request(
+                AllocSlot(self.epoch, self.rank, index, capacity), SlotGranted
             )
-            slot = self._remap(index, reply["path"])
+            slot = self._remap(index, granted.path)
         return slot
 
     def _remap(self, index: int, path: str) -> MappedSlot:

@@ -10,7 +10,9 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from peerckpt.manifest import ChunkRecord, SnapshotManifest
+from peerckpt.manifest import ChunkRecord
+from peerckpt.messages.local import EpochStart
+from peerckpt.states import EpochMode
 
 
 class RankState(enum.Enum):
@@ -57,39 +59,32 @@ class Assignment:
     restore_slot: int | None
     restore_path: str | None
     chunks: list[ChunkRecord]
-    pulled: dict[str, Any] | None
     hosts: frozenset[str] = frozenset()
-    # "fresh" (start over), "same" (restore own snapshot) or "reshard" (a new layout)
-    mode: str = "fresh"
+    mode: EpochMode = EpochMode.FRESH
     previous_rank: int | None = None
     old_world: int = 0
     old_layout: dict[str, Any] | None = None
 
     @classmethod
-    def from_event(cls, event: dict[str, Any]) -> Assignment:
-        """Build from the agent's ``epoch`` message (the manifest travels as its body)."""
-        restore = event.get("restore") or {}
-        body = event.get("body") or {}
-        chunks = []
-        if body.get("manifest") is not None:
-            chunks = list(SnapshotManifest.from_msg(body["manifest"]).chunks)
+    def from_event(cls, event: EpochStart) -> Assignment:
+        """Build from the agent's ``EpochStart`` (the manifest travels as its body)."""
+        restore, body = event.restore, event.body
         return cls(
-            epoch=event["epoch"],
-            rank=event["rank"],
-            world_size=event["world_size"],
-            local_rank=event["local_rank"],
-            node=event["node"],
-            store_addr=event["store_addr"],
-            restore_step=restore.get("step"),
-            restore_slot=restore.get("slot"),
-            restore_path=restore.get("path"),
-            chunks=chunks,
-            pulled=restore or None,
-            hosts=frozenset(event.get("hosts", ())),
-            mode=restore.get("mode", "fresh") if restore else "fresh",
-            previous_rank=restore.get("previous_rank"),
-            old_world=restore.get("old_world", 0),
-            old_layout=body.get("old_layout"),
+            epoch=event.epoch,
+            rank=event.rank,
+            world_size=event.world_size,
+            local_rank=event.local_rank,
+            node=event.node,
+            store_addr=event.store_addr,
+            restore_step=restore.step if restore else None,
+            restore_slot=restore.slot if restore else None,
+            restore_path=restore.path if restore else None,
+            chunks=list(body.manifest.chunks) if body.manifest is not None else [],
+            hosts=frozenset(event.hosts),
+            mode=restore.mode if restore else EpochMode.FRESH,
+            previous_rank=restore.previous_rank if restore else None,
+            old_world=restore.old_world if restore else 0,
+            old_layout=body.old_layout,
         )
 
 

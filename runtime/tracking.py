@@ -22,6 +22,8 @@ import torch
 
 from peerckpt.errors import MembershipChanged, StateMismatch
 from peerckpt.manifest import META_KEY, ChunkRecord
+from peerckpt.messages.control import Shutdown
+from peerckpt.messages.local import RankResumed, ReleaseStaging, WantChunks
 from peerckpt.runtime import capture, ddp
 from peerckpt.runtime.restore import (
     ChunkSource,
@@ -31,6 +33,7 @@ from peerckpt.runtime.restore import (
     wanted_chunks,
 )
 from peerckpt.runtime.state import Assignment, RankState
+from peerckpt.states import EpochMode
 
 if TYPE_CHECKING:
     from peerckpt.runtime.channel import AgentChannel
@@ -78,7 +81,7 @@ class Tracking:
     engine: SnapshotEngine
     pg: ProcessGroupLifecycle
     _cond: threading.Condition
-    _shutdown: dict[str, Any] | None
+    _shutdown: Shutdown | None
     _restored: dict[str, Any] | None
     _hooks: list[Any]
     _resumed_sent: bool
@@ -100,10 +103,10 @@ class Tracking:
             if isinstance(obj, torch.optim.Optimizer):
                 self._hooks.append(obj.register_step_pre_hook(self._before_optimizer_step))
         a = self.assignment
-        if a.mode == "reshard":
+        if a.mode is EpochMode.RESHARD:
             self._restore_resharded(state)
             return
-        if a.mode != "same" or a.restore_slot is None:
+        if a.mode is not EpochMode.SAME or a.restore_slot is None:
             return
         cost = RestoreCost()
         slot = self.engine.slot_tensor(a.restore_slot)
@@ -135,9 +138,7 @@ class Tracking:
         round_ = self._round
         self._round += 1
         asked = time.perf_counter()
-        self.channel.notify(
-            "wants", body=[w.to_msg() for w in wants], epoch=a.epoch, rank=a.rank, round=round_
-        )
+        self.channel.notify(WantChunks(a.epoch, a.rank, round_, [w.to_msg() for w in wants]))
         with self._cond:
             while (a.epoch, round_) not in self._staging:
                 if self.state is RankState.ABORTING or self._shutdown is not None:
@@ -156,7 +157,7 @@ class Tracking:
             )
         finally:
             os.close(fd)
-            self.channel.notify("release", epoch=a.epoch, rank=a.rank, round=round_)
+            self.channel.notify(ReleaseStaging(a.epoch, a.rank, round_))
         # The model is the same model, whatever the world size: its DDP buckets too.
         ddp.apply_layouts(state, metas[primary].get("ddp", {}))
         self._restored = metas[primary]
@@ -201,6 +202,4 @@ class Tracking:
         if self._resumed_sent or self.assignment is None:
             return
         self._resumed_sent = True
-        self.channel.notify(
-            "resumed", epoch=self.assignment.epoch, rank=self.assignment.rank, step=start
-        )
+        self.channel.notify(RankResumed(self.assignment.epoch, self.assignment.rank, start))

@@ -27,6 +27,7 @@ from typing import Any
 import psutil
 import pytest
 
+from peerckpt.messages.local import AllocSlot, SlotGranted, SnapshotTaken
 from peerckpt.replication.arena import Arena
 from peerckpt.runtime.snapshot import SnapshotEngine
 
@@ -200,17 +201,17 @@ class FakeAgent:
 
     def __init__(self) -> None:
         self.arena = Arena(job_name(), node=0)
-        self.notices: list[dict[str, Any]] = []
+        self.notices: list[SnapshotTaken] = []
 
-    def request(self, kind: str, timeout: float = 60.0, **f: Any) -> dict[str, Any]:
-        assert kind == "alloc"
-        seg = self.arena.create(f"o{f['rank']}-{f['slot']}", f["nbytes"], "test slot")
-        return {"path": seg.path, "size": seg.size}
+    def request(self, msg: AllocSlot, answer: type, timeout: float = 60.0) -> SlotGranted:
+        assert isinstance(msg, AllocSlot) and answer is SlotGranted
+        seg = self.arena.create(f"o{msg.rank}-{msg.slot}", msg.nbytes, "test slot")
+        return SlotGranted(seg.path, seg.size)
 
-    def notify(self, kind: str, body: Any = None, **fields: Any) -> None:
-        self.notices.append({"type": kind, **fields})
+    def notify(self, msg: SnapshotTaken) -> None:
+        self.notices.append(msg)
 
-    def wait_notices(self, n: int, timeout: float = 10.0) -> list[dict[str, Any]]:
+    def wait_notices(self, n: int, timeout: float = 10.0) -> list[SnapshotTaken]:
         deadline = time.monotonic() + timeout
         while len(self.notices) < n and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -101,40 +101,24 @@ def test_a_joining_node_grows_two_ranks_to_four(tmp_path) -> None:
     assert newcomers and all(p["source"] == 0 and p["bytes"] > 0 for p in newcomers)
 
 
-def test_dtensor_shard0_on_four_ranks_restores_as_shard1_on_two(tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("kind", "chaos", "world"),
+    [
+        ("dtensor", "kill node=1 at=6", 2),  # Shard(0) on four ranks restores as Shard(1) on two
+        ("fsdp", "kill node=1 at=6", 2),  # FSDP2 model and AdamW state, four ranks to two
+        ("flat", "kill rank=3 at=6", 3),  # irregular flat shards, four ranks to three
+    ],
+)
+def test_sharded_state_restores_into_the_shrunk_world(tmp_path, kind, chaos, world) -> None:
     run = run_job(
         tmp_path,
         "reshard_job.py",
-        ["--kind", "dtensor", "--steps", "15"],
-        chaos="kill node=1 at=6",
+        ["--kind", kind, "--steps", "15"],
+        chaos=chaos,
         extra=["--min-nodes", "1"],
     )
     assert run.returncode == 0, run.log[-4000:]
-    _assert_full_restore_matches(tmp_path, world=2, log=run.log)
-
-
-def test_fsdp2_model_and_adamw_state_four_ranks_to_two(tmp_path) -> None:
-    run = run_job(
-        tmp_path,
-        "reshard_job.py",
-        ["--kind", "fsdp", "--steps", "15"],
-        chaos="kill node=1 at=6",
-        extra=["--min-nodes", "1"],
-    )
-    assert run.returncode == 0, run.log[-4000:]
-    _assert_full_restore_matches(tmp_path, world=2, log=run.log)
-
-
-def test_irregular_flat_shards_four_ranks_to_three(tmp_path) -> None:
-    run = run_job(
-        tmp_path,
-        "reshard_job.py",
-        ["--kind", "flat", "--steps", "15"],
-        chaos="kill rank=3 at=6",
-        extra=["--min-nodes", "1"],
-    )
-    assert run.returncode == 0, run.log[-4000:]
-    _assert_full_restore_matches(tmp_path, world=3, log=run.log)
+    _assert_full_restore_matches(tmp_path, world=world, log=run.log)
 
 
 def test_the_sampler_delivers_every_index_once_across_a_shrink_and_a_grow(tmp_path) -> None:

@@ -22,8 +22,10 @@ from typing import Any
 
 from peerckpt.errors import ConfigurationError, PeerckptError
 from peerckpt.launch.processes import ProcessSet
+from peerckpt.messages.control import AllocateNode, Status
 from peerckpt.rpc import RpcClient
 from peerckpt.shm import sweep
+from peerckpt.states import ExitCode, JobState
 
 log = logging.getLogger("peerckpt.launcher")
 
@@ -47,7 +49,7 @@ def join(job: str, nproc_per_node: int | None = None, script: list[str] | None =
     secret = bytes.fromhex(info["secret"])
     count = nproc_per_node or info["nproc_per_node"]
     rpc = RpcClient(info["coordinator"], secret, job)
-    node = rpc.call("AllocateNode")["node"]
+    node = rpc.call(AllocateNode()).node
     rundir = tempfile.mkdtemp(prefix=f"peerckpt-{job}-join{node}-")
     procs = ProcessSet(job, secret, script or info["script"], rundir, {})
     stop = threading.Event()
@@ -61,13 +63,13 @@ def join(job: str, nproc_per_node: int | None = None, script: list[str] | None =
         log.info("node %d joins job %s with %d rank(s)", node, job, count)
         while not stop.wait(0.2):
             try:
-                state = rpc.call("Status", timeout=5.0)["state"]
+                state = rpc.call(Status(), timeout=5.0).state.value
             except PeerckptError:
                 state = "failed"  # the coordinator is gone: the job is over
                 break
             if state in ("succeeded", "failed", "stopped") or agent.agent.poll() is not None:
                 break
-            if state == "running":
+            if state == JobState.RUNNING.value:
                 procs.restart_stuck()
     finally:
         for s, handler in previous.items():
@@ -77,5 +79,5 @@ def join(job: str, nproc_per_node: int | None = None, script: list[str] | None =
         sweep(job, node)
         shutil.rmtree(rundir, ignore_errors=True)
     if stop.is_set():
-        return 130
-    return 0 if state == "succeeded" else 1
+        return ExitCode.INTERRUPTED
+    return ExitCode.OK if state == JobState.SUCCEEDED.value else ExitCode.FAILED

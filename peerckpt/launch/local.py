@@ -29,9 +29,18 @@ from peerckpt.errors import ConfigurationError, PeerckptError
 from peerckpt.faults import ENV as FAULTS_ENV
 from peerckpt.launch.base import JobResult, JobSpec, Launcher
 from peerckpt.launch.processes import ProcessSet
+from peerckpt.messages import encode
+from peerckpt.messages.control import (
+    AllocateNode,
+    JobStatus,
+    RecoveryEvent,
+    SparesStarting,
+    Status,
+    Stop,
+)
 from peerckpt.rpc import RpcClient
 from peerckpt.shm import sweep
-from peerckpt.states import ExitCode
+from peerckpt.states import ExitCode, JobState
 
 if TYPE_CHECKING:
     from peerckpt.chaos import Chaos
@@ -173,7 +182,7 @@ class LocalLauncher(Launcher):
     def add_node(self) -> int:
         """Start one more node (agent and --nproc-per-node processes) that joins the job."""
         assert self.rpc is not None
-        n = self.rpc.call("AllocateNode")["node"]
+        n = self.rpc.call(AllocateNode()).node
         count = self.spec.nproc_per_node
         node = self.procs.start_agent(n, self.address, ["--joining", str(count)])
         self.procs.await_ready(node.agent, f"agent of node {n}")
@@ -236,33 +245,34 @@ class LocalLauncher(Launcher):
 
     def _watch(self) -> tuple[str, str, list[dict[str, Any]]]:
         assert self.rpc is not None and self.coordinator is not None
-        status: dict[str, Any] = {"state": "starting", "reason": "", "events": []}
+        state, events = JobState.STARTING, list[RecoveryEvent]()
         started = time.monotonic()
         while not self._interrupted.wait(0.05):
             if self.coordinator.poll() is not None:
-                if status["state"] != "running" or self._restarts >= MAX_COORDINATOR_RESTARTS:
-                    return "failed", "the coordinator exited unexpectedly", self._all_events(status)
-                self._earlier_events = self._all_events(status)
-                status = {"state": "restarting", "events": []}
+                if state is not JobState.RUNNING or self._restarts >= MAX_COORDINATOR_RESTARTS:
+                    return "failed", "the coordinator exited unexpectedly", self._all_events(events)
+                self._earlier_events = self._all_events(events)
+                state, events = JobState.RESTARTING, []
                 self._restart_coordinator()
                 continue
             try:
-                status = self.rpc.call("Status", timeout=5.0)
+                status = self.rpc.call(Status(), timeout=5.0)
             except PeerckptError as exc:
                 log.warning("coordinator status: %s", exc)
                 continue
-            self._flushes = status.get("flushes", [])
-            if status["state"] in ("succeeded", "failed", "stopped"):
-                return status["state"], status["reason"], self._all_events(status)
-            if status["state"] == "running":
+            state, events = status.state, status.events
+            self._flushes = [encode(f) for f in status.flushes]
+            if state.ended:
+                return state.value, status.reason, self._all_events(events)
+            if state is JobState.RUNNING:
                 self.procs.restart_stuck(WORLD_SIZE=str(self.spec.world))
-            if self.spec.keep_spares and status["state"] == "running":
+            if self.spec.keep_spares and state is JobState.RUNNING:
                 self._replenish(status)
-            if status["state"] == "starting" and not self._restarts:
+            if state is JobState.STARTING and not self._restarts:
                 problem = self._start_problem(time.monotonic() - started)
                 if problem:
                     return "failed", problem, []
-        return "interrupted", "stopped by a signal", self._all_events(status)
+        return "interrupted", "stopped by a signal", self._all_events(events)
 
     def _read_digests(self) -> dict[str, list[str]]:
         """The digests the coordinators recorded: "rank/step" → the distinct ones seen."""
@@ -280,9 +290,10 @@ class LocalLauncher(Launcher):
                     seen.append(parts[2])
         return found
 
-    def _all_events(self, status: dict[str, Any]) -> list[dict[str, Any]]:
-        """The failures of the whole job: a restarted coordinator knows only its own."""
-        return [*self._earlier_events, *status.get("events", [])]
+    def _all_events(self, events: list[RecoveryEvent]) -> list[dict[str, Any]]:
+        """The failures of the whole job (the report's JSON form): a restarted coordinator
+        knows only its own."""
+        return [*self._earlier_events, *(e.to_json() for e in events)]
 
     def kill_coordinator(self) -> None:
         """SIGKILL the coordinator; the launcher restarts it (``_restart_coordinator``)."""
@@ -307,25 +318,25 @@ class LocalLauncher(Launcher):
         self.procs.others.append(self.coordinator)
         self.procs.await_ready(self.coordinator, "restarted coordinator")
 
-    def _replenish(self, status: dict[str, Any]) -> None:
+    def _replenish(self, status: JobStatus) -> None:
         """Keep ``--spares`` spares in reserve, as a cluster's pool of hot spares does: one
         for every spare that took a rank or died."""
-        assigned = {pid for _, pid in status["ranks"].values()}
+        assigned = {pid for _, pid in status.ranks.values()}
         waiting = [p for p in self._spares if p.poll() is None and p.pid not in assigned]
         missing = self.spec.spares - len(waiting)
         if missing <= 0:
             return
         assert self.rpc is not None
-        hosts_ranks = any(node == self._spare_node for node, _ in status["ranks"].values())
-        if hosts_ranks or not status["nodes"].get(self._spare_node, False):
+        hosts_ranks = any(node == self._spare_node for node, _ in status.ranks.values())
+        if hosts_ranks or not status.nodes.get(self._spare_node, False):
             # A spare node that now runs ranks is a failure domain of the job: new spares go
             # to a fresh one, so that losing it does not take the reserve with it.
-            node = self.rpc.call("AllocateNode")["node"]
+            node = self.rpc.call(AllocateNode()).node
             agent = self.procs.start_agent(node, self.address, ["--spare-node"])
             self.procs.await_ready(agent.agent, f"agent of node {node}")
             self._spare_node = node
             log.info("node %d is the new spare node", node)
-        self.rpc.call("SparesStarting", count=missing)
+        self.rpc.call(SparesStarting(missing))
         for _ in range(missing):
             self._spares.append(
                 self.procs.start_proc(self._spare_node, "spare", WORLD_SIZE=str(self.spec.world))
@@ -350,7 +361,7 @@ class LocalLauncher(Launcher):
         """Stop every process of the job and remove its files. Idempotent."""
         if self.rpc is not None:
             with contextlib.suppress(PeerckptError):
-                self.rpc.call("Stop", timeout=2.0, reason="the launcher is stopping the job")
+                self.rpc.call(Stop("the launcher is stopping the job"), timeout=2.0)
         self.procs.stop()
         if self.rpc is not None:
             self.rpc.close()

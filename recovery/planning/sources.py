@@ -7,8 +7,8 @@ the rank's agent tries them in order and skips one whose copy fails its checksum
 2. other holders, least-loaded first (bytes already assigned to that source in this plan),
    preferring buddies over the node the rank was lost on, then by node id.
 
-Resharding plans (a different world size or layout) build on the same ordering and come with
-the chunk arithmetic of a later change.
+Resharding plans (a different world size or layout) are ``reshard.py``'s: they read boxes of
+chunks rather than whole snapshots, preferring sources in the same order.
 """
 
 from __future__ import annotations

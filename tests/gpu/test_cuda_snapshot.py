@@ -46,7 +46,7 @@ def test_cuda_state_lands_in_a_pinned_slot_before_the_optimizer_changes_it(agent
             model.weight.add_(1.0)
             after.add_(1.0)
     notice = agent.wait_notices(3)[-1]
-    assert notice["step"] == 2 and notice["slot"] == 0
+    assert notice.step == 2 and notice.slot == 0
     slot = engine._slots[0]
     assert slot.pinned, "the slot was not registered with CUDA"
     weight = slot.tensor[: expected.numel() * 4].view(torch.float32).view_as(expected)

@@ -12,6 +12,7 @@ from peerckpt.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.replication.arena import Arena
 from peerckpt.replication.store import Slot, SlotStore
 from peerckpt.replication.transfer import DataServer
+from peerckpt.states import SlotKind
 
 from ..conftest import job_name
 
@@ -60,7 +61,7 @@ def write_snapshot(
         ChunkRecord("w", "uint8", (size - 100,), (0,), (size - 100,), 0, size - 100),
         ChunkRecord("__meta__", "uint8", (100,), (0,), (100,), size - 100, 100),
     )
-    slot = store.ensure("own", 0, rank, index, size)
+    slot = store.ensure(SlotKind.OWN, 0, rank, index, size)
     slot.segment.view[:size] = payload
     slot.manifest = SnapshotManifest(rank, step, 0, chunks, size).with_checksums(slot.segment.view)
     return slot

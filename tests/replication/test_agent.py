@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from peerckpt.errors import PeerckptError
+from peerckpt.messages.local import AllocSlot, SlotGranted, SnapshotTaken
 from peerckpt.replication.agent import Agent
 
 from .conftest import write_snapshot
@@ -24,15 +25,15 @@ def test_a_rank_cannot_reallocate_the_slot_holding_the_committed_step(agent) -> 
     write_snapshot(agent.store, rank=1, step=5, index=0)
     agent.committed_step = 5
     with pytest.raises(PeerckptError, match="holds committed step 5"):
-        agent._alloc({"rank": 1, "slot": 0, "nbytes": 1 << 20})
-    reply = agent._alloc({"rank": 1, "slot": 1, "nbytes": 1 << 20})
-    assert reply["size"] >= 1 << 20
+        agent._requests.handle(AllocSlot(0, 1, 0, 1 << 20), None)
+    reply = agent._requests.handle(AllocSlot(0, 1, 1, 1 << 20), None)
+    assert isinstance(reply, SlotGranted) and reply.size >= 1 << 20
     assert agent.store.find(0, 1, 5) is not None  # the committed copy is untouched
 
 
 def test_a_snapshot_notice_of_an_ended_epoch_is_never_replicated(agent) -> None:
     slot = write_snapshot(agent.store, rank=1, step=6, index=1)
-    slot.manifest = None
+    manifest, slot.manifest = slot.manifest, None
     agent.epoch = 3  # no membership for epoch 2 any more
-    agent._replicate({"epoch": 2, "rank": 1, "slot": 1, "step": 6, "body": {}})
-    assert slot.manifest is None and not agent._senders
+    agent._requests.handle(SnapshotTaken(2, 1, 6, 1, manifest), None)
+    assert slot.manifest is None and not agent.mirroring._senders

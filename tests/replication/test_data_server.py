@@ -8,6 +8,7 @@ import pytest
 
 from peerckpt.errors import AuthenticationError
 from peerckpt.manifest import ChunkRecord, SnapshotManifest
+from peerckpt.messages.data import Push, Ready
 from peerckpt.wire import MAGIC, connect_tcp, pack
 
 
@@ -28,10 +29,8 @@ def test_frame_larger_than_its_destination_is_rejected_before_any_payload(peers,
     chunks = (ChunkRecord("__meta__", "uint8", (4096,), (0,), (4096,), 0, 4096, 0),)
     manifest = SnapshotManifest(rank=0, step=3, epoch=0, chunks=chunks, used_bytes=4096)
     conn.sock.settimeout(10)
-    reply = conn.request(
-        {"type": "push", "epoch": 0, "gen": 0, "rank": 0, "manifest": manifest.to_msg()}
-    )
-    assert reply["type"] == "ready"
+    conn.send_msg(Push(0, 0, 0, None, manifest))
+    conn.recv_msg(Ready)  # the buddy allocated the slot
     header = pack({"type": "data", "off": 0, "len": 1 << 30})
     conn.sock.sendall(struct.pack("!4sI", MAGIC, len(header)) + header)
     error, _ = conn.recv_message()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+from peerckpt.messages.control import Flush, Flushed
 from peerckpt.persist.config import PersistConfig
 from peerckpt.persist.durable import DurableStore
 from peerckpt.replication.replicator import ReplicationJob
@@ -12,15 +13,16 @@ from peerckpt.replication.writer import Flusher
 from .conftest import write_snapshot
 
 
-def _flush(flusher: Flusher, reports: list[dict], slot, url: str, rate: float | None = None):
+def _flush(flusher: Flusher, reports: list[Flushed], slot, url: str, rate: float | None = None):
     config = PersistConfig(url, every=1, rate=rate)
     flusher.start(
-        {
-            "step": slot.manifest.step,
-            "gen": 0,
-            "persist": config.to_msg(),
-            "chunks": [[slot.rank, c.to_msg()] for c in slot.manifest.chunks],
-        }
+        Flush(
+            slot.manifest.step,
+            0,
+            0,
+            config.to_msg(),
+            [(slot.rank, c.to_msg()) for c in slot.manifest.chunks],
+        )
     )
     flusher.join(30)
     return reports[-1]
@@ -30,8 +32,8 @@ def test_a_slot_rewritten_mid_flush_fails_that_flush_and_later_ones_copy_first(
     peers, tmp_path
 ) -> None:
     store = peers[0].store
-    reports: list[dict] = []
-    flusher = Flusher(store, 0, lambda method, **fields: reports.append(fields))
+    reports: list[Flushed] = []
+    flusher = Flusher(store, 0, reports.append)
     url = f"file://{tmp_path}/ckpt"
 
     slot = write_snapshot(store, rank=0, step=4)
@@ -40,12 +42,12 @@ def test_a_slot_rewritten_mid_flush_fails_that_flush_and_later_ones_copy_first(
     rewrite.start()
     first = _flush(flusher, reports, slot, url, rate=2e6)
     rewrite.join()
-    assert first["ok"] is False and "was reused for a newer snapshot" in first["error"]
+    assert first.ok is False and "was reused for a newer snapshot" in first.error
     assert flusher._copy_first  # the disk is slower than the steps: copy the share first
 
     slot = write_snapshot(store, rank=0, step=5)
     second = _flush(flusher, reports, slot, url)
-    assert second["ok"] is True and second["nbytes"] == slot.manifest.used_bytes
+    assert second.ok is True and second.nbytes == slot.manifest.used_bytes
     durable = DurableStore(url)
     durable.commit(5, epoch=0, layouts={0: list(slot.manifest.chunks)})
     ckpt = durable.open(5)

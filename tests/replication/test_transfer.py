@@ -8,9 +8,11 @@ from dataclasses import replace
 import pytest
 
 from peerckpt.errors import ChecksumMismatch, ProtocolError, RecoveryFailed, StaleEpoch
+from peerckpt.messages.data import Data, Push, Ready
 from peerckpt.replication.obtain import obtain_committed
 from peerckpt.replication.replicator import BuddySender, ReplicationJob
 from peerckpt.replication.transfer import Cancelled, fetch, push, send_bytes
+from peerckpt.states import SlotKind
 from peerckpt.wire import connect_tcp, raise_if_error
 
 from .conftest import write_snapshot
@@ -27,7 +29,7 @@ def test_push_stores_a_verified_replica_byte_for_byte(peers, job) -> None:
     push(conn, 0, 0, 5, None, slot.manifest, slot.segment.view)
     conn.close()
     replica = peers[1].store.find(0, 5, 7)
-    assert replica is not None and replica.kind == "replica"
+    assert replica is not None and replica.kind is SlotKind.REPLICA
     used = slot.manifest.used_bytes
     assert bytes(replica.segment.view[:used]) == bytes(slot.segment.view[:used])
 
@@ -161,22 +163,14 @@ def test_pulling_the_same_step_twice_reuses_its_slot(peers, job) -> None:
         peers[2].store, 2, 2, 0, rank=1, step=7, sources=[0], connect=_connect(peers, job)
     )
     assert second.slot.index == first.slot.index
-    other = peers[2].store.get("own", 0, 1, 1 - first.slot.index)
+    other = peers[2].store.get(SlotKind.OWN, 0, 1, 1 - first.slot.index)
     assert other is None or other.step != 7
 
 
 def _start_push(peers, job, slot):
     conn = _connect(peers, job)(1)
-    conn.request(
-        {
-            "type": "push",
-            "epoch": 0,
-            "gen": 0,
-            "rank": slot.rank,
-            "committed": None,
-            "manifest": slot.manifest.to_msg(),
-        }
-    )
+    conn.send_msg(Push(0, 0, slot.rank, None, slot.manifest))
+    conn.recv_msg(Ready)
     return conn
 
 
@@ -184,7 +178,7 @@ def test_data_frames_out_of_order_are_refused(peers, job) -> None:
     slot = write_snapshot(peers[0].store, rank=4, step=3)
     conn = _start_push(peers, job, slot)
     view = slot.segment.view
-    conn.send({"type": "data", "off": 4096}, view[4096:8192])  # a gap before it
+    conn.send_msg(Data(4096), view[4096:8192])  # a gap before it
     with pytest.raises(ProtocolError, match="expected 0"):
         raise_if_error(conn.recv_message()[0], conn.peer)
     conn.close()

@@ -1,0 +1,436 @@
+"""Messages to and from the coordinator: agents' reports, launchers' calls, the event stream.
+
+Every request is a ``Request[R]``: its class name is the RPC method (``/peerckpt.Coordinator/
+RegisterAgent``) and ``R`` the class of its reply. ``Watch`` opens a node's event stream, whose
+items are ``Event``s: a new epoch, a commit, a resharding round's reads, a flush to write,
+the end of the job. ``JobStatus`` is the coordinator's whole view, for launchers and tools.
+
+Sequences (one agent; every call carries the agent's ``node``)::
+
+    agent ── RegisterAgent ─────────▶ coordinator      (again, with ``rejoin``, after it restarts)
+    agent ◀─ Watch: EpochOpened, Commit, Reads, Flush, Shutdown
+    agent ── Heartbeat (every ~heartbeat_timeout/5)
+    agent ── ProcJoined / ProcLost ─▶                  (its local processes)
+    agent ── Replicated ────────────▶                  (a snapshot has all its buddies' acks)
+    agent ── Resumed / Done / RankFailed / Wants ▶     (relayed for its ranks)
+    agent ── ReplicationFailed / Flushed ▶
+
+Pure data: no I/O here.
+"""
+
+from __future__ import annotations
+
+import sys
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from peerckpt.membership import Membership
+from peerckpt.messages import Message, message
+from peerckpt.states import EpochMode, JobState, ProcRole
+
+R = TypeVar("R")
+
+
+class Request(Message, Generic[R]):
+    """A call to the coordinator whose reply is an ``R``."""
+
+
+class Event(Message):
+    """An item of a node's ``Watch`` stream."""
+
+
+def reply_class(cls: type[Any]) -> type[Any]:
+    """The reply class a request class names as its ``R``."""
+    for base in getattr(cls, "__orig_bases__", ()):
+        if typing.get_origin(base) is Request:
+            (arg,) = typing.get_args(base)
+            if isinstance(arg, typing.ForwardRef):
+                arg = arg.__forward_arg__
+            if isinstance(arg, str):
+                arg = getattr(sys.modules[cls.__module__], arg)
+            return typing.cast(type[Any], arg)
+    raise TypeError(f"{cls.__name__} is not a Request")
+
+
+@message("ok")
+@dataclass(frozen=True)
+class Ok(Message):
+    """The reply of a call that returns nothing."""
+
+
+# -- registration and liveness ---------------------------------------------------------------
+@message("held_copy")
+@dataclass(frozen=True)
+class HeldCopy(Message):
+    """A complete snapshot copy an agent holds (for a restarted coordinator's rebuild)."""
+
+    rank: int
+    step: int
+    gen: int
+    used_bytes: int
+
+
+@message("proc_report")
+@dataclass(frozen=True)
+class ProcReport(Message):
+    """A live local process, as its agent knows it."""
+
+    pid: int
+    role: ProcRole
+    rank: int | None
+    replicas: int | None = None
+    persist: dict[str, Any] | None = None  # rank 0's @resilient(persist=…), PersistConfig form
+
+
+@message("rejoin_state")
+@dataclass(frozen=True)
+class RejoinState(Message):
+    """What an agent tells a restarted coordinator: its epoch, processes and copies."""
+
+    membership: Membership | None
+    committed_step: int | None
+    held: list[HeldCopy]
+    layouts: dict[int, list[Any]]  # rank → its chunk layout of the committed step
+    procs: list[ProcReport]
+
+
+@message("agent_config")
+@dataclass(frozen=True)
+class AgentConfig(Message):
+    """The coordinator's answer to a registration. ``lost``: declared lost while it was away."""
+
+    replicas: int | None
+    heartbeat_timeout: float
+    lost: bool = False
+
+
+@message("RegisterAgent")
+@dataclass(frozen=True)
+class RegisterAgent(Request[AgentConfig]):
+    node: int
+    data_addr: str
+    spare_node: bool = False
+    joining: int = 0  # ranks this node brings to a running job (``peerckpt join``)
+    rejoin: RejoinState | None = None
+
+
+@message("heartbeat_reply")
+@dataclass(frozen=True)
+class HeartbeatReply(Message):
+    epoch: int
+
+
+@message("Heartbeat")
+@dataclass(frozen=True)
+class Heartbeat(Request[HeartbeatReply]):
+    node: int
+    epoch: int
+
+
+@message("node_allocated")
+@dataclass(frozen=True)
+class NodeAllocated(Message):
+    node: int
+
+
+@message("AllocateNode")
+@dataclass(frozen=True)
+class AllocateNode(Request[NodeAllocated]):
+    """A free node index for a node about to join (``peerckpt join``, chaos ``add node``)."""
+
+
+@message("SparesStarting")
+@dataclass(frozen=True)
+class SparesStarting(Request[Ok]):
+    """``count`` more spares are starting (they join once warmed up)."""
+
+    count: int
+    node: int | None = None
+
+
+@message("ProcJoined")
+@dataclass(frozen=True)
+class ProcJoined(Request[Ok]):
+    node: int
+    proc: ProcReport
+
+
+@message("ProcLost")
+@dataclass(frozen=True)
+class ProcLost(Request[Ok]):
+    node: int
+    pid: int
+    reason: str
+
+
+# -- progress of ranks -----------------------------------------------------------------------
+@message("Replicated")
+@dataclass(frozen=True)
+class Replicated(Request["ReplicatedReply"]):
+    """``rank``'s snapshot of ``step`` is complete on every node of ``holders``.
+
+    ``layout`` (its chunk records, message form) travels on a rank's first report of an
+    epoch and whenever it changed; ``meta_nbytes``, the size of its blob, every time.
+    """
+
+    node: int
+    epoch: int
+    rank: int
+    step: int
+    holders: list[int]
+    nbytes: int
+    meta_nbytes: int
+    digest: str = ""
+    layout: list[Any] | None = None
+
+
+@message("replicated_reply")
+@dataclass(frozen=True)
+class ReplicatedReply(Message):
+    committed: int | None
+
+
+@message("pull")
+@dataclass(frozen=True)
+class Pull(Message):
+    """Where some of a rank's restored state came from: ``source`` is a node, the rank's
+    own node (no network), or ``STORAGE``. ``round`` numbers resharding rounds."""
+
+    rank: int
+    node: int
+    source: int
+    bytes: int
+    seconds: float
+    round: int | None = None
+
+
+@message("Resumed")
+@dataclass(frozen=True)
+class Resumed(Request[Ok]):
+    """``rank`` is stepping again in ``epoch``. ``holds_committed``: its node now holds its
+    committed snapshot (a restore in the same layout copies it into the rank's own slot)."""
+
+    node: int
+    epoch: int
+    rank: int
+    pulls: list[Pull] = field(default_factory=list)
+    holds_committed: bool = False
+
+
+@message("Done")
+@dataclass(frozen=True)
+class Done(Request[Ok]):
+    node: int
+    epoch: int
+    rank: int
+
+
+@message("RankFailed")
+@dataclass(frozen=True)
+class RankFailed(Request[Ok]):
+    """A rank (or its agent preparing it) raised. ``error`` is the exception class's name."""
+
+    node: int
+    epoch: int
+    rank: int
+    error: str
+    message: str
+
+
+@message("ReplicationFailed")
+@dataclass(frozen=True)
+class ReplicationFailed(Request[Ok]):
+    """A snapshot could not be mirrored to ``buddy``; ``fatal``: the buddy refused it."""
+
+    node: int
+    epoch: int
+    rank: int
+    step: int
+    buddy: int
+    message: str
+    fatal: bool
+
+
+@message("Wants")
+@dataclass(frozen=True)
+class Wants(Request[Ok]):
+    """The boxes a resharding rank needs for one round (chunk records, message form)."""
+
+    node: int
+    epoch: int
+    round: int
+    rank: int
+    chunks: list[Any]
+
+
+@message("Flushed")
+@dataclass(frozen=True)
+class Flushed(Request[Ok]):
+    """A writer finished its share of a durable flush (or failed, with ``error``)."""
+
+    node: int
+    step: int
+    ok: bool
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str = ""
+
+
+@message("Stop")
+@dataclass(frozen=True)
+class Stop(Request[Ok]):
+    reason: str = "stopped by the launcher"
+
+
+# -- the event stream ------------------------------------------------------------------------
+@message("Watch")
+@dataclass(frozen=True)
+class Watch(Request[Event]):
+    """Open node ``node``'s event stream (a server stream of ``Event``s)."""
+
+    node: int
+
+
+@message("epoch_opened")
+@dataclass(frozen=True)
+class EpochOpened(Event):
+    membership: Membership
+
+
+@message("commit")
+@dataclass(frozen=True)
+class Commit(Event):
+    """Step ``step`` of ``epoch`` is committed (also relayed by agents to their ranks)."""
+
+    epoch: int
+    step: int
+
+
+@message("reads")
+@dataclass(frozen=True)
+class Reads(Event):
+    """A resharding round was planned: each local rank's reads (``peerckpt/reads.py`` form)."""
+
+    epoch: int
+    round: int
+    reads: dict[int, dict[str, Any]]
+
+
+@message("flush")
+@dataclass(frozen=True)
+class Flush(Event):
+    """Write this node's share of committed ``step``: (rank, chunk record) pairs."""
+
+    step: int
+    epoch: int
+    gen: int
+    persist: dict[str, Any]  # PersistConfig form
+    chunks: list[tuple[int, Any]]
+
+
+@message("shutdown")
+@dataclass(frozen=True)
+class Shutdown(Event):
+    """The job ended (also relayed by agents to their processes)."""
+
+    state: JobState
+    reason: str = ""
+
+
+# -- status ----------------------------------------------------------------------------------
+@message("recovery_event")
+@dataclass(frozen=True)
+class RecoveryEvent(Message):
+    """One membership change and its recovery, as it progresses (replaced, never mutated).
+
+    ``kind``: ``rank`` or ``node`` (a loss), ``grow`` (a node joined), ``cold_start``.
+    """
+
+    kind: str
+    ranks: list[int]
+    nodes: list[int]
+    reason: str
+    lost: dict[int, int]  # rank → node it was on
+    detected_at: float
+    from_epoch: int
+    pulls: list[Pull] = field(default_factory=list)
+    resumed_at: float | None = None
+    epoch: int | None = None
+    restore_step: int | None = None
+    mode: EpochMode | None = None
+    replacements: dict[int, list[int]] = field(default_factory=dict)  # rank → [node, pid]
+    shrunk_to: int | None = None
+    grown_to: int | None = None
+    old_world: int | None = None
+    url: str | None = None
+    fallback: str = ""
+    partial: bool = False
+    waited_for_spares_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The report's JSON form (``peerckpt run --report``): fields that are set."""
+        from peerckpt.messages import encode
+
+        out = encode(self)
+        del out["type"]
+        return {k: v for k, v in out.items() if v is not None or k == "resumed_at"}
+
+
+@message("flush_record")
+@dataclass(frozen=True)
+class FlushRecord(Message):
+    step: int
+    state: str
+    error: str
+    started_at: float
+    committed_at: float | None
+    nbytes: int
+    writers: dict[int, float | None]
+
+
+@message("job_status")
+@dataclass(frozen=True)
+class JobStatus(Message):
+    """The coordinator's view of the job."""
+
+    job: str
+    state: JobState
+    reason: str
+    epoch: int
+    world_size: int
+    min_nodes: int | None
+    committed_step: int | None
+    last_replicated: dict[int, int]
+    ranks: dict[int, list[int]]  # rank → [node, pid]
+    spares: list[list[int]]  # [node, pid]
+    nodes: dict[int, bool]  # node → alive
+    events: list[RecoveryEvent]
+    flushes: list[FlushRecord]
+    flush_skipped: list[int]
+
+
+@message("Status")
+@dataclass(frozen=True)
+class Status(Request[JobStatus]):
+    pass
+
+
+UNARY: tuple[type[Any], ...] = (
+    RegisterAgent,
+    Heartbeat,
+    AllocateNode,
+    SparesStarting,
+    ProcJoined,
+    ProcLost,
+    Replicated,
+    Resumed,
+    Done,
+    RankFailed,
+    ReplicationFailed,
+    Wants,
+    Flushed,
+    Stop,
+    Status,
+)
+STREAMS: tuple[type[Any], ...] = (Watch,)

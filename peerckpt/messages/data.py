@@ -1,0 +1,104 @@
+"""Messages of the data links between agents (TCP); bulk bytes travel raw beside them.
+
+``replication/transfer.py`` draws the three exchanges (push, fetch, fetch_boxes). ``Data``
+and ``Box`` frames carry raw bytes as their payload, received straight into a slot after the
+header's size is checked; every other message is a header alone. A refusal is a
+``wire``-level ``error`` frame with a code (``peerckpt/wire.py``), not a message here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from peerckpt.manifest import SnapshotManifest
+from peerckpt.messages import Message, message
+
+
+class DataRequest(Message):
+    """The first frame of an exchange on a data link."""
+
+
+@message("push")
+@dataclass(frozen=True)
+class Push(DataRequest):
+    """Replicate ``rank``'s snapshot ``manifest`` to the receiving buddy."""
+
+    PAYLOAD = "manifest"
+
+    epoch: int
+    gen: int
+    rank: int
+    committed: int | None
+    manifest: SnapshotManifest
+
+
+@message("fetch")
+@dataclass(frozen=True)
+class Fetch(DataRequest):
+    """Send ``rank``'s copy of ``step`` (layout generation ``gen``)."""
+
+    epoch: int
+    gen: int
+    rank: int
+    step: int
+
+
+@message("fetch_boxes")
+@dataclass(frozen=True)
+class FetchBoxes(DataRequest):
+    """Send pieces of chunks: items ``[rank, chunk name, box, region]`` of ``step``."""
+
+    PAYLOAD = "items"
+
+    epoch: int
+    gen: int
+    step: int
+    items: list[tuple[int, str, Any, Any]]
+
+
+@message("ready")
+@dataclass(frozen=True)
+class Ready(Message):
+    """The push's slot is allocated: send the bytes."""
+
+
+@message("data")
+@dataclass(frozen=True)
+class Data(Message):
+    """Bytes at ``off`` of a transfer (the payload, raw)."""
+
+    off: int
+
+
+@message("box")
+@dataclass(frozen=True)
+class Box(Message):
+    """Item ``i`` of a fetch_boxes answer (the payload, raw), and its crc32c."""
+
+    i: int
+    crc: int
+
+
+@message("end")
+@dataclass(frozen=True)
+class End(Message):
+    """The last frame of a transfer; a push's carries every chunk's crc32c."""
+
+    crcs: list[int] | None = None
+
+
+@message("ack")
+@dataclass(frozen=True)
+class Ack(Message):
+    """The buddy verified the push and keeps it."""
+
+
+@message("manifest")
+@dataclass(frozen=True)
+class ManifestReply(Message):
+    """The answer to a fetch, before its data frames."""
+
+    PAYLOAD = "manifest"
+
+    manifest: SnapshotManifest

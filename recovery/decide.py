@@ -1,0 +1,272 @@
+"""The coordinator's epoch decision, as pure functions: (job view, change) → decision.
+
+Nothing here does I/O, reads a clock or changes its inputs; ``recovery/epochs.py`` gathers a
+``JobView`` under the coordinator's lock, asks, and carries out the answer. So every rule
+of who replaces whom, when the world shrinks or grows, what a new epoch restores and from
+where, is unit-tested without a process (``tests/recovery/test_decide.py``).
+
+A ``Loss`` (ranks gone, with their nodes) is decided as:
+
+1. fewer spares joined than ranks lost, but more starting and the wait not over → ``Wait``;
+2. enough spares → they take the lost ranks (``elastic.replaced``);
+3. else, if the job may shrink (``min_nodes``) and enough nodes remain → the survivors are
+   renumbered (``elastic.shrunk``);
+4. else ``Fail``, naming the ranks, the reason and the fix.
+
+A ``Join`` (a node's joiners all connected) always grows the world (``elastic.grown``).
+Then the new epoch: ``SAME`` mode when the layout is unchanged (each rank restores its own
+snapshot, replacements pull it, ``planning.sources`` orders the holders), ``RESHARD`` when
+it changed, ``FRESH`` when nothing is committed yet. A ``SAME`` epoch some of whose ranks
+have no surviving copy is ``NeedStorage``: the shell tries the durable tier, or fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from peerckpt.errors import RecoveryFailed
+from peerckpt.membership import Membership, RankAssignment
+from peerckpt.reads import STORAGE
+from peerckpt.recovery.commits import CommitTracker
+from peerckpt.recovery.elastic import grown, old_layout_summary, replaced, shrunk
+from peerckpt.recovery.placement import Placement
+from peerckpt.recovery.planning.sources import plan_sources
+from peerckpt.states import EPOCH_MODE, EpochMode
+
+Proc = tuple[int, int]  # (node, pid)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where an epoch's processes and copies are: buddy placement and addresses."""
+
+    placement: Placement
+    replicas: int
+    node_addrs: Mapping[int, str]  # the live agents' data addresses
+    store_addr: str  # the torch.distributed store every epoch's group meets in
+
+
+@dataclass(frozen=True)
+class JobView:
+    """What an epoch decision reads. ``tracker`` is read, never changed."""
+
+    membership: Membership
+    tracker: CommitTracker
+    snapshot_bytes: Mapping[int, int]
+    spares: tuple[Proc, ...]  # joined spares, best first (spare nodes first)
+    spares_starting: int  # started by a launcher, not joined yet
+    min_nodes: int | None  # None: the world never shrinks
+    topology: Topology
+
+
+@dataclass(frozen=True)
+class Loss:
+    """Ranks lost, and the nodes lost with them. ``deadline``: until then a recovery may wait
+    for spares still starting (set once it waits); ``never_joined``: spares given up on."""
+
+    kind: str  # "rank" or "node"
+    ranks: frozenset[int]
+    nodes: frozenset[int]
+    reason: str
+    detected_at: float
+    deadline: float | None = None
+    never_joined: int = 0
+
+    def merged(self, other: Loss) -> Loss:
+        """One recovery for both losses (the second struck while the first waited)."""
+        return Loss(
+            "node" if "node" in (self.kind, other.kind) else self.kind,
+            self.ranks | other.ranks,
+            self.nodes | other.nodes,
+            f"{self.reason}; {other.reason}",
+            self.detected_at,
+            self.deadline,
+            self.never_joined,
+        )
+
+
+@dataclass(frozen=True)
+class Join:
+    """Every joiner of a node has connected: (node, pid) in the order they become ranks."""
+
+    node: int
+    joiners: tuple[Proc, ...]
+
+
+@dataclass(frozen=True)
+class OpenEpoch:
+    """Open ``membership``, tracking commits with ``tracker``. ``promoted``: spares or
+    joiners that become ranks; ``replacements``/``shrunk_to``/``grown_to`` for the record."""
+
+    membership: Membership
+    tracker: CommitTracker
+    promoted: dict[Proc, int] = field(default_factory=dict)
+    replacements: dict[int, list[int]] = field(default_factory=dict)
+    shrunk_to: int | None = None
+    grown_to: int | None = None
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Too few spares joined, more are starting: wait for them until ``loss.deadline``."""
+
+    loss: Loss
+
+
+@dataclass(frozen=True)
+class Fail:
+    reason: str
+
+
+@dataclass(frozen=True)
+class NeedStorage:
+    """No memory copy of some rank's committed state survived (``why``): only the durable
+    tier can help, restoring into ``assignments``."""
+
+    why: str
+    assignments: dict[int, RankAssignment]
+    previous: dict[int, int | None]
+
+
+Decision = OpenEpoch | Wait | Fail | NeedStorage
+
+
+def decide_loss(view: JobView, loss: Loss, now: float, spare_wait_s: float) -> Decision:
+    """What to do about ``loss`` (``now`` and ``deadline`` on the monotonic clock)."""
+    old = view.membership
+    ranks = loss.ranks
+    if len(view.spares) < len(ranks) and view.spares_starting > 0:
+        deadline = loss.deadline if loss.deadline is not None else now + spare_wait_s
+        if now < deadline:
+            return Wait(replace(loss, deadline=deadline))
+    if len(view.spares) >= len(ranks):
+        assignments, previous = replaced(old.ranks, set(ranks), list(view.spares))
+        chosen = dict(zip(sorted(ranks), view.spares, strict=False))
+        return _transition(
+            view,
+            assignments,
+            previous,
+            promoted={proc: rank for rank, proc in chosen.items()},
+            replacements={r: [assignments[r].node, assignments[r].pid] for r in sorted(ranks)},
+        )
+    if view.min_nodes is not None:
+        assignments, previous = shrunk(old.ranks, set(ranks))
+        remaining = {a.node for a in assignments.values()}
+        if len(remaining) < view.min_nodes:
+            return Fail(
+                f"lost rank(s) {sorted(ranks)} ({loss.reason}); {len(remaining)} node(s) would "
+                f"be left, fewer than --min-nodes {view.min_nodes}, and no spare is left"
+            )
+        return _transition(view, assignments, previous, shrunk_to=len(assignments))
+    missing = view.spares_starting or loss.never_joined
+    never = f" ({missing} more never joined)" if missing else ""
+    return Fail(
+        f"lost rank(s) {sorted(ranks)} ({loss.reason}) and only {len(view.spares)} spare(s) are "
+        f"left{never}; start the job with more --spares, or let it shrink with --min-nodes"
+    )
+
+
+def decide_join(view: JobView, join: Join) -> Decision:
+    """A node's joiners all connected: they become the next ranks."""
+    assignments, previous = grown(view.membership.ranks, list(join.joiners))
+    new = sorted(set(assignments) - set(view.membership.ranks))
+    return _transition(
+        view,
+        assignments,
+        previous,
+        promoted=dict(zip(join.joiners, new, strict=True)),
+        grown_to=len(assignments),
+    )
+
+
+def _transition(
+    view: JobView,
+    assignments: dict[int, RankAssignment],
+    previous: dict[int, int | None],
+    **record: object,
+) -> Decision:
+    """The epoch after ``view.membership`` for ``assignments``: its mode and sources."""
+    old, tracker = view.membership, view.tracker
+    restore = tracker.committed_step
+    same = (
+        restore is not None
+        and tracker.committed_gen == old.gen
+        and len(assignments) == len(old.ranks)
+        and all(previous.get(r) in (r, None) for r in assignments)
+    )
+    mode = EpochMode.SAME if same else EpochMode.RESHARD if restore is not None else EpochMode.FRESH
+    sources: dict[int, list[int]] = {}
+    if mode is EpochMode.SAME:
+        try:
+            sources = plan_sources(
+                {r: a.node for r, a in assignments.items()},
+                {r: set(h) - {STORAGE} for r, h in tracker.committed_holders.items()},
+                dict(view.snapshot_bytes),
+                {r: a.node for r, a in old.ranks.items()},
+            )
+        except RecoveryFailed as exc:
+            return NeedStorage(str(exc), assignments, previous)
+    membership, new_tracker = next_epoch(
+        view.topology,
+        tracker,
+        old.epoch + 1,
+        assignments,
+        restore,
+        sources,
+        mode,
+        gen=old.gen if mode is EpochMode.SAME else old.gen + 1,
+        previous=previous,
+        old_world=len(old.ranks),
+    )
+    EPOCH_MODE.check(old.mode, mode)
+    return OpenEpoch(membership, new_tracker, **record)  # type: ignore[arg-type]
+
+
+def next_epoch(
+    topology: Topology,
+    tracker: CommitTracker | None,
+    epoch: int,
+    assignments: dict[int, RankAssignment],
+    restore_step: int | None,
+    sources: dict[int, list[int]],
+    mode: EpochMode,
+    *,
+    gen: int,
+    previous: dict[int, int | None],
+    old_world: int,
+    restore_url: str | None = None,
+) -> tuple[Membership, CommitTracker]:
+    """The membership of ``epoch`` and a fresh commit tracker that keeps what ``tracker``
+    (the last one, if any) knew of the committed step."""
+    layouts = tracker.committed_layouts if tracker else {}
+    rank_nodes = {r: a.node for r, a in assignments.items()}
+    membership = Membership(
+        epoch=epoch,
+        world_size=len(assignments),
+        ranks=assignments,
+        placement=topology.placement.buddies(rank_nodes, topology.replicas),
+        restore_step=restore_step,
+        sources=sources,
+        node_addrs=dict(topology.node_addrs),
+        store_addr=topology.store_addr,
+        mode=mode,
+        gen=gen,
+        restore_gen=tracker.committed_gen if tracker else 0,
+        previous=previous,
+        old_world=old_world,
+        old_layout=old_layout_summary(layouts) if mode is EpochMode.RESHARD else None,
+        restore_url=restore_url,
+    )
+    new_tracker = CommitTracker(
+        epoch=epoch,
+        ranks=frozenset(assignments),
+        gen=gen,
+        committed_step=restore_step,
+        committed_gen=tracker.committed_gen if tracker else 0,
+        committed_holders={
+            r: set(h) for r, h in (tracker.committed_holders if tracker else {}).items()
+        },
+        committed_layouts=dict(layouts),
+    )
+    return membership, new_tracker

@@ -1,0 +1,82 @@
+"""A restarted coordinator rebuilds its state from what every agent tells it.
+
+The launcher restarts a coordinator that died on the same ports; each agent registers again
+with a ``RejoinState``: the epoch it is in, its live processes and every complete snapshot
+copy it holds. ``adopt`` folds one such report into the coordinator. The first agent to come
+back brings the membership; every agent adds its processes and copies. Nodes of the
+membership whose agent has not come back yet count as alive until their heartbeats say
+otherwise; ranks whose process is gone are recovered together once every agent had
+``REBUILD_WAIT_FACTOR`` heartbeat timeouts to come back (``Coordinator._end_rebuild``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from peerckpt.messages.control import RejoinState
+from peerckpt.recovery.commits import CommitTracker
+from peerckpt.recovery.registry import AgentInfo
+from peerckpt.states import JobState, ProcRole
+
+if TYPE_CHECKING:
+    from peerckpt.recovery.coordinator import Coordinator
+
+log = logging.getLogger("peerckpt.coordinator")
+
+
+def adopt(c: Coordinator, node: int, state: RejoinState) -> None:
+    """Fold node ``node``'s report into coordinator ``c`` (under its lock)."""
+    epochs, registry = c.epochs, c.registry
+    m = state.membership
+    if m is not None and (epochs.membership is None or m.epoch > epochs.membership.epoch):
+        log.warning("rebuilding from the agents: epoch %d, %d ranks", m.epoch, len(m.ranks))
+        epochs.membership = m
+        c.settings.world_size = m.world_size
+        epochs.tracker = CommitTracker(m.epoch, frozenset(m.ranks), gen=m.gen)
+        for n, addr in m.node_addrs.items():
+            if n not in registry.agents:  # not back yet: alive until its heartbeats say not
+                registry.agents[n] = AgentInfo(n, addr, spare_node=False)
+        for rank, a in m.ranks.items():
+            if (a.node, a.pid) not in registry.procs:
+                registry.add_proc(a.node, a.pid, ProcRole.RANK, rank)
+        if c.life.state is JobState.STARTING:
+            c.life.become(JobState.RUNNING)
+        c.rebuilt = True
+    tracker = epochs.tracker
+    committed = state.committed_step
+    if tracker is not None and committed is not None:
+        if tracker.committed_step is None or committed > tracker.committed_step:
+            tracker.committed_step = committed
+            tracker.committed_holders = {}
+        if committed == tracker.committed_step:
+            for held in state.held:
+                if held.step == committed:
+                    tracker.committed_gen = held.gen
+                    tracker.committed_holders.setdefault(held.rank, set()).add(node)
+                    epochs.snapshot_bytes[held.rank] = held.used_bytes
+            for rank, layout in state.layouts.items():
+                tracker.committed_layouts[rank] = layout
+                tracker.set_layout(rank, layout)
+    alive = set()
+    for proc in state.procs:
+        alive.add(proc.pid)
+        if (node, proc.pid) not in registry.procs:
+            registry.add_proc(node, proc.pid, proc.role, proc.rank)
+            if proc.role is ProcRole.SPARE:
+                c.spares.joined += 1
+                c.spares.started = max(c.spares.started, c.spares.joined)
+        if proc.rank == 0 and proc.role is ProcRole.RANK:
+            c.config_from_script(proc.replicas, proc.persist)
+    if c.life.state is JobState.STARTING:
+        epochs.open_first()  # it went away before the first epoch opened
+    if epochs.membership is not None:
+        for rank, a in epochs.membership.ranks.items():
+            if a.node == node and a.pid not in alive:
+                registry.procs[(a.node, a.pid)].alive = False
+                c.rebuild_lost.add(rank)
+    # Agents come back one by one; the spares' node may be the last. Nobody is declared lost
+    # by heartbeat meanwhile, and losses found are recovered together once the others had
+    # their time to return.
+    c.clocks.start_rebuild(time.monotonic())

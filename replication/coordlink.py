@@ -1,0 +1,100 @@
+"""The agent's link to the coordinator: reports, heartbeats, and rejoining a restarted one.
+
+Every report is a typed request (``peerckpt/messages/control.py``). While the chaos harness
+partitions the node, reports wait until it heals (a partitioned node's coordinator hears
+nothing). The last report of each kind per rank is kept, and sent again when the agent
+registers with a restarted coordinator, which rebuilds its state from what agents tell it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from peerckpt.errors import PeerckptError
+from peerckpt.faults import NetHooks
+from peerckpt.messages.control import AgentConfig, RegisterAgent, RejoinState, Request, Watch
+from peerckpt.rpc import EventStream, RpcClient
+
+log = logging.getLogger("peerckpt.agent")
+R = TypeVar("R")
+
+
+class CoordinatorLink:
+    """Calls to the coordinator on behalf of node ``node``."""
+
+    def __init__(
+        self,
+        address: str,
+        secret: bytes,
+        job: str,
+        node: int,
+        stopping: threading.Event,
+        net: NetHooks | None = None,
+    ) -> None:
+        self.rpc = RpcClient(address, secret, job)
+        self.node = node
+        self._stopping = stopping
+        self._net = net
+        # The last report of each kind per local rank, sent again to a restarted coordinator.
+        self._resend: dict[tuple[str, int], Request[Any]] = {}
+        self._lock = threading.Lock()
+
+    def call(self, msg: Request[R], timeout: float = 10.0) -> R:
+        return self.rpc.call(msg, timeout=timeout)
+
+    def watch(self) -> EventStream:
+        return self.rpc.stream(Watch(self.node))
+
+    def remember(self, key: tuple[str, int], msg: Request[Any]) -> None:
+        """Keep ``msg`` (the last of its kind for a rank) to replay to a restarted coordinator."""
+        with self._lock:
+            self._resend[key] = msg
+
+    def report(self, msg: Request[Any]) -> None:
+        """Send a report; a refusal is logged, not raised (the coordinator decides)."""
+        if self._net is not None:
+            self._net.wait_healed(self._stopping)
+        try:
+            self.rpc.call(msg)
+        except PeerckptError as exc:
+            log.warning("coordinator refused %s: %s", type(msg).__name__, exc)
+        except ValueError as exc:  # grpc: the channel was closed because the agent is exiting
+            log.debug("could not report %s: %s", type(msg).__name__, exc)
+
+    def rejoin(
+        self,
+        grace_s: float,
+        register: Callable[[RejoinState], RegisterAgent],
+        state: Callable[[], RejoinState],
+    ) -> AgentConfig | None:
+        """Register again with a restarted coordinator, telling it what this node knows, and
+        replay the last reports. None if it did not come back in ``grace_s`` or counts this
+        node as lost (``AgentConfig.lost``)."""
+        log.warning("waiting up to %.0f s for the coordinator to come back", grace_s)
+        deadline = time.monotonic() + grace_s
+        while not self._stopping.wait(0.2):
+            if time.monotonic() > deadline:
+                log.error("the coordinator did not come back within %.0f s", grace_s)
+                return None
+            try:
+                config = self.rpc.call(register(state()), timeout=2.0)
+            except PeerckptError as exc:
+                log.debug("coordinator not back yet: %s", exc)
+                continue
+            if config.lost:
+                log.warning("the restarted coordinator counts this node as lost")
+                return config
+            log.warning("registered again with the restarted coordinator")
+            with self._lock:
+                replay = list(self._resend.values())
+            for msg in replay:
+                self.report(msg)
+            return config
+        return None
+
+    def close(self) -> None:
+        self.rpc.close()

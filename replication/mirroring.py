@@ -1,0 +1,166 @@
+"""The agent's sending side of replication: every local snapshot to the rank's buddies.
+
+On a ``SnapshotTaken`` notice of the current epoch, ``Mirroring.replicate`` checksums the
+slot (``ReplicationJob.start``) and hands the job to one ``BuddySender`` per buddy node
+(``replication/replicator.py``). When every buddy acknowledged, it reports ``Replicated`` to
+the coordinator; the coordinator commits a step once every rank's snapshot of it is
+replicated. A buddy that refused or could not be reached is reported (``ReplicationFailed``):
+the coordinator decides. The chunk layout travels with a rank's first report of an epoch and
+whenever it changed; the last full report is kept for a restarted coordinator.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from peerckpt.errors import PeerUnavailable, StaleEpoch
+from peerckpt.faults import FaultHooks
+from peerckpt.manifest import META_KEY
+from peerckpt.membership import Membership
+from peerckpt.messages.control import Replicated, ReplicationFailed
+from peerckpt.messages.local import SnapshotTaken
+from peerckpt.replication.coordlink import CoordinatorLink
+from peerckpt.replication.replicator import BuddySender, ReplicationJob
+from peerckpt.replication.store import SlotStore
+from peerckpt.replication.transfer import Cancelled
+from peerckpt.states import SlotKind
+
+
+class Mirroring:
+    """Replicates this node's snapshots. ``retry_s``: how long a push to an unreachable buddy
+    is retried (the agent sets twice the heartbeat timeout)."""
+
+    def __init__(
+        self,
+        node: int,
+        job: str,
+        secret: bytes,
+        store: SlotStore,
+        coordinator: CoordinatorLink,
+        current_epoch: Callable[[], int],
+        committed_step: Callable[[], int | None],
+        faults: FaultHooks,
+    ) -> None:
+        self.node, self.job, self._secret = node, job, secret
+        self.store = store
+        self.coordinator = coordinator
+        self._epoch = current_epoch
+        self._committed = committed_step
+        self.faults = faults
+        self.retry_s = 10.0
+        self._lock = threading.Lock()
+        self._senders: dict[int, BuddySender] = {}
+        self._reported_layouts: dict[tuple[int, int], tuple[Any, ...]] = {}
+
+    def replicate(self, members: Membership, msg: SnapshotTaken) -> None:
+        """Checksum and push ``msg``'s snapshot to the rank's buddies in ``members``."""
+        slot = self.store.get(SlotKind.OWN, members.gen, msg.rank, msg.slot)
+        if slot is None:
+            return
+        manifest = msg.manifest
+        manifest.validate_bounds(slot.segment.size)
+        buddies = members.placement.get(msg.rank, [])
+        with slot.lock:
+            job = ReplicationJob.start(msg.epoch, slot, manifest, buddies)
+        if msg.epoch != self._epoch():
+            return  # the epoch ended meanwhile; its snapshot must not count
+        if not buddies:
+            self._replicated(job)
+            return
+        for buddy in buddies:
+            self._sender(buddy, members.node_addrs[buddy]).submit(job)
+
+    def cancel_inflight(self) -> None:
+        """An epoch change: abandon the transfers in flight."""
+        with self._lock:
+            senders = list(self._senders.values())
+        for sender in senders:
+            sender.cancel_inflight()
+
+    def forget_reported_layouts(self) -> None:
+        """A restarted coordinator knows no layout: send each with the next report."""
+        self._reported_layouts.clear()
+
+    def stop(self) -> None:
+        with self._lock:
+            senders = list(self._senders.values())
+            self._senders.clear()
+        for sender in senders:
+            sender.stop()
+
+    def _sender(self, node: int, addr: str) -> BuddySender:
+        with self._lock:
+            sender = self._senders.get(node)
+            if sender is None or sender.address != addr:
+                if sender is not None:
+                    sender.stop()
+                sender = BuddySender(
+                    node,
+                    addr,
+                    self._secret,
+                    self.job,
+                    self._epoch,
+                    self._committed,
+                    self._sent,
+                    retry_s=self.retry_s,
+                    local_node=self.node,
+                    faults=self.faults,
+                )
+                self._senders[node] = sender
+            return sender
+
+    def _sent(self, job: ReplicationJob, node: int, error: BaseException | None) -> None:
+        with job.lock:
+            if job.failed:
+                return
+            if error is not None:
+                job.failed = True
+        if error is not None:
+            if not isinstance(error, (Cancelled, StaleEpoch)) and job.epoch == self._epoch():
+                # The coordinator decides: a lost buddy opens a new epoch anyway; a live
+                # buddy that refuses (memory, checksums) fails the job with its reason.
+                self.coordinator.report(
+                    ReplicationFailed(
+                        self.node,
+                        job.epoch,
+                        job.slot.rank,
+                        job.manifest.step,
+                        node,
+                        f"{type(error).__name__}: {error}",
+                        fatal=not isinstance(error, (PeerUnavailable, OSError)),
+                    )
+                )
+            return
+        with job.lock:
+            job.acked.append(node)
+            if len(job.acked) < len(job.buddies):
+                return
+        self._replicated(job)
+
+    def _replicated(self, job: ReplicationJob) -> None:
+        # The tensor layout travels on an epoch's first report and when it changes (the
+        # coordinator needs it to plan a resharding); the blob's size, which changes almost
+        # every step, travels as a number.
+        manifest = job.checksummed()
+        tensors = [c for c in manifest.chunks if c.key != META_KEY]
+        signature = tuple((c.key, c.global_shape, c.offsets, c.lengths) for c in tensors)
+        key = (job.epoch, job.slot.rank)
+        full = Replicated(
+            self.node,
+            job.epoch,
+            job.slot.rank,
+            manifest.step,
+            [self.node, *job.acked],
+            manifest.used_bytes,
+            manifest.meta().nbytes,
+            manifest.state_digest(),
+            layout=[c.to_msg() for c in manifest.chunks],
+        )
+        # Sent again, layout and all, to a restarted coordinator (it may have missed it).
+        self.coordinator.remember(("Replicated", job.slot.rank), full)
+        same = self._reported_layouts.get(key) == signature
+        self.coordinator.report(replace(full, layout=None) if same else full)
+        self._reported_layouts[key] = signature

@@ -1,0 +1,141 @@
+"""The coordinator's epoch decision, as pure functions: no coordinator, no process, no clock."""
+
+from __future__ import annotations
+
+from peerckpt.manifest import ChunkRecord
+from peerckpt.membership import Membership, RankAssignment
+from peerckpt.recovery.commits import CommitTracker
+from peerckpt.recovery.decide import (
+    Fail,
+    JobView,
+    Join,
+    Loss,
+    NeedStorage,
+    OpenEpoch,
+    Topology,
+    Wait,
+    decide_join,
+    decide_loss,
+)
+from peerckpt.recovery.placement import RingPlacement
+from peerckpt.states import EpochMode
+
+LAYOUT = [ChunkRecord("w", "float32", (4,), (0,), (4,), 0, 16).to_msg()]
+
+
+def _view(
+    spares: tuple[tuple[int, int], ...] = (),
+    starting: int = 0,
+    min_nodes: int | None = None,
+    committed: int | None = 9,
+    holders: dict[int, set[int]] | None = None,
+) -> JobView:
+    """A 2 × 2 job in epoch 3 (ranks 0, 1 on node 0; 2, 3 on node 1; spare node 2)."""
+    ranks = {r: RankAssignment(r, r // 2, 100 + r) for r in range(4)}
+    membership = Membership(
+        epoch=3,
+        world_size=4,
+        ranks=ranks,
+        placement={0: [1], 1: [1], 2: [0], 3: [0]},
+        restore_step=None,
+        sources={},
+        node_addrs={0: "a0", 1: "a1", 2: "a2"},
+        store_addr="store",
+        mode=EpochMode.SAME if committed is not None else EpochMode.FRESH,
+        gen=2,
+    )
+    tracker = CommitTracker(
+        epoch=3,
+        ranks=frozenset(ranks),
+        gen=2,
+        committed_step=committed,
+        committed_gen=2,
+        committed_holders=holders if holders is not None else {r: {0, 1} for r in range(4)},
+        committed_layouts={r: LAYOUT for r in range(4)},
+    )
+    return JobView(
+        membership,
+        tracker,
+        {r: 16 for r in range(4)},
+        spares,
+        starting,
+        min_nodes,
+        Topology(RingPlacement(), 1, {0: "a0", 1: "a1", 2: "a2"}, "store"),
+    )
+
+
+def _loss(*ranks: int, nodes: tuple[int, ...] = (), deadline: float | None = None) -> Loss:
+    return Loss(
+        "node" if nodes else "rank", frozenset(ranks), frozenset(nodes), "test", 0.0, deadline
+    )
+
+
+def test_spares_take_the_lost_ranks_in_the_same_layout() -> None:
+    view = _view(spares=((2, 200), (2, 201)))
+    d = decide_loss(view, _loss(2, 3, nodes=(1,)), now=10.0, spare_wait_s=60.0)
+    assert isinstance(d, OpenEpoch)
+    m = d.membership
+    assert m.epoch == 4 and m.mode is EpochMode.SAME and m.gen == 2 and m.restore_step == 9
+    assert {r: (a.node, a.pid) for r, a in m.ranks.items() if r >= 2} == {2: (2, 200), 3: (2, 201)}
+    assert d.promoted == {(2, 200): 2, (2, 201): 3}
+    assert d.replacements == {2: [2, 200], 3: [2, 201]}
+    assert m.previous == {0: 0, 1: 1, 2: None, 3: None}
+    assert d.tracker.epoch == 4 and d.tracker.committed_step == 9
+    # The view's tracker was read, not changed.
+    assert view.tracker.epoch == 3
+
+
+def test_too_few_spares_with_more_starting_waits_until_the_deadline() -> None:
+    view = _view(spares=((2, 200),), starting=1)
+    d = decide_loss(view, _loss(2, 3, nodes=(1,)), now=10.0, spare_wait_s=60.0)
+    assert isinstance(d, Wait) and d.loss.deadline == 70.0
+    # Asked again before the deadline: still waiting, with the same deadline.
+    again = decide_loss(view, d.loss, now=50.0, spare_wait_s=60.0)
+    assert isinstance(again, Wait) and again.loss.deadline == 70.0
+    # After it, with no way to shrink: a failure naming the ranks and the fix.
+    late = decide_loss(view, d.loss, now=71.0, spare_wait_s=60.0)
+    assert isinstance(late, Fail)
+    assert "lost rank(s) [2, 3]" in late.reason and "--spares" in late.reason
+
+
+def test_no_spare_shrinks_the_world_when_enough_nodes_remain() -> None:
+    d = decide_loss(_view(min_nodes=1), _loss(2, 3, nodes=(1,)), now=0.0, spare_wait_s=60.0)
+    assert isinstance(d, OpenEpoch) and d.shrunk_to == 2
+    m = d.membership
+    assert m.mode is EpochMode.RESHARD and m.gen == 3 and m.old_world == 4
+    assert m.previous == {0: 0, 1: 1} and m.old_layout is not None
+
+
+def test_no_spare_fails_when_shrinking_would_leave_too_few_nodes() -> None:
+    d = decide_loss(_view(min_nodes=2), _loss(2, 3, nodes=(1,)), now=0.0, spare_wait_s=60.0)
+    assert isinstance(d, Fail) and "fewer than --min-nodes 2" in d.reason
+
+
+def test_a_rank_without_a_surviving_copy_needs_storage() -> None:
+    holders = {0: {0}, 1: {0}, 2: set(), 3: {0}}  # rank 2's copies died with node 1
+    view = _view(spares=((2, 200),), holders=holders)
+    d = decide_loss(view, _loss(2), now=0.0, spare_wait_s=60.0)
+    assert isinstance(d, NeedStorage)
+    assert "rank(s) [2]" in d.why and d.assignments[2].pid == 200
+
+
+def test_nothing_committed_yet_restarts_fresh() -> None:
+    d = decide_loss(_view(spares=((2, 200),), committed=None), _loss(1), 0.0, 60.0)
+    assert isinstance(d, OpenEpoch)
+    assert d.membership.mode is EpochMode.FRESH and d.membership.restore_step is None
+
+
+def test_a_join_grows_the_world_and_reshards() -> None:
+    d = decide_join(_view(), Join(3, ((3, 300), (3, 301))))
+    assert isinstance(d, OpenEpoch) and d.grown_to == 6
+    m = d.membership
+    assert m.mode is EpochMode.RESHARD and sorted(m.ranks) == list(range(6))
+    assert d.promoted == {(3, 300): 4, (3, 301): 5}
+    assert m.previous[4] is None and m.previous[0] == 0
+
+
+def test_merged_losses_recover_together() -> None:
+    first = _loss(1, deadline=70.0)
+    both = first.merged(_loss(3, nodes=(1,)))
+    assert both.ranks == {1, 3} and both.kind == "node" and both.deadline == 70.0
+    assert both.reason == "test; test"
