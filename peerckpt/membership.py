@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from peerckpt.messages import decode, message
 from peerckpt.states import EpochMode
 
 
@@ -78,20 +79,46 @@ class Membership:
 
     @classmethod
     def from_msg(cls, msg: dict[str, Any]) -> Membership:
+        """Decode (every field's type checked: ``ProtocolError`` names a bad one)."""
+        w = decode({**msg, "type": _Wire.TYPE}, _Wire, where="a membership")
         return cls(
-            epoch=msg["epoch"],
-            world_size=msg["world_size"],
-            ranks={int(r): RankAssignment(int(r), v[0], v[1]) for r, v in msg["ranks"].items()},
-            placement={int(r): list(v) for r, v in msg["placement"].items()},
-            restore_step=msg["restore_step"],
-            sources={int(r): list(v) for r, v in msg["sources"].items()},
-            node_addrs={int(n): a for n, a in msg["node_addrs"].items()},
-            store_addr=msg["store_addr"],
-            mode=EpochMode(msg["mode"]),
-            gen=msg["gen"],
-            restore_gen=msg["restore_gen"],
-            previous={int(r): p for r, p in msg["previous"].items()},
-            old_world=msg["old_world"],
-            old_layout=msg["old_layout"],
-            restore_url=msg.get("restore_url"),
+            epoch=w.epoch,
+            world_size=w.world_size,
+            ranks={r: RankAssignment(r, node, pid) for r, (node, pid) in w.ranks.items()},
+            placement=w.placement,
+            restore_step=w.restore_step,
+            sources=w.sources,
+            node_addrs=w.node_addrs,
+            store_addr=w.store_addr,
+            mode=w.mode,
+            gen=w.gen,
+            restore_gen=w.restore_gen,
+            previous=w.previous,
+            old_world=w.old_world,
+            old_layout=w.old_layout,
+            restore_url=w.restore_url,
         )
+
+
+@message("membership_wire")
+@dataclass(frozen=True)
+class _Wire:
+    """A membership as it travels: ranks as [node, pid] pairs."""
+
+    TYPE = "membership_wire"
+
+    epoch: int
+    world_size: int
+    ranks: dict[int, tuple[int, int]]
+    placement: dict[int, list[int]]
+    restore_step: int | None
+    sources: dict[int, list[int]]
+    node_addrs: dict[int, str]
+    store_addr: str
+    mode: EpochMode
+    gen: int
+    restore_gen: int
+    previous: dict[int, int | None]
+    old_world: int
+    old_layout: dict[str, Any] | None
+    restore_url: str | None = None
