@@ -110,6 +110,8 @@ class Preparer:
             return
         restore: RestorePlan | None = None
         manifest = None
+        if self._current_epoch() != members.epoch:
+            return  # superseded before it began: the newer epoch's thread readies this rank
         self.faults.strike("recovery", node=self.node, rank=rank, epoch=members.epoch)
         try:
             if members.mode is EpochMode.SAME:

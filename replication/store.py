@@ -59,6 +59,10 @@ class SlotStore:
         self.arena = arena
         self._slots: dict[tuple[SlotKind, int, int, int], Slot] = {}
         self._lock = threading.Lock()
+        # One lock per slot key, held while that slot is (re)allocated: two threads ensuring
+        # the same slot at once (a superseded recovery's pull and the next one's) must not
+        # each create a segment, the later registration unlinking the one the other returned.
+        self._creating: dict[tuple[SlotKind, int, int, int], threading.Lock] = {}
 
     def get(self, kind: SlotKind, gen: int, rank: int, index: int) -> Slot | None:
         with self._lock:
@@ -71,16 +75,21 @@ class SlotStore:
 
         A reallocated slot is a new segment (new file name); the old one is unlinked.
         """
+        key = (kind, gen, rank, index)
         with self._lock:
-            slot = self._slots.get((kind, gen, rank, index))
-        if slot is not None and slot.segment.size >= nbytes:
-            return slot
-        what = f"{kind.value} slot {index} of rank {rank} (layout {gen})"
-        segment = self.arena.create(f"{kind.value[0]}{rank}-g{gen}-{index}", nbytes, what, touch)
-        new = Slot(rank, index, kind, segment, gen=gen)
-        with self._lock:
-            old = self._slots.get((kind, gen, rank, index))
-            self._slots[(kind, gen, rank, index)] = new
+            creating = self._creating.setdefault(key, threading.Lock())
+        with creating:
+            with self._lock:
+                slot = self._slots.get(key)
+            if slot is not None and slot.segment.size >= nbytes:
+                return slot
+            what = f"{kind.value} slot {index} of rank {rank} (layout {gen})"
+            tag = f"{kind.value[0]}{rank}-g{gen}-{index}"
+            segment = self.arena.create(tag, nbytes, what, touch)
+            new = Slot(rank, index, kind, segment, gen=gen)
+            with self._lock:
+                old = self._slots.get(key)
+                self._slots[key] = new
         if old is not None:
             with old.lock:
                 old.invalidate()
