@@ -27,7 +27,7 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -117,32 +117,47 @@ def findings(
         id(o) for o in tracked.values() if isinstance(o, torch.optim.Optimizer)
     }
     reachable = _reachable(tracked)
-    scheduler_type = torch.optim.lr_scheduler.LRScheduler
+    kinds: dict[type, str] = {}  # one classification per type: the heap is large
     for obj in heap:
-        if id(obj) in ids:
+        kind = type(obj)  # never isinstance: some objects warn when their __class__ is read
+        what = kinds.get(kind)
+        if what is None:
+            what = kinds[kind] = _classify(kind)
+        if not what or id(obj) in ids:
             continue
-        if isinstance(obj, scheduler_type):
-            if id(getattr(obj, "optimizer", None)) in in_use:
+        if what == "scheduler":
+            sched = cast(torch.optim.lr_scheduler.LRScheduler, obj)
+            if id(getattr(sched, "optimizer", None)) in in_use:
                 out.append(
-                    f"an LR scheduler {type(obj).__name__} of "
-                    f"{_optim_name(obj.optimizer, names)} is not tracked: after a restore it "
-                    "starts again from its first step; track it, e.g. "
-                    "ctx.track(..., sched=scheduler)"
+                    f"LR scheduler {kind.__name__} of {_optim_name(sched.optimizer, names)} "
+                    "is not tracked: after a restore it starts again from its first step; "
+                    "track it, e.g. ctx.track(..., sched=scheduler)"
                 )
-        elif isinstance(obj, torch.amp.GradScaler):
-            if obj.is_enabled() and getattr(obj, "_scale", None) is not None:
+        elif what == "scaler":
+            scaler = cast(torch.amp.GradScaler, obj)
+            if scaler.is_enabled() and getattr(scaler, "_scale", None) is not None:
                 out.append(
                     "a GradScaler in use is not tracked: its loss scale and growth count start "
                     "again after a restore; track it, e.g. ctx.track(..., scaler=scaler)"
                 )
-        elif isinstance(obj, (DataLoader, Sampler)) and _stateful(obj) and id(obj) not in reachable:
+        elif _stateful(obj) and id(obj) not in reachable:
             out.append(
-                f"a {type(obj).__name__}{_loader_detail(obj)} has a state_dict() but is not "
-                "tracked (nor held by a tracked object): after a restore it starts its data "
-                "epoch again; track it, e.g. ctx.track(..., data=loader)"
+                f"a {kind.__name__}{_loader_detail(obj)} has a state_dict() but is not tracked "
+                "(nor held by a tracked object): after a restore it starts its data epoch "
+                "again; track it, e.g. ctx.track(..., data=loader)"
             )
     out += _param_findings(tracked, ran, unseen_ddps)
     return out
+
+
+def _classify(kind: type) -> str:
+    if issubclass(kind, torch.optim.lr_scheduler.LRScheduler):
+        return "scheduler"
+    if issubclass(kind, torch.amp.GradScaler):
+        return "scaler"
+    if issubclass(kind, (DataLoader, Sampler)):
+        return "loader"
+    return ""
 
 
 def _ddp_finding(module: DistributedDataParallel) -> str:
@@ -199,7 +214,7 @@ def _optim_name(optim: torch.optim.Optimizer, names: dict[int, str]) -> str:
     params = [p for g in optim.param_groups for p in g["params"]]
     known = [names[id(p)] for p in params if id(p) in names]
     what = f" ({', '.join(known[:3])}{', …' if len(known) > 3 else ''})" if known else ""
-    return f"a {type(optim).__name__} over {len(params)} parameter(s){what}"
+    return f"optimizer {type(optim).__name__} over {len(params)} parameter(s){what}"
 
 
 def _module_name(module: torch.nn.Module) -> str:

@@ -13,11 +13,13 @@ one job per pattern.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from peerckpt.runtime.audit import PREFIX
 
-from .conftest import JobRun, assert_same_digests, run_with_reference
+from .conftest import JobRun, assert_same_digests, run_job, run_with_reference
 
 PATTERNS = [
     "inner-tracked",
@@ -38,7 +40,8 @@ CHAOS = "kill rank=1 at=8; kill node=1 at=16"
 
 def _recover_bit_exact(tmp_path, patterns: str) -> tuple[JobRun, JobRun]:
     reference, run = run_with_reference(
-        tmp_path, ["--steps", str(STEPS), "--patterns", patterns],
+        tmp_path,
+        ["--steps", str(STEPS), "--patterns", patterns],
         script="user_loop.py",
         spares=3,
         chaos=CHAOS,
@@ -64,3 +67,22 @@ def test_every_pattern_at_once_recovers_bit_exact_from_a_rank_and_a_node_loss(tm
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_each_pattern_recovers_bit_exact_from_a_rank_and_a_node_loss(tmp_path, pattern) -> None:
     _recover_bit_exact(tmp_path, pattern)
+
+
+def test_what_a_script_uses_but_does_not_track_is_named_once_at_the_first_snapshot(
+    tmp_path,
+) -> None:
+    """The script forgets to track its LR scheduler and its StatefulDataLoader: every rank says
+    so once, at its first snapshot (step 0), naming each and the fix."""
+    run = run_job(
+        tmp_path,
+        script="user_loop.py",
+        script_args=["--steps", "6", "--patterns", "all", "--leave-out", "sched,data"],
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    for named in ("LR scheduler LambdaLR of optimizer AdamW", "a StatefulDataLoader over a Tensor"):
+        lines = [line for line in run.log.splitlines() if PREFIX + named in line]
+        ranks = sorted(re.search(r"rank=(\d) epoch=0 step=0\]", line)[1] for line in lines)
+        assert ranks == ["0", "1", "2", "3"], lines
+        assert all("ctx.track(..., " in line for line in lines)
+    assert run.log.count(PREFIX) == 8  # nothing else

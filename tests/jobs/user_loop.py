@@ -1,6 +1,7 @@
 """A training script written the way users write them, with the pieces a matrix test picks.
 
-usage: user_loop.py OUT_DIR [--steps N] [--patterns P,P,...|all] [--record-workers]
+usage: user_loop.py OUT_DIR [--steps N] [--patterns P,P,...|all] [--leave-out NAME,...]
+                    [--record-workers]
 
 Patterns (each a habit of ordinary training scripts; ``all`` is every one at once):
 
@@ -17,6 +18,9 @@ Patterns (each a habit of ordinary training scripts; ``all`` is every one at onc
 - ``batchnorm``: a ``BatchNorm1d`` layer (running statistics in its buffers);
 - ``user-stateful``: a user object with ``state_dict``/``load_state_dict`` holding a tensor and
   a Python int, both changing every step.
+
+``--leave-out`` names tracked objects (``sched``, ``data``, ``head_optim``, ``scaler``, …) that the
+script then uses without passing them to ``ctx.track``, as a user who forgot them would.
 
 Each rank appends ``{"step", "epoch", "digest", "loss"}`` to OUT_DIR/rank<r>.jsonl after every
 step, the digest covering every tracked object; rank 0 writes OUT_DIR/final.json at the end.
@@ -193,7 +197,7 @@ def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
         sampler = peerckpt.ResumableSampler(ROWS, ctx.rank, ctx.world_size, seed=11)
         tracked["sampler"] = sampler
 
-    ctx.track(**tracked)
+    ctx.track(**{k: v for k, v in tracked.items() if k not in args.leave_out})
     if ddp is None:
         ddp = DDP(net)  # wrapped after track: the DDP object itself is never tracked
     if args.record_workers and ctx.restored_step is not None:
@@ -253,8 +257,10 @@ def parse() -> argparse.Namespace:
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--patterns", default="all")
+    parser.add_argument("--leave-out", default="", help="names used but not tracked")
     parser.add_argument("--record-workers", action="store_true")
     args = parser.parse_args()
+    args.leave_out = set(filter(None, args.leave_out.split(",")))
     args.patterns = (
         set(PATTERNS) - {"module-tracked", "ddp-tracked"}
         if args.patterns == "all"
