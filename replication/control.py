@@ -3,7 +3,9 @@
 A rank (or spare) connects once, proves the job secret and says who it is (role, pid, rank).
 Requests that carry ``req`` get a ``reply`` with the same id; everything else is a notice.
 The agent pushes events (``abort``, ``epoch``, ``commit``, ``shutdown``) down the same link.
-A link that closes means its process is gone: the agent sees a rank exit at once.
+A link that closes means its process is gone. The agent does not wait for that alone: the
+socket stays open while children of the process (DataLoader workers) still hold it, so the
+process itself is watched too (``replication/exits.py``) and its exit cuts the link at once.
 
 A process also sends ``hb`` frames a few times a second. One that falls silent for longer
 than the agent's heartbeat timeout (stopped, frozen) is *fenced*: it is told ``fenced`` (it
@@ -15,6 +17,7 @@ never act in the job again, whatever it was doing when it stopped.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import queue
@@ -26,6 +29,7 @@ from typing import Any
 
 from peerckpt.codec import pack, unpack
 from peerckpt.errors import PeerckptError, PeerUnavailable
+from peerckpt.replication.exits import ExitWatcher
 from peerckpt.wire import Connection, server_handshake
 
 log = logging.getLogger("peerckpt.control")
@@ -84,6 +88,7 @@ class ControlServer:
         self._sock.bind(path)
         os.chmod(path, 0o600)
         self._sock.listen(64)
+        self._exits = ExitWatcher()
         self._thread = threading.Thread(target=self._accept, name="peerckpt-control", daemon=True)
 
     def start(self) -> None:
@@ -102,6 +107,7 @@ class ControlServer:
             link.conn.close()
         if self._thread.is_alive():
             self._thread.join(timeout=2.0)
+        self._exits.stop()
 
     def link_of(self, pid: int) -> ProcLink | None:
         with self._cond:
@@ -177,6 +183,7 @@ class ControlServer:
             with self._cond:
                 self._links[link.pid] = link
                 self._cond.notify_all()
+            self._exits.watch(link.pid, functools.partial(_cut, conn))
             # Frames are handled in order on a thread of their own, so that a handler that
             # waits (a report held back by a partition) never stops this thread from reading
             # heartbeats: the process would look hung to its agent.
@@ -208,6 +215,7 @@ class ControlServer:
         finally:
             conn.close()
             if link is not None:
+                self._exits.unwatch(link.pid)
                 with self._cond:
                     if self._links.get(link.pid) is link:
                         del self._links[link.pid]
@@ -247,3 +255,10 @@ class ControlServer:
             return
         if req is not None:
             link.send({"type": "reply", "req": req, **(reply or {})})
+
+
+def _cut(conn: Connection) -> None:
+    """The process at the other end exited: end the link's reads now (its children may still
+    hold the socket open). Only shut down here; the link's own thread closes it."""
+    with contextlib.suppress(OSError):
+        conn.sock.shutdown(socket.SHUT_RDWR)

@@ -17,9 +17,10 @@ import re
 
 import pytest
 
+from peerckpt.launch.report import failure_rows
 from peerckpt.runtime.audit import PREFIX
 
-from .conftest import JobRun, assert_same_digests, run_job, run_with_reference
+from .conftest import JobRun, assert_same_digests, read_jsonl, run_job, run_with_reference
 
 PATTERNS = [
     "inner-tracked",
@@ -86,3 +87,31 @@ def test_what_a_script_uses_but_does_not_track_is_named_once_at_the_first_snapsh
         assert ranks == ["0", "1", "2", "3"], lines
         assert all("ctx.track(..., " in line for line in lines)
     assert run.log.count(PREFIX) == 8  # nothing else
+
+
+def test_a_rank_with_loader_workers_is_detected_at_once_and_its_workers_die_with_it(
+    tmp_path,
+) -> None:
+    """Rank 1 has two DataLoader worker processes, which inherit its descriptors (the socket to
+    its agent among them). Its death is acted on at once, not when the workers notice it, and
+    no worker outlives it: every restored rank finds none of the killed rank's workers alive."""
+    args = ["--steps", "16", "--patterns", "stateful-loader", "--record-workers"]
+    reference, run = run_with_reference(
+        tmp_path, args, script="user_loop.py", spares=1, chaos="kill rank=1 at=8"
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    rows = failure_rows(run.report["events"], run.report["chaos"])
+    assert len(rows) == 1, run.log[-6000:]
+    [row] = rows
+    assert row.detected_s is not None and row.detected_s < 0.5, row
+    [kill] = run.report["chaos"]
+    workers = list((run.out / "workers").glob(f"{kill['pid']}-*"))
+    assert len(workers) >= 2, "the killed rank had no loader workers"
+    restored = read_jsonl(run.out / "orphans.jsonl")
+    assert sorted(r["rank"] for r in restored) == [0, 1, 2, 3]
+    assert all(r["orphans"] == [] for r in restored), (
+        restored,
+        kill,
+        sorted(p.name for p in (run.out / "workers").iterdir()),
+    )
+    assert_same_digests(run, reference)

@@ -254,6 +254,7 @@ class LocalLauncher(Launcher):
             self._flushes = status.get("flushes", [])
             if status["state"] in ("succeeded", "failed", "stopped"):
                 return status["state"], status["reason"], self._all_events(status)
+            self.procs.end_groups()  # a rank that died takes its DataLoader workers along
             if status["state"] == "running":
                 self.procs.restart_stuck(WORLD_SIZE=str(self.spec.world))
             if self.spec.keep_spares and status["state"] == "running":

@@ -25,14 +25,15 @@ script then uses without passing them to ``ctx.track``, as a user who forgot the
 Each rank appends ``{"step", "epoch", "digest", "loss"}`` to OUT_DIR/rank<r>.jsonl after every
 step, the digest covering every tracked object; rank 0 writes OUT_DIR/final.json at the end.
 With ``--record-workers`` each loader worker writes its pid to OUT_DIR/workers/<rank pid>-<pid>,
-and every restored rank records in OUT_DIR/orphans.jsonl the workers still alive whose rank
-process is gone.
+and every restored rank records in OUT_DIR/orphans.jsonl the workers whose rank process is gone
+but which are still alive a second later.
 """
 
 import argparse
 import hashlib
 import json
 import os
+import time
 from contextlib import nullcontext
 
 import psutil
@@ -108,22 +109,33 @@ def _record_worker(worker_id: int) -> None:
     open(os.path.join(out, f"{os.getppid()}-{os.getpid()}"), "w").close()
 
 
-def record_orphans(out: str, ctx: peerckpt.Context) -> None:
-    """Loader workers still alive although their rank process is gone."""
-    folder = os.path.join(out, "workers")
-    orphans = []
+def _orphans(folder: str) -> list[list[int]]:
+    """[rank pid, worker pid] of loader workers alive although their rank process is gone."""
+    found = []
     for name in os.listdir(folder):
         parent, worker = (int(p) for p in name.split("-"))
         if psutil.pid_exists(parent):
             continue
         try:
-            alive = psutil.Process(worker).status() != psutil.STATUS_ZOMBIE
+            if psutil.Process(worker).status() != psutil.STATUS_ZOMBIE:
+                found.append([parent, worker])
         except psutil.NoSuchProcess:
-            alive = False
-        if alive:
-            orphans.append(worker)
+            pass
+    return found
+
+
+def record_orphans(out: str, ctx: peerckpt.Context) -> None:
+    """Loader workers that outlive their rank process by more than a second (torch's worker
+    loop would notice the parent gone after 5 s): the first check, and the last."""
+    folder = os.path.join(out, "workers")
+    first = orphans = _orphans(folder)
+    deadline = time.monotonic() + 1.0  # a SIGKILLed worker may wait for a core to die on
+    while orphans and time.monotonic() < deadline:
+        time.sleep(0.02)
+        orphans = _orphans(folder)
     with open(os.path.join(out, "orphans.jsonl"), "a") as f:
-        f.write(json.dumps({"epoch": ctx.epoch, "rank": ctx.rank, "orphans": orphans}) + "\n")
+        entry = {"epoch": ctx.epoch, "rank": ctx.rank, "orphans": orphans, "at_first": first}
+        f.write(json.dumps(entry) + "\n")
 
 
 def digest(objects: dict) -> str:
