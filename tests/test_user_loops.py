@@ -7,8 +7,9 @@ DDP, torchdata's StatefulDataLoader with worker processes, GradScaler, two optim
 schedule, gradient accumulation under ``no_sync``, BatchNorm, user state. Each case kills a
 rank and later a whole node under ``peerckpt run --nodes 2 --nproc-per-node 2`` and compares
 every digest any rank recorded (steps trained again included) and the final state with a
-fault-free run. ``make test`` runs every pattern at once in one job; ``make test-all`` also runs
-one job per pattern.
+fault-free run. With loader workers it also checks that the killed rank was acted on at once
+(its workers hold its socket) and that no worker outlived its rank. ``make test`` runs every
+pattern at once in one job; ``make test-all`` also runs one job per pattern.
 """
 
 from __future__ import annotations
@@ -40,9 +41,13 @@ CHAOS = "kill rank=1 at=8; kill node=1 at=16"
 
 
 def _recover_bit_exact(tmp_path, patterns: str) -> tuple[JobRun, JobRun]:
+    """Kill rank 1, later node 1; every step bit-exact. With loader workers (``all``,
+    ``stateful-loader``), also: the rank's death is acted on at once although its workers hold
+    its socket, and no worker outlives its rank (the killed rank's, nor the lost node's)."""
+    workers = patterns in ("all", "stateful-loader")
     reference, run = run_with_reference(
         tmp_path,
-        ["--steps", str(STEPS), "--patterns", patterns],
+        ["--steps", str(STEPS), "--patterns", patterns] + (["--record-workers"] if workers else []),
         script="user_loop.py",
         spares=3,
         chaos=CHAOS,
@@ -57,7 +62,19 @@ def _recover_bit_exact(tmp_path, patterns: str) -> tuple[JobRun, JobRun]:
     assert_same_digests(run, reference)
     for job in (reference, run):  # a script that tracks everything it uses gets no warning
         assert PREFIX not in job.log, job.log[job.log.index(PREFIX) - 200 :][:2000]
+    if workers:
+        _assert_workers_died_with_their_rank(run)
     return reference, run
+
+
+def _assert_workers_died_with_their_rank(run: JobRun) -> None:
+    rank_row = failure_rows(run.report["events"], run.report["chaos"])[0]
+    assert rank_row.detected_s is not None and rank_row.detected_s < 0.5, rank_row
+    kill = run.report["chaos"][0]
+    assert len(list((run.out / "workers").glob(f"{kill['pid']}-*"))) >= 2, "no loader workers"
+    restored = read_jsonl(run.out / "orphans.jsonl")
+    assert sorted(r["rank"] for r in restored) == [0, 0, 1, 1, 2, 2, 3, 3]  # two restores
+    assert all(r["orphans"] == [] for r in restored), restored
 
 
 def test_every_pattern_at_once_recovers_bit_exact_from_a_rank_and_a_node_loss(tmp_path) -> None:
@@ -87,31 +104,3 @@ def test_what_a_script_uses_but_does_not_track_is_named_once_at_the_first_snapsh
         assert ranks == ["0", "1", "2", "3"], lines
         assert all("ctx.track(..., " in line for line in lines)
     assert run.log.count(PREFIX) == 8  # nothing else
-
-
-def test_a_rank_with_loader_workers_is_detected_at_once_and_its_workers_die_with_it(
-    tmp_path,
-) -> None:
-    """Rank 1 has two DataLoader worker processes, which inherit its descriptors (the socket to
-    its agent among them). Its death is acted on at once, not when the workers notice it, and
-    no worker outlives it: every restored rank finds none of the killed rank's workers alive."""
-    args = ["--steps", "16", "--patterns", "stateful-loader", "--record-workers"]
-    reference, run = run_with_reference(
-        tmp_path, args, script="user_loop.py", spares=1, chaos="kill rank=1 at=8"
-    )
-    assert run.returncode == 0, run.log[-4000:]
-    rows = failure_rows(run.report["events"], run.report["chaos"])
-    assert len(rows) == 1, run.log[-6000:]
-    [row] = rows
-    assert row.detected_s is not None and row.detected_s < 0.5, row
-    [kill] = run.report["chaos"]
-    workers = list((run.out / "workers").glob(f"{kill['pid']}-*"))
-    assert len(workers) >= 2, "the killed rank had no loader workers"
-    restored = read_jsonl(run.out / "orphans.jsonl")
-    assert sorted(r["rank"] for r in restored) == [0, 1, 2, 3]
-    assert all(r["orphans"] == [] for r in restored), (
-        restored,
-        kill,
-        sorted(p.name for p in (run.out / "workers").iterdir()),
-    )
-    assert_same_digests(run, reference)
