@@ -43,6 +43,7 @@ log = logging.getLogger("peerckpt.rank")
 
 PREFIX = "not exact after a restore: "
 _WARNED: set[str] = set()  # findings already logged by this process
+_WIDE = 1000  # containers larger than this are not searched for loaders
 
 
 class FirstStepWatch:
@@ -250,6 +251,8 @@ def _reachable(tracked: dict[str, Any], depth: int = 4) -> set[int]:
             if id(obj) in seen or isinstance(obj, (torch.Tensor, torch.nn.Module)):
                 continue
             seen.add(id(obj))
+            if isinstance(obj, (dict, list, tuple, set, frozenset)) and len(obj) > _WIDE:
+                continue  # a data set's rows, not where a loader is kept
             if isinstance(obj, dict):
                 following.extend(obj.values())
             elif isinstance(obj, (list, tuple, set, frozenset)):
