@@ -2,7 +2,9 @@
 
 Runs the script twice as a local job of ``--nodes`` nodes: once without faults (the
 reference), then under a seeded random sequence of faults, one every ``--every`` steps from
-``--start``. The coordinator records the tensor digest of every snapshot of every rank and
+``--start``. The reference run says how many steps the script has: the faults are placed
+inside them (spread evenly when ``--every`` is not given), and a request that cannot fit is
+refused, with a value that fits, before the faulty run starts. The coordinator records the tensor digest of every snapshot of every rank and
 step in both runs (``--record-digests``: the agents' crc32c of every chunk, folded), so the
 comparison needs nothing from the script. Spares are replenished as they are used
 (``keep_spares``), as a cluster's pool of hot spares would be.
@@ -27,6 +29,7 @@ from typing import Any
 import psutil
 
 from peerckpt.chaos.spec import parse_chaos
+from peerckpt.errors import ConfigurationError
 from peerckpt.launch.base import JobResult, JobSpec
 from peerckpt.launch.local import LocalLauncher
 from peerckpt.launch.report import failure_rows
@@ -75,6 +78,72 @@ def generate(
     return clauses
 
 
+# A fault fires once the committed step reaches its step - 1, and the committed step trails
+# the running one: the last fault strikes at most this many steps before the script's end.
+TAIL_STEPS = 3
+MIN_EVERY = 2
+
+
+def place(
+    seed: int,
+    faults: int,
+    world: int,
+    start: int,
+    every: int | None,
+    heartbeat_s: float,
+    steps: int,
+) -> list[str]:
+    """The fault clauses of ``generate``, placed inside a run of ``steps`` steps: one every
+    ``every`` steps from ``start``, or spread evenly up to the last step a fault can strike
+    at when ``every`` is None. Raises ConfigurationError, naming a value that fits, when they
+    cannot fit."""
+    last = steps - TAIL_STEPS
+    if start > last:
+        raise ConfigurationError(
+            f"--start {start} is past step {last}, the last a fault can strike at in the "
+            f"fault-free run's {steps} steps; use --start {max(1, last)} or a longer script"
+        )
+    groups = _groups(seed, faults, world, heartbeat_s)
+    if every is None:
+        every = max(MIN_EVERY, (last - start) // (groups - 1)) if groups > 1 else MIN_EVERY
+        how = f"spread over steps {start}…{last}"
+    else:
+        how = f"every {every} steps from step {start}"
+    reach = start + every * (groups - 1)
+    if reach <= last:
+        return generate(seed, faults, world, start, every, heartbeat_s)
+    problem = (
+        f"{faults} faults {how} would strike up to step {reach}, but the fault-free run has "
+        f"{steps} steps and a fault must strike by step {last} to fire"
+    )
+    fits = (last - start) // (groups - 1) if groups > 1 else 0
+    if fits >= MIN_EVERY:
+        raise ConfigurationError(
+            f"{problem}; use --every {fits} (or leave --every out to spread them evenly)"
+        )
+    fewer = next(
+        (
+            n
+            for n in range(faults - 1, 0, -1)
+            if start + MIN_EVERY * (_groups(seed, n, world, heartbeat_s) - 1) <= last
+        ),
+        0,
+    )
+    need = start + MIN_EVERY * (groups - 1) + TAIL_STEPS
+    fix = f"use --faults {fewer}, or " if fewer else ""
+    raise ConfigurationError(
+        f"{problem}, even {MIN_EVERY} steps apart; {fix}give the script at least {need} steps"
+    )
+
+
+def _groups(seed: int, faults: int, world: int, heartbeat_s: float) -> int:
+    """How many distinct steps ``faults`` faults of seed ``seed`` strike at (a kill timed
+    inside a recovery shares its first kill's step). The sequence does not depend on the
+    spacing, so one spaced by 1 tells."""
+    clauses = generate(seed, faults, world, 0, 1, heartbeat_s)
+    return max(a.at for a in parse_chaos("; ".join(clauses))) + 1
+
+
 @dataclass
 class Row:
     fault: str
@@ -115,15 +184,14 @@ def run_campaign(
     nproc_per_node: int = 1,
     spares: int = 2,
     start: int = 5,
-    every: int = 10,
+    every: int | None = None,
     heartbeat_timeout: float = 3.0,
     replicas: int | None = None,
     env: dict[str, str] | None = None,
     job: str | None = None,
 ) -> Campaign:
     world = nodes * nproc_per_node
-    clauses = generate(seed, faults, world, start, every, heartbeat_timeout)
-    parse_chaos("; ".join(clauses))  # a bad template fails here, before anything runs
+    parse_chaos("; ".join(generate(seed, faults, world, start, every or MIN_EVERY, 1.0)))
     common: dict[str, Any] = dict(
         script=script[0],
         args=script[1:],
@@ -135,11 +203,14 @@ def run_campaign(
         record_digests=True,
     )
     reference = LocalLauncher(JobSpec(**common, job=f"{job}_ref" if job else None)).run()
-    campaign = Campaign(seed, clauses)
     if reference.state != "succeeded":
+        campaign = Campaign(seed, [])
         campaign.job_state = "reference failed"
         campaign.job_reason = reference.reason
         return campaign
+    steps = 1 + max(int(key.partition("/")[2]) for key in reference.digests)
+    clauses = place(seed, faults, world, start, every, heartbeat_timeout, steps)
+    campaign = Campaign(seed, clauses)
     launcher = LocalLauncher(
         JobSpec(
             **common,

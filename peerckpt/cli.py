@@ -43,7 +43,7 @@ def _run(args: argparse.Namespace) -> int:
 def _chaos(args: argparse.Namespace) -> int:
     from peerckpt.chaos import default_json_path, format_table, run_campaign, write_json
 
-    if args.faults < 1 or args.nodes < 2 or args.every < 2 or args.start < 1:
+    if args.faults < 1 or args.nodes < 2 or (args.every or 2) < 2 or args.start < 1:
         raise PeerckptError(
             "peerckpt chaos needs --faults ≥ 1, --nodes ≥ 2 (a node must survive each "
             "fault), --every ≥ 2 and --start ≥ 1"
@@ -334,7 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     chaos.add_argument("--spares", type=int, default=2, help="spares kept in reserve")
     chaos.add_argument("--replicas", type=int, default=None, help="buddies per snapshot")
     chaos.add_argument("--start", type=int, default=5, help="the first fault's step")
-    chaos.add_argument("--every", type=int, default=10, help="steps between faults")
+    chaos.add_argument(
+        "--every",
+        type=int,
+        default=None,
+        help="steps between faults (default: spread evenly over the fault-free run's steps)",
+    )
     chaos.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds")
     chaos.add_argument("--json", default=None, help="where to write the rows as JSON")
     chaos.add_argument("--job", default=None, help="name the two jobs NAME_ref and NAME_chaos")

@@ -4,7 +4,9 @@ A rank (or spare) connects once, proves the job secret and says who it is (``Pro
 Then it sends typed messages (``peerckpt/messages/local.py``): requests that carry a ``req``
 id get a ``Reply`` with the same id; everything else is a notice. The agent pushes events
 (``Abort``, ``EpochStart``, ``Commit``, ``Shutdown``) down the same link. A link that closes
-means its process is gone: the agent sees a rank exit at once.
+means its process is gone. The agent does not wait for that alone: the socket stays open while
+children of the process (DataLoader workers) still hold it, so the process itself is watched
+too (``replication/exits.py``) and its exit cuts the link at once.
 
 A process also sends ``Beat`` frames a few times a second. One that falls silent for longer
 than the agent's heartbeat timeout (stopped, frozen) is *fenced*: it is told ``fenced`` (it
@@ -16,6 +18,7 @@ never act in the job again, whatever it was doing when it stopped.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import queue
@@ -29,6 +32,7 @@ from peerckpt.errors import PeerckptError, PeerUnavailable, ProtocolError
 from peerckpt.messages import Message, decode, encode, from_frame, type_name
 from peerckpt.messages.control import Shutdown
 from peerckpt.messages.local import Beat, Fenced, ProcHello, Reply, ToAgent
+from peerckpt.replication.exits import ExitWatcher
 from peerckpt.serving import Listener
 from peerckpt.states import ProcRole
 from peerckpt.wire import Connection, server_handshake
@@ -91,6 +95,7 @@ class ControlServer:
         sock.bind(path)
         os.chmod(path, 0o600)
         sock.listen(64)
+        self._exits = ExitWatcher()
         self._listener = Listener(sock, self._serve, "peerckpt-control", peer="local process")
 
     def start(self) -> None:
@@ -102,6 +107,7 @@ class ControlServer:
             os.unlink(self.path)
         with self._cond:
             self._cond.notify_all()
+        self._exits.stop()
 
     def link_of(self, pid: int) -> ProcLink | None:
         with self._cond:
@@ -164,6 +170,7 @@ class ControlServer:
             with self._cond:
                 self._links[link.pid] = link
                 self._cond.notify_all()
+            self._exits.watch(link.pid, functools.partial(_cut, conn))
             # Frames are handled in order on a thread of their own, so that a handler that
             # waits (a report held back by a partition) never stops this thread from reading
             # heartbeats: the process would look hung to its agent.
@@ -194,6 +201,7 @@ class ControlServer:
         finally:
             conn.close()
             if link is not None:
+                self._exits.unwatch(link.pid)
                 with self._cond:
                     if self._links.get(link.pid) is link:
                         del self._links[link.pid]
@@ -233,3 +241,10 @@ class ControlServer:
             return
         if req is not None:
             link.send(Reply(req, answer=encode(reply) if reply is not None else None))
+
+
+def _cut(conn: Connection) -> None:
+    """The process at the other end exited: end the link's reads now (its children may still
+    hold the socket open). Only shut down here; the link's own thread closes it."""
+    with contextlib.suppress(OSError):
+        conn.sock.shutdown(socket.SHUT_RDWR)

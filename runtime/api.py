@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from peerckpt.errors import ConfigurationError, PeerUnavailable
+from peerckpt.runtime import children
 from peerckpt.runtime.env import LaunchEnv
 from peerckpt.runtime.rank import Assignment, RankRuntime, configure_logging
 from peerckpt.states import ProcRole
@@ -132,6 +133,7 @@ def resilient(
                 # node was lost) has nothing to stand by for.
                 logging.getLogger("peerckpt.rank").info("%s exits: %s", env.role.value, exc)
                 raise SystemExit(0) from None
+            children.install(runtime.channel.conn.sock)  # DataLoader workers die with us
             return runtime.run(func, args, kwargs)
 
         return wrapper  # type: ignore[return-value]

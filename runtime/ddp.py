@@ -12,6 +12,13 @@ reducer with exactly that layout, through DDP's own ``_ddp_init_helper``. Measur
 this, a 4-rank DDP transformer restored mid-run matches the fault-free run bit for bit; without
 it, the first resumed step differs. These are private DDP APIs of torch 2.13; the chaos tests
 compare bits and fail loudly if a torch upgrade changes them.
+
+The DDP object need not be tracked. Users track the module and wrap it afterwards
+(``ctx.track(model=net); ddp = DDP(net)``), or wrap first and track ``ddp.module``: the
+runtime then meets the DDP at its first forward of the epoch (``runtime/audit.py`` watches
+that step) and ``DdpLayouts`` keys its layout by the name of the tracked module it wraps,
+applying a restored layout right there, before that forward runs. Measured (the inner-tracked
+case of ``tests/test_user_loops.py``): without this, every step after a restore differed.
 """
 
 from __future__ import annotations
@@ -61,18 +68,56 @@ def apply_bucket_layout(module: DistributedDataParallel, buckets: list[list[int]
     return True
 
 
-def layouts_of(tracked: dict[str, Any]) -> dict[str, list[list[int]]]:
-    """Bucket layouts of every tracked DDP module that has one."""
-    found = {}
-    for name, obj in tracked.items():
-        if isinstance(obj, DistributedDataParallel):
-            layout = bucket_layout(obj)
+class DdpLayouts:
+    """The DDP bucket layouts of one epoch: captured from, and restored into, every DDP that
+    wraps a tracked module or is tracked itself, keyed by that tracked object's name.
+
+    ``restore`` takes the layouts of the restored snapshot and applies them to the DDPs
+    tracked so far; ``see`` is called for every DDP that runs a forward in the epoch's first
+    step and applies a pending layout to it before that forward runs. A layout applied here
+    is also what ``layouts`` reports until the DDP rebuilds its buckets again, so that the
+    snapshot of the first step after a restore still carries it.
+    """
+
+    def __init__(self, tracked: dict[str, Any]) -> None:
+        self.tracked = tracked
+        self._pending: dict[str, list[list[int]]] = {}
+        self._applied: dict[str, list[list[int]]] = {}
+        self._found: dict[str, DistributedDataParallel] = {}
+
+    def name_of(self, module: DistributedDataParallel) -> str | None:
+        """The tracked name of ``module`` or of the module it wraps; None if neither is."""
+        for name, obj in self.tracked.items():
+            if obj is module or obj is module.module:
+                return name
+        return None
+
+    def restore(self, layouts: dict[str, list[list[int]]]) -> None:
+        self._pending.update(layouts)
+        for obj in list(self.tracked.values()):
+            if isinstance(obj, DistributedDataParallel):
+                self.see(obj)
+
+    def see(self, module: DistributedDataParallel) -> str | None:
+        """Remember ``module`` (a DDP met in the first step); apply its restored layout."""
+        name = self.name_of(module)
+        if name is None:
+            return None
+        self._found[name] = module
+        layout = self._pending.pop(name, None)
+        if layout is not None and apply_bucket_layout(module, layout):
+            self._applied[name] = layout
+        return name
+
+    def layouts(self) -> dict[str, list[list[int]]]:
+        """The layout of every known DDP, for the snapshot of this step."""
+        found = dict(self._found)
+        for name, obj in self.tracked.items():
+            if isinstance(obj, DistributedDataParallel):
+                found.setdefault(name, obj)
+        out = {}
+        for name, module in found.items():
+            layout = bucket_layout(module) or self._applied.get(name)
             if layout is not None:
-                found[name] = layout
-    return found
-
-
-def apply_layouts(tracked: dict[str, Any], layouts: dict[str, list[list[int]]]) -> None:
-    for name, obj in tracked.items():
-        if isinstance(obj, DistributedDataParallel) and name in layouts:
-            apply_bucket_layout(obj, layouts[name])
+                out[name] = layout
+        return out

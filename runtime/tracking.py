@@ -24,7 +24,8 @@ from peerckpt.errors import MembershipChanged, StateMismatch
 from peerckpt.manifest import META_KEY, ChunkRecord
 from peerckpt.messages.control import Shutdown
 from peerckpt.messages.local import RankResumed, ReleaseStaging, WantChunks
-from peerckpt.runtime import capture, ddp
+from peerckpt.runtime import capture
+from peerckpt.runtime.audit import FirstStepWatch
 from peerckpt.runtime.restore import (
     ChunkSource,
     OldLayout,
@@ -37,6 +38,7 @@ from peerckpt.states import EpochMode
 
 if TYPE_CHECKING:
     from peerckpt.runtime.channel import AgentChannel
+    from peerckpt.runtime.env import LaunchEnv
     from peerckpt.runtime.pg import ProcessGroupLifecycle
     from peerckpt.runtime.snapshot import SnapshotEngine
 
@@ -73,6 +75,7 @@ class RestoreCost:
 class Tracking:
     """Restore and snapshot. Expects the rank runtime's state (declared for type checking)."""
 
+    env: LaunchEnv
     state: RankState
     assignment: Assignment | None
     tracked: dict[str, Any]
@@ -87,6 +90,8 @@ class Tracking:
     _resumed_sent: bool
     _staging: dict[tuple[int, int], tuple[str, list[ChunkRecord]]]
     _round: int
+    _watch: FirstStepWatch | None = None  # this epoch's first-step hooks (runtime/audit.py)
+    _audit_pending = True  # the audit of the loop runs once per process
 
     if TYPE_CHECKING:  # provided by RankRuntime
 
@@ -98,6 +103,8 @@ class Tracking:
         if clash:
             raise StateMismatch(f"ctx.track got {clash} twice in one epoch; track each name once")
         self.check()
+        if self._watch is None or self._watch.tracked is not self.tracked:
+            self._start_watch()
         self.tracked.update(state)
         for obj in state.values():
             if isinstance(obj, torch.optim.Optimizer):
@@ -122,7 +129,7 @@ class Tracking:
             world_size=a.world_size,
             resharded=False,
         )
-        ddp.apply_layouts(state, meta.get("ddp", {}))
+        self._watching().ddp.restore(meta.get("ddp", {}))
         self._restored = meta
         log.info("restored %s from step %d in %s", sorted(state), meta["step"], cost.summary())
 
@@ -159,7 +166,7 @@ class Tracking:
             os.close(fd)
             self.channel.notify(ReleaseStaging(a.epoch, a.rank, round_))
         # The model is the same model, whatever the world size: its DDP buckets too.
-        ddp.apply_layouts(state, metas[primary].get("ddp", {}))
+        self._watching().ddp.restore(metas[primary].get("ddp", {}))
         self._restored = metas[primary]
         log.info(
             "restored %s from step %s into a new layout (world %d, was %d): %.3f s planning "
@@ -171,6 +178,21 @@ class Tracking:
             gathered - asked,
             cost.summary(),
         )
+
+    def _start_watch(self) -> None:
+        """Watch this epoch's first step (``runtime/audit.py``): DDPs that wrap tracked modules,
+        and, once per process, what the loop uses that is not tracked. The audit runs in a rank
+        that started the job (spares run the same script: they would only repeat it)."""
+        assert self.assignment is not None
+        audit = self._audit_pending and (
+            self.assignment.restore_step is None or self.env.role == "rank"
+        )
+        self._watch = FirstStepWatch(self.tracked, audit=audit)
+        self._hooks.append(self._watch)  # removed when the epoch is left, whatever happens
+
+    def _watching(self) -> FirstStepWatch:
+        assert self._watch is not None
+        return self._watch
 
     def _before_optimizer_step(self, *args: Any) -> None:
         self.engine.guard_step()
@@ -188,13 +210,19 @@ class Tracking:
             capture.restore_rng(self._restored["rng"])
             start = a.restore_step + 1
         self._resumed(start)
+        watch = self._watch
+        if watch is not None and watch.tracked is not self.tracked:
+            watch = None  # an earlier epoch's: nothing was tracked in this one
         for step in range(start, total):
             self.check()
             self.step = step
             yield step
             self.check()
-            extra = {"ddp": ddp.layouts_of(self.tracked)}
+            extra = {"ddp": watch.ddp.layouts() if watch is not None else {}}
             self.engine.take(step, capture.capture(self.tracked, step, extra))
+            if step == start and watch is not None:
+                self._audit_pending = self._audit_pending and not watch.audit
+                watch.finish()  # the first snapshot: the hooks go, the audit speaks
             if self.engine.committed_step is not None and self.engine.committed_step >= start:
                 self.pg.release_retired()  # this epoch committed: the old groups are idle
 

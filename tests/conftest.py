@@ -171,9 +171,9 @@ def run_job(out: Path, *args: Any, timeout: float = 240.0, **kwargs: Any) -> Job
 
 
 def run_with_reference(out: Path, script_args: list[str], **kwargs: Any) -> tuple[JobRun, JobRun]:
-    """A fault-free run of the job in the same topology (``nodes``, ``nproc``), then the run
-    with ``kwargs`` (chaos, spares, extra flags). Returns (reference, run)."""
-    topology = {k: kwargs[k] for k in ("nodes", "nproc") if k in kwargs}
+    """A fault-free run of the job (``script``) in the same topology (``nodes``, ``nproc``),
+    then the run with ``kwargs`` (chaos, spares, extra flags). Returns (reference, run)."""
+    topology = {k: kwargs[k] for k in ("script", "nodes", "nproc") if k in kwargs}
     reference = run_job(out / "reference", script_args=script_args, **topology)
     assert reference.returncode == 0, reference.log[-4000:]
     return reference, run_job(out / "chaos", script_args=script_args, **kwargs)

@@ -264,6 +264,7 @@ class LocalLauncher(Launcher):
             self._flushes = [encode(f) for f in status.flushes]
             if state.ended:
                 return state.value, status.reason, self._all_events(events)
+            self.procs.end_groups()  # a rank that died takes its DataLoader workers along
             if state is JobState.RUNNING:
                 self.procs.restart_stuck(WORLD_SIZE=str(self.spec.world))
             if self.spec.keep_spares and state is JobState.RUNNING:

@@ -3,6 +3,10 @@
 Shared by ``peerckpt run`` (a whole job) and ``peerckpt join`` (one more node for a running
 job). Every process starts in a session of its own, so a Ctrl-C in the terminal reaches only
 the launcher, which then stops them in order; whatever does not stop in time is killed.
+
+A training process's session is its own process group, which its children (DataLoader
+workers) join: when the process exits, or its node is killed, the whole group goes with it
+(``end_groups``, ``kill_node``), so no worker outlives its rank holding its descriptors.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class ProcessSet:
         self.nodes: dict[int, Node] = {}
         self.others: list[subprocess.Popen[bytes]] = []  # e.g. the coordinator
         self._restarts: dict[int, int] = {}  # pid -> in-place restarts its line has had
+        self._ended: set[int] = set()  # training processes whose group was ended
         self.lock = threading.Lock()
 
     def env(self, **extra: str) -> dict[str, str]:
@@ -151,14 +156,28 @@ class ProcessSet:
                 started.append((node.index, proc.pid, new.pid))
         return started
 
+    def end_groups(self) -> None:
+        """SIGKILL what is left of the process group of every training process that exited:
+        the children it forked (DataLoader workers), which would otherwise keep its sockets
+        and mappings until they notice. The group outlives its leader while it has members,
+        so its id cannot be reused meanwhile."""
+        with self.lock:
+            procs = [p for node in self.nodes.values() for p in node.procs]
+        for proc in procs:
+            if proc.pid in self._ended or proc.poll() is None:
+                continue
+            self._ended.add(proc.pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
     def kill_node(self, n: int) -> None:
-        """SIGKILL a node's agent and processes and wait for them to die."""
+        """SIGKILL a node's agent and processes (their children too) and wait for them."""
         with self.lock:
             target = self.nodes[n]
             target.alive = False
             for proc in [target.agent, *target.procs]:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
             for proc in [target.agent, *target.procs]:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=5.0)

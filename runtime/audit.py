@@ -1,0 +1,263 @@
+"""What the runtime learns of the user's loop in an epoch's first step, and what it says about
+what it cannot make exact.
+
+A training script arranges the standard pieces in many ways; the runtime restores exactly what
+it is given with ``ctx.track`` and nothing else. Two global torch hooks, installed by the first
+``ctx.track`` of an epoch and removed at its first snapshot, show what the loop actually uses:
+
+- a module forward pre-hook: every ``DistributedDataParallel`` that runs a forward (handed to
+  ``DdpLayouts``, which restores its bucket layout before that forward runs, tracked or not),
+  and, when auditing, every module with parameters that runs;
+- an optimizer step post-hook: every optimizer that steps.
+
+When auditing (once per process), the first snapshot then checks what would make a restored
+run differ from a fault-free one and logs one warning per finding, naming the object and the
+fix: an optimizer that steps but is not tracked; an LR scheduler or GradScaler of the loop
+that is not tracked; a data loader or sampler with ``state_dict`` that no tracked object
+holds; parameters of modules that ran but belong to no tracked object; a DDP whose module is
+not tracked (its buckets cannot be restored). Loaders, schedulers and scalers are found with
+one walk of the garbage collector's objects, which is why the audit runs once per process.
+
+This module never raises for a finding, never changes a user object (``DdpLayouts`` applies
+recorded layouts, nothing else), and costs nothing after the first step of an epoch.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Iterable
+from typing import Any, cast
+
+import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.data import DataLoader, Sampler
+
+from peerckpt.runtime.capture import param_fqns
+from peerckpt.runtime.ddp import DdpLayouts
+from peerckpt.runtime.layouts import FlatShard, Shard, local_of
+
+log = logging.getLogger("peerckpt.rank")
+
+PREFIX = "not exact after a restore: "
+_WARNED: set[str] = set()  # findings already logged by this process
+_WIDE = 1000  # containers larger than this are not searched for loaders
+
+
+class FirstStepWatch:
+    """The global hooks of one epoch's first step (``remove`` is idempotent)."""
+
+    def __init__(self, tracked: dict[str, Any], audit: bool) -> None:
+        self.tracked = tracked
+        self.ddp = DdpLayouts(tracked)
+        self.audit = audit
+        self._ddps: dict[int, DistributedDataParallel] = {}
+        self._ran: dict[int, torch.nn.Module] = {}
+        self._stepped: dict[int, torch.optim.Optimizer] = {}
+        self._handles = [
+            register_module_forward_pre_hook(self._on_forward),
+            register_optimizer_step_post_hook(self._on_step),
+        ]
+
+    def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if isinstance(module, DistributedDataParallel):
+            self._ddps.setdefault(id(module), module)
+            self.ddp.see(module)
+        elif self.audit and module._parameters:
+            self._ran.setdefault(id(module), module)
+
+    def _on_step(self, optim: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._stepped.setdefault(id(optim), optim)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def finish(self) -> list[str]:
+        """Stop watching; when auditing, log each new finding once and return them all."""
+        self.remove()
+        if not self.audit:
+            return []
+        found = findings(
+            self.tracked,
+            [d for d in self._ddps.values() if self.ddp.name_of(d) is None],
+            list(self._ran.values()),
+            list(self._stepped.values()),
+            gc.get_objects(),
+        )
+        for text in found:
+            if text not in _WARNED:
+                _WARNED.add(text)
+                log.warning("%s%s", PREFIX, text)
+        return found
+
+
+def findings(
+    tracked: dict[str, Any],
+    unseen_ddps: list[DistributedDataParallel],
+    ran: list[torch.nn.Module],
+    stepped: list[torch.optim.Optimizer],
+    heap: Iterable[object],
+) -> list[str]:
+    """What of the loop a restore cannot reproduce, one sentence per object (pure: ``heap`` is
+    every live object to search for schedulers, scalers and loaders)."""
+    ids = {id(obj) for obj in tracked.values()}
+    names = param_fqns(tracked)
+    out = [_ddp_finding(d) for d in unseen_ddps]
+    for optim in stepped:
+        if id(optim) not in ids:
+            out.append(
+                f"{_optim_name(optim, names)} steps but is not tracked: its state (moments, "
+                "step counts, learning rates) starts again after a restore; track it, e.g. "
+                "ctx.track(..., optim=optimizer)"
+            )
+    in_use = {id(o) for o in stepped} | {
+        id(o) for o in tracked.values() if isinstance(o, torch.optim.Optimizer)
+    }
+    reachable = _reachable(tracked)
+    kinds: dict[type, str] = {}  # one classification per type: the heap is large
+    for obj in heap:
+        kind = type(obj)  # never isinstance: some objects warn when their __class__ is read
+        what = kinds.get(kind)
+        if what is None:
+            what = kinds[kind] = _classify(kind)
+        if not what or id(obj) in ids:
+            continue
+        if what == "scheduler":
+            sched = cast(torch.optim.lr_scheduler.LRScheduler, obj)
+            if id(getattr(sched, "optimizer", None)) in in_use:
+                out.append(
+                    f"LR scheduler {kind.__name__} of {_optim_name(sched.optimizer, names)} "
+                    "is not tracked: after a restore it starts again from its first step; "
+                    "track it, e.g. ctx.track(..., sched=scheduler)"
+                )
+        elif what == "scaler":
+            scaler = cast(torch.amp.GradScaler, obj)
+            if scaler.is_enabled() and getattr(scaler, "_scale", None) is not None:
+                out.append(
+                    "a GradScaler in use is not tracked: its loss scale and growth count start "
+                    "again after a restore; track it, e.g. ctx.track(..., scaler=scaler)"
+                )
+        elif _stateful(obj) and id(obj) not in reachable:
+            out.append(
+                f"a {kind.__name__}{_loader_detail(obj)} has a state_dict() but is not tracked "
+                "(nor held by a tracked object): after a restore it starts its data epoch "
+                "again; track it, e.g. ctx.track(..., data=loader)"
+            )
+    out += _param_findings(tracked, ran, unseen_ddps)
+    return out
+
+
+def _classify(kind: type) -> str:
+    if issubclass(kind, torch.optim.lr_scheduler.LRScheduler):
+        return "scheduler"
+    if issubclass(kind, torch.amp.GradScaler):
+        return "scaler"
+    if issubclass(kind, (DataLoader, Sampler)):
+        return "loader"
+    return ""
+
+
+def _ddp_finding(module: DistributedDataParallel) -> str:
+    return (
+        f"a DistributedDataParallel over a {type(module.module).__name__} runs, but neither it "
+        "nor the module it wraps is tracked: its gradient buckets cannot be restored, so the "
+        "steps after a restore sum gradients in another order; track the module it wraps "
+        "whole (ctx.track(model=ddp.module)) or the DDP itself"
+    )
+
+
+def _param_findings(
+    tracked: dict[str, Any],
+    ran: list[torch.nn.Module],
+    unseen_ddps: list[DistributedDataParallel],
+) -> list[str]:
+    """Trainable parameters of modules that ran but belong to no tracked object."""
+    covered: set[int] = set()
+    storages: set[int] = set()
+    for obj in tracked.values():
+        tensors: list[torch.Tensor] = []
+        if isinstance(obj, torch.nn.Module):
+            tensors = list(obj.parameters())
+        elif isinstance(obj, (torch.Tensor, Shard)):
+            tensors = [local_of(obj)]
+        elif isinstance(obj, FlatShard):
+            tensors = [obj.local]
+        for t in tensors:
+            covered.add(id(t))
+            storages.add(local_of(t).untyped_storage().data_ptr())
+    reported = {id(m) for d in unseen_ddps for m in d.module.modules()}  # said above
+    loose = []
+    for module in ran:
+        if id(module) in reported:
+            continue
+        params = [p for p in module._parameters.values() if p is not None and p.requires_grad]
+        if any(
+            id(p) not in covered and local_of(p).untyped_storage().data_ptr() not in storages
+            for p in params
+        ):
+            loose.append(module)
+    if not loose:
+        return []
+    shown = ", ".join(_module_name(m) for m in loose[:3])
+    more = f" and {len(loose) - 3} more" if len(loose) > 3 else ""
+    return [
+        f"trainable parameters of {shown}{more} (modules that ran in the step) belong to no "
+        "tracked object: they are built again, not restored, after a failure; track the model "
+        "they belong to, e.g. ctx.track(model=model)"
+    ]
+
+
+def _optim_name(optim: torch.optim.Optimizer, names: dict[int, str]) -> str:
+    params = [p for g in optim.param_groups for p in g["params"]]
+    known = [names[id(p)] for p in params if id(p) in names]
+    what = f" ({', '.join(known[:3])}{', …' if len(known) > 3 else ''})" if known else ""
+    return f"optimizer {type(optim).__name__} over {len(params)} parameter(s){what}"
+
+
+def _module_name(module: torch.nn.Module) -> str:
+    shapes = ", ".join(
+        f"{k} {'×'.join(map(str, p.shape))}" for k, p in module._parameters.items() if p is not None
+    )
+    return f"a {type(module).__name__} ({shapes})"
+
+
+def _loader_detail(obj: object) -> str:
+    dataset = getattr(obj, "dataset", None)
+    return f" over a {type(dataset).__name__}" if dataset is not None else ""
+
+
+def _stateful(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def _reachable(tracked: dict[str, Any], depth: int = 4) -> set[int]:
+    """Ids of the objects held, a few attributes deep, by the tracked Stateful objects (a
+    sampler inside a tracked loader, a loader inside a tracked wrapper)."""
+    seen: set[int] = set()
+    frontier = [
+        obj
+        for obj in tracked.values()
+        if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor))
+    ]
+    for _ in range(depth + 1):
+        following: list[object] = []
+        for obj in frontier:
+            if id(obj) in seen or isinstance(obj, (torch.Tensor, torch.nn.Module)):
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, (dict, list, tuple, set, frozenset)) and len(obj) > _WIDE:
+                continue  # a data set's rows, not where a loader is kept
+            if isinstance(obj, dict):
+                following.extend(obj.values())
+            elif isinstance(obj, (list, tuple, set, frozenset)):
+                following.extend(obj)
+            elif hasattr(obj, "__dict__"):
+                following.extend(vars(obj).values())
+        frontier = following
+    return seen

@@ -1,0 +1,70 @@
+"""Processes a rank forks die with it and hold nothing of the job.
+
+A forked child — above all a DataLoader worker — inherits every descriptor of the rank: the
+control socket to its agent, its process group's connections, its mapped snapshot slots.
+torch's worker loop notices a dead parent only by polling (every 5 s), so after a crash the
+workers outlived the rank by seconds, holding all of that. ``install`` registers a fork
+handler, once per process, that in every child forked from the rank's main thread:
+
+- asks the kernel to SIGKILL the child when the rank dies (``PR_SET_PDEATHSIG``), and exits at
+  once if the rank died between the fork and that call;
+- closes the child's copy of the control socket (the child never speaks to the agent).
+
+``PR_SET_PDEATHSIG`` fires when the *thread* that forked exits, so a child forked from any
+other thread is left alone here: the launcher ends the rank's whole process group when the
+rank exits (``peerckpt/launch/processes.py``), which takes those too. Children started with
+``spawn`` run a fresh interpreter without these descriptors; the process group covers them.
+
+This module never touches the parent's state from a child beyond the child's own copies of
+descriptors, and does nothing on systems without ``prctl``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Any
+
+_PR_SET_PDEATHSIG = 1
+_installed = False
+_sockets: list[socket.socket] = []
+_parent = 0
+_from_main = False
+_prctl: Any = None  # libc's prctl, looked up before any fork
+
+
+def install(control: socket.socket) -> None:
+    """Make the children this process forks die with it and drop ``control``."""
+    global _installed, _prctl
+    _sockets.append(control)
+    if _installed or not sys.platform.startswith("linux") or not hasattr(os, "register_at_fork"):
+        return
+    try:
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        _prctl = None
+    os.register_at_fork(before=_before_fork, after_in_child=_in_child)
+    _installed = True
+
+
+def _before_fork() -> None:
+    global _parent, _from_main
+    _parent = os.getpid()
+    _from_main = threading.current_thread() is threading.main_thread()
+
+
+def _in_child() -> None:
+    for sock in _sockets:
+        with contextlib.suppress(OSError):
+            sock.close()  # this process's copy only: the rank's own stays open
+    _sockets.clear()
+    if _prctl is None or not _from_main:
+        return
+    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != _parent:  # the rank died before the call above took effect
+        os._exit(1)

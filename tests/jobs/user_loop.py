@@ -1,0 +1,295 @@
+"""A training script written the way users write them, with the pieces a matrix test picks.
+
+usage: user_loop.py OUT_DIR [--steps N] [--patterns P,P,...|all] [--leave-out NAME,...]
+                    [--record-workers]
+
+Patterns (each a habit of ordinary training scripts; ``all`` is every one at once):
+
+- ``inner-tracked``: ``ctx.track(model=net)``, then ``ddp = DDP(net)`` (the DDP never tracked);
+- ``module-tracked``: ``ddp = DDP(net)`` first, then ``ctx.track(model=ddp.module)``;
+- ``ddp-tracked``: ``ctx.track(model=ddp)`` (the default when none of the three is given);
+- ``stateful-loader``: torchdata's ``StatefulDataLoader`` over a ``DistributedSampler`` with
+  2 worker processes, tracked as ``data``;
+- ``resumable-sampler``: batches drawn by ``peerckpt.ResumableSampler``, tracked as ``sampler``;
+- ``scaler``: ``torch.amp.GradScaler`` (tracked), its scale growing during the run;
+- ``two-optimizers``: AdamW on the body and SGD with momentum on the head;
+- ``lambdalr``: a ``LambdaLR`` schedule on the (first) optimizer;
+- ``accumulation``: two micro-batches a step, the first under ``ddp.no_sync()``;
+- ``batchnorm``: a ``BatchNorm1d`` layer (running statistics in its buffers);
+- ``user-stateful``: a user object with ``state_dict``/``load_state_dict`` holding a tensor and
+  a Python int, both changing every step.
+
+``--leave-out`` names tracked objects (``sched``, ``data``, ``head_optim``, ``scaler``, …) that the
+script then uses without passing them to ``ctx.track``, as a user who forgot them would.
+
+Each rank appends ``{"step", "epoch", "digest", "loss"}`` to OUT_DIR/rank<r>.jsonl after every
+step, the digest covering every tracked object; rank 0 writes OUT_DIR/final.json at the end.
+With ``--record-workers`` each loader worker writes its pid to OUT_DIR/workers/<rank pid>-<pid>,
+and every restored rank records in OUT_DIR/orphans.jsonl the workers whose rank process is gone
+but which are still alive a second later.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from contextlib import nullcontext
+
+import psutil
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler, TensorDataset
+
+import peerckpt
+
+PATTERNS = (
+    "inner-tracked",
+    "module-tracked",
+    "ddp-tracked",
+    "stateful-loader",
+    "resumable-sampler",
+    "scaler",
+    "two-optimizers",
+    "lambdalr",
+    "accumulation",
+    "batchnorm",
+    "user-stateful",
+)
+BATCH = 8
+ROWS = 4096
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(ROWS, 16, generator=g)
+    y = (x[:, :4].sum(dim=1) > 0).long() + 2 * (x[:, 4] > 0).long()
+    return TensorDataset(x, y)
+
+
+class Net(nn.Module):
+    def __init__(self, batchnorm: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(
+            nn.Linear(16, 64),
+            nn.BatchNorm1d(64) if batchnorm else nn.Identity(),
+            nn.ReLU(),
+            nn.Dropout(0.1),
+            nn.Linear(64, 64),
+            nn.ReLU(),
+        )
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+class RunningStats:
+    """What a user keeps beside the model: an average of the loss and a count of samples."""
+
+    def __init__(self) -> None:
+        self.loss_ema = torch.zeros(4)
+        self.seen = 0
+
+    def update(self, logits: torch.Tensor, n: int) -> None:
+        self.loss_ema = 0.9 * self.loss_ema + 0.1 * logits.detach().mean(dim=0)
+        self.seen += n
+
+    def state_dict(self) -> dict:
+        return {"loss_ema": self.loss_ema, "seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loss_ema, self.seen = state["loss_ema"].clone(), state["seen"]
+
+
+def _record_worker(worker_id: int) -> None:
+    out = os.environ["USER_LOOP_WORKERS"]
+    open(os.path.join(out, f"{os.getppid()}-{os.getpid()}"), "w").close()
+
+
+def _orphans(folder: str) -> list[list[int]]:
+    """[rank pid, worker pid] of loader workers alive although their rank process is gone."""
+    found = []
+    for name in os.listdir(folder):
+        parent, worker = (int(p) for p in name.split("-"))
+        if psutil.pid_exists(parent):
+            continue
+        try:
+            if psutil.Process(worker).status() != psutil.STATUS_ZOMBIE:
+                found.append([parent, worker])
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def record_orphans(out: str, ctx: peerckpt.Context) -> None:
+    """Loader workers that outlive their rank process by more than a second (torch's worker
+    loop would notice the parent gone after 5 s): the first check, and the last."""
+    folder = os.path.join(out, "workers")
+    first = orphans = _orphans(folder)
+    deadline = time.monotonic() + 1.0  # a SIGKILLed worker may wait for a core to die on
+    while orphans and time.monotonic() < deadline:
+        time.sleep(0.02)
+        orphans = _orphans(folder)
+    with open(os.path.join(out, "orphans.jsonl"), "a") as f:
+        entry = {"epoch": ctx.epoch, "rank": ctx.rank, "orphans": orphans, "at_first": first}
+        f.write(json.dumps(entry) + "\n")
+
+
+def digest(objects: dict) -> str:
+    h = hashlib.sha256()
+
+    def walk(value) -> None:
+        if isinstance(value, torch.Tensor):
+            h.update(value.detach().cpu().numpy().tobytes())
+        elif isinstance(value, dict):
+            for k in sorted(value, key=str):
+                h.update(str(k).encode())
+                walk(value[k])
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+        elif not callable(value):
+            h.update(repr(value).encode())
+
+    for name in sorted(objects):
+        walk(objects[name].state_dict())
+    return h.hexdigest()
+
+
+@peerckpt.resilient()
+def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
+    use = args.patterns
+    net = Net(batchnorm="batchnorm" in use)
+    ddp = DDP(net) if "inner-tracked" not in use else None
+    tracked: dict = {}
+    if "inner-tracked" in use:
+        tracked["model"] = net
+    elif "module-tracked" in use:
+        tracked["model"] = ddp.module
+    else:
+        tracked["model"] = ddp
+    if "two-optimizers" in use:
+        optims = [
+            torch.optim.AdamW(net.body.parameters(), lr=3e-3),
+            torch.optim.SGD(net.head.parameters(), lr=0.05, momentum=0.9),
+        ]
+        tracked.update(optim=optims[0], head_optim=optims[1])
+    else:
+        optims = [torch.optim.AdamW(net.parameters(), lr=3e-3)]
+        tracked["optim"] = optims[0]
+    sched = None
+    if "lambdalr" in use:
+        sched = torch.optim.lr_scheduler.LambdaLR(optims[0], lambda s: 1.0 / (1.0 + 0.1 * s))
+        tracked["sched"] = sched
+    scaler = None
+    if "scaler" in use:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=4)
+        tracked["scaler"] = scaler
+    stats = None
+    if "user-stateful" in use:
+        stats = RunningStats()
+        tracked["stats"] = stats
+    data = dataset()
+    loader = sampler = None
+    if "stateful-loader" in use:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        loader = StatefulDataLoader(
+            data,
+            batch_size=BATCH,
+            sampler=DistributedSampler(data, ctx.world_size, ctx.rank, shuffle=True, seed=3),
+            num_workers=2,
+            worker_init_fn=_record_worker if args.record_workers else None,
+        )
+        tracked["data"] = loader
+    if "resumable-sampler" in use:
+        sampler = peerckpt.ResumableSampler(ROWS, ctx.rank, ctx.world_size, seed=11)
+        tracked["sampler"] = sampler
+
+    ctx.track(**{k: v for k, v in tracked.items() if k not in args.leave_out})
+    if ddp is None:
+        ddp = DDP(net)  # wrapped after track: the DDP object itself is never tracked
+    if args.record_workers and ctx.restored_step is not None:
+        record_orphans(args.out, ctx)
+
+    batches = iter(loader) if loader is not None else None
+
+    def next_batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = next(batches) if batches is not None else _indexed(data, step, micro, ctx)
+        if sampler is not None:  # a second stream: noise rows picked by the sampler
+            x = x + 0.1 * data.tensors[0][sampler.take(BATCH)][: len(x)]
+        return x, y
+
+    micro_batches = 2 if "accumulation" in use else 1
+    with open(os.path.join(args.out, f"rank{ctx.rank}.jsonl"), "a") as log:
+        for step in ctx.steps(args.steps):
+            net.train()
+            for micro in range(micro_batches):
+                x, y = next_batch(step, micro)
+                last = micro == micro_batches - 1
+                with nullcontext() if last else ddp.no_sync():
+                    logits = ddp(x)
+                    loss = nn.functional.cross_entropy(logits, y) / micro_batches
+                    (scaler.scale(loss) if scaler else loss).backward()
+                if stats is not None:
+                    stats.update(logits, len(x))
+            for optim in optims:
+                if scaler is not None:
+                    scaler.step(optim)
+                else:
+                    optim.step()
+            if scaler is not None:
+                scaler.update()
+            if sched is not None:
+                sched.step()
+            for optim in optims:
+                optim.zero_grad()
+            entry = {
+                "step": step,
+                "epoch": ctx.epoch,
+                "digest": digest(tracked),
+                "loss": loss.item(),
+            }
+            log.write(json.dumps(entry) + "\n")
+            log.flush()
+    return digest(tracked)
+
+
+def _indexed(data: TensorDataset, step: int, micro: int, ctx: peerckpt.Context):
+    """The plain way: each rank reads its slice of the data by step number."""
+    start = ((step * 2 + micro) * ctx.world_size + ctx.rank) * BATCH % ROWS
+    return data[start : start + BATCH]
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--patterns", default="all")
+    parser.add_argument("--leave-out", default="", help="names used but not tracked")
+    parser.add_argument("--record-workers", action="store_true")
+    args = parser.parse_args()
+    args.leave_out = set(filter(None, args.leave_out.split(",")))
+    args.patterns = (
+        set(PATTERNS) - {"module-tracked", "ddp-tracked"}
+        if args.patterns == "all"
+        else set(args.patterns.split(","))
+    )
+    unknown = args.patterns - set(PATTERNS)
+    if unknown:
+        parser.error(f"unknown patterns {sorted(unknown)}; choose from {PATTERNS}")
+    if args.record_workers:
+        os.makedirs(os.path.join(args.out, "workers"), exist_ok=True)
+        os.environ["USER_LOOP_WORKERS"] = os.path.join(args.out, "workers")
+    return args
+
+
+if __name__ == "__main__":
+    args = parse()
+    final = train(args)
+    if int(os.environ["RANK"]) == 0:
+        with open(os.path.join(args.out, "final.json"), "w") as f:
+            json.dump({"digest": final}, f)
