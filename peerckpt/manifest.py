@@ -19,9 +19,13 @@ from typing import Any
 
 import crc32c
 
+from peerckpt.decode import need_dims, need_int, need_list, need_map, need_one_of, need_str
+from peerckpt.errors import MalformedManifest
+
 FORMAT_VERSION = 1
 META_KEY = "__meta__"
 ALIGN = 64
+SCOPES = ("global", "rank")  # ChunkRecord.scope
 
 
 def chunk_name(key: str, scope: str, rank: int) -> str:
@@ -65,18 +69,34 @@ class ChunkRecord:
         ]
 
     @classmethod
-    def from_msg(cls, msg: list[Any]) -> ChunkRecord:
-        key, dtype, gshape, offsets, lengths, byte_offset, nbytes, crc, scope = msg
+    def from_msg(cls, msg: Any, what: str = "chunk record") -> ChunkRecord:
+        """Decode a record, every field checked (MalformedManifest names the bad one)."""
+        key, dtype, gshape, offsets, lengths, byte_offset, nbytes, crc, scope = need_list(
+            msg, what, 9
+        )
+        shape = need_dims(gshape, f"{what} global_shape")
+        box = need_dims(offsets, f"{what} offsets"), need_dims(lengths, f"{what} lengths")
+        if not len(shape) == len(box[0]) == len(box[1]):
+            raise MalformedManifest(
+                f"{what}: global_shape, offsets and lengths have different dimensions "
+                f"({len(shape)}, {len(box[0])}, {len(box[1])})"
+            )
+        for dim, (size, start, n) in enumerate(zip(shape, *box, strict=True)):
+            if start + n > size:
+                raise MalformedManifest(
+                    f"{what}: its box ends at {start + n} in dimension {dim}, past the "
+                    f"tensor's {size}"
+                )
         return cls(
-            key,
-            dtype,
-            tuple(gshape),
-            tuple(offsets),
-            tuple(lengths),
-            byte_offset,
-            nbytes,
-            crc,
-            scope,
+            need_str(key, f"{what} key"),
+            need_str(dtype, f"{what} dtype"),
+            shape,
+            box[0],
+            box[1],
+            need_int(byte_offset, f"{what} byte_offset"),
+            need_int(nbytes, f"{what} nbytes"),
+            None if crc is None else need_int(crc, f"{what} crc", hi=0xFFFFFFFF),
+            need_one_of(scope, f"{what} scope", SCOPES),
         )
 
 
@@ -104,19 +124,23 @@ class SnapshotManifest:
         }
 
     @classmethod
-    def from_msg(cls, msg: dict[str, Any]) -> SnapshotManifest:
+    def from_msg(cls, msg: Any) -> SnapshotManifest:
+        """Decode a snapshot manifest, every field checked (MalformedManifest names the bad
+        one, a version other than this peerckpt's included)."""
+        msg = need_map(msg, "snapshot manifest")
         if msg.get("version") != FORMAT_VERSION:
-            raise ValueError(
-                f"snapshot manifest format {msg.get('version')!r} is not {FORMAT_VERSION}; "
+            raise MalformedManifest(
+                f"snapshot manifest format {msg.get('version')!r:.40} is not {FORMAT_VERSION}; "
                 "all processes of a job must run the same peerckpt version"
             )
+        chunks = need_list(msg.get("chunks"), "snapshot manifest chunks")
         return cls(
-            rank=msg["rank"],
-            step=msg["step"],
-            epoch=msg["epoch"],
-            chunks=tuple(ChunkRecord.from_msg(c) for c in msg["chunks"]),
-            used_bytes=msg["used_bytes"],
-            extra=msg.get("extra", {}),
+            rank=need_int(msg.get("rank"), "snapshot manifest rank"),
+            step=need_int(msg.get("step"), "snapshot manifest step"),
+            epoch=need_int(msg.get("epoch"), "snapshot manifest epoch", lo=-1),
+            chunks=tuple(ChunkRecord.from_msg(c, f"chunk {i}") for i, c in enumerate(chunks)),
+            used_bytes=need_int(msg.get("used_bytes"), "snapshot manifest used_bytes"),
+            extra=need_map(msg.get("extra", {}), "snapshot manifest extra"),
         )
 
     def meta(self) -> ChunkRecord:

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from peerckpt.errors import CheckpointError, NoCheckpoint, RecoveryFailed
+from peerckpt.errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, RecoveryFailed
 from peerckpt.membership import Membership, RankAssignment
 from peerckpt.persist.durable import DurableCheckpoint, DurableStore
 from peerckpt.reads import STORAGE
@@ -123,8 +123,11 @@ class EpochChanges:
             return store.open()  # damage is found (and named) as the ranks load it
         steps = store.committed_steps()
         for step in reversed(steps):
-            ckpt = store.open(step)
-            problems = ckpt.verify()
+            try:
+                ckpt = store.open(step)
+                problems = ckpt.verify()
+            except CorruptCheckpoint as exc:  # its manifest is malformed: as damaged
+                problems = [str(exc)]
             if not problems:
                 return ckpt
             log.warning(
