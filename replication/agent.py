@@ -30,6 +30,7 @@ from peerckpt.errors import PeerckptError, PeerUnavailable, StaleEpoch
 from peerckpt.faults import NO_FAULTS, FaultHooks
 from peerckpt.manifest import META_KEY, ChunkRecord, SnapshotManifest
 from peerckpt.membership import Membership
+from peerckpt.names import RUN_ENV
 from peerckpt.replication.arena import Arena
 from peerckpt.replication.control import ControlServer, ProcLink
 from peerckpt.replication.recovering import RankRecovery
@@ -62,13 +63,14 @@ class Agent(RankRecovery):
         host: str = "127.0.0.1",
         joining: int = 0,
         faults: FaultHooks = NO_FAULTS,
+        run: str | None = None,
     ) -> None:
         self.joining = joining
         self.faults = faults
         self.net = faults.net  # network fault hooks of this node's TCP links, if any
         self.job, self.node, self._secret = job, node, secret
         self.spare_node = spare_node
-        self.arena = Arena(job, node)
+        self.arena = Arena(job, node, run)  # run: the run id in the segments' names
         self.store = SlotStore(self.arena)
         self.rpc = RpcClient(coordinator, secret, job)
         self.epoch: int = -1
@@ -520,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         args.host,
         joining=args.joining,
         faults=faults,
+        run=os.environ.get(RUN_ENV),
     )
     stop_on_signals(agent.stopping.set)
     try:
