@@ -105,6 +105,8 @@ def _decodes_or_refuses(decode: Any, value: Any) -> Any:
 
 def _check_record(value: Any) -> None:
     record = _decodes_or_refuses(ChunkRecord.from_msg, value)
+    # The one-pass check of the common case accepts exactly what the field-by-field one does.
+    assert record == _decodes_or_refuses(ChunkRecord.checked, value)
     if record is not None:
         assert isinstance(record.key, str) and isinstance(record.nbytes, int)
         box = zip(record.offsets, record.lengths, record.global_shape, strict=True)

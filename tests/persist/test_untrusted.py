@@ -91,7 +91,8 @@ def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Durabl
 
 # -- file names ------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "name", ["../../secret.txt", "/etc/hostname", "data-n0.bin/../x", "part-n0.msgpack", ""]
+    "name",
+    ["../../secret.txt", "/etc/hostname", "../dev/zero", "data-n0.bin/../x", "part-n0.msgpack", ""],
 )
 def test_a_chunk_file_name_the_format_never_writes_is_refused(
     any_store: DurableStore, tmp_path: Path, name: str
