@@ -80,7 +80,8 @@ class FaultActions:
     def corrupt_replicas(self, rank: int) -> list[str]:
         """Flip the first byte of every replica segment of ``rank`` (on its buddies' nodes), as a
         bad DIMM or a stray write would; the chunk's checksum no longer matches."""
-        pattern = os.path.join(SHM_DIR, f"{segment_prefix(self._launcher.job)}n*-r{rank}-g*")
+        prefix = segment_prefix(self._launcher.job, self._launcher.run_id)
+        pattern = os.path.join(SHM_DIR, f"{prefix}n*-r{rank}-g*")
         flipped = []
         for path in sorted(glob.glob(pattern)):
             try:

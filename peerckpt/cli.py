@@ -83,17 +83,41 @@ def _racks(text: str | None, nodes: int) -> dict[int, str] | None:
 
 def _persist(args: argparse.Namespace) -> dict[str, object] | None:
     if not args.persist:
-        if args.persist_every or args.persist_interval or args.keep or args.allow_older:
+        if (
+            args.persist_every
+            or args.persist_interval
+            or args.keep
+            or args.allow_older
+            or args.persist_mode
+        ):
             raise PeerckptError(
-                "--persist-every, --persist-interval, --keep and --allow-older need --persist URL"
+                "--persist-every, --persist-interval, --keep, --allow-older and --persist-mode "
+                "need --persist URL"
             )
         return None
     from peerckpt.persist.config import PersistConfig
 
     config = PersistConfig.from_settings(
-        args.persist, args.persist_every, args.persist_interval, args.keep, args.allow_older
+        args.persist,
+        args.persist_every,
+        args.persist_interval,
+        args.keep,
+        args.allow_older,
+        _mode(args.persist_mode),
     )
     return config.to_msg()
+
+
+def _mode(text: str | None) -> int | None:
+    """``--persist-mode 0640``: permission bits in octal."""
+    if text is None:
+        return None
+    try:
+        return int(text, 8)
+    except ValueError:
+        raise PeerckptError(
+            f"--persist-mode {text!r} is not an octal mode; give e.g. 0600 (the default) or 0640"
+        ) from None
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -249,6 +273,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="on a cold start, verify the latest checkpoint first and fall back to older "
         "committed steps if it is damaged",
+    )
+    run.add_argument(
+        "--persist-mode",
+        default=None,
+        metavar="OCTAL",
+        help="permission bits of the durable files written to local storage (default 0600; "
+        "directories get the matching 0700)",
     )
     run.add_argument("--report", default=None, help="write the job's report here as JSON")
     run.add_argument("--job", default=None, help="the job's name (default: random)")

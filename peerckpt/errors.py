@@ -67,6 +67,11 @@ class CorruptCheckpoint(CheckpointError):
     """Bytes of a durable checkpoint do not match their recorded checksum, or it is malformed."""
 
 
+class MalformedManifest(CorruptCheckpoint, ProtocolError):
+    """A manifest or chunk record (read from storage or received from a peer) passed its
+    checksum but has a field of the wrong type or out of range; nothing of it was used."""
+
+
 class MembershipChanged(PeerckptError):
     """Raised inside a rank when the job's membership changed; the runtime restarts the function.
 

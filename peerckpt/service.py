@@ -8,7 +8,7 @@ import os
 import signal
 from collections.abc import Callable
 
-from peerckpt.errors import ConfigurationError
+from peerckpt.secret import secret_from_env
 
 
 def service_process(label: str) -> bytes:
@@ -18,13 +18,7 @@ def service_process(label: str) -> bytes:
         level=os.environ.get("PEERCKPT_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s peerckpt[{label}] %(levelname)s %(message)s",
     )
-    try:
-        return bytes.fromhex(os.environ["PEERCKPT_SECRET"])
-    except (KeyError, ValueError):
-        raise ConfigurationError(
-            "PEERCKPT_SECRET must hold the job's secret in hex; `peerckpt run` sets it for the "
-            "processes it starts"
-        ) from None
+    return secret_from_env()
 
 
 def stop_on_signals(stop: Callable[[], None]) -> None:

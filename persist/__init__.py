@@ -4,7 +4,9 @@ Layer: library. It may import the ground vocabulary (``peerckpt/``) only. The ag
 through it, the coordinator schedules and commits through it, the ranks and the CLI read
 through it.
 
-Here: ``config.py`` (where and how often), ``durable.py`` (the format, writers, readers,
-retention), ``interop.py`` (safetensors, the ``torch.distributed.checkpoint`` reader),
-``inspect.py`` (``peerckpt inspect``).
+Here: ``config.py`` (where and how often), ``durable.py`` (the store: writers, commit,
+finding steps, retention), ``format.py`` (the records, decoded as untrusted input),
+``checkpoint.py`` (reading a committed step), ``localfs.py`` (local files opened safely),
+``direct.py`` (O_DIRECT data files), ``interop.py`` (safetensors, the
+``torch.distributed.checkpoint`` reader), ``inspect.py`` (``peerckpt inspect``).
 """

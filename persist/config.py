@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from peerckpt.errors import ConfigurationError
+from peerckpt.persist.localfs import DEFAULT_MODE, check_mode
 
 DEFAULT_EVERY = 100  # steps between flushes when neither steps nor seconds are given
 
@@ -25,6 +26,9 @@ class PersistConfig:
     keep: int | None = None  # committed steps kept (None: all)
     rate: float | None = None  # bytes per second per writer (None: as fast as it goes)
     allow_older: bool = False  # cold start: skip damaged steps (verified first) for older ones
+    # Permission bits of the files written to local storage (directories get the matching
+    # search bits): 0600/0700 by default, so that other users on the host read nothing.
+    mode: int = DEFAULT_MODE
 
     def __post_init__(self) -> None:
         if self.every is None and self.interval is None:
@@ -33,6 +37,7 @@ class PersistConfig:
             raise ValueError(f"persist_every must be at least 1, got {self.every}")
         if self.keep is not None and self.keep < 1:
             raise ValueError(f"keep must be at least 1, got {self.keep}")
+        check_mode(self.mode)
 
     @classmethod
     def from_settings(
@@ -42,6 +47,7 @@ class PersistConfig:
         interval: float | None,
         keep: int | None,
         allow_older: bool = False,
+        mode: int | None = None,
     ) -> PersistConfig:
         """The config a user asked for: every 100 steps unless told steps or seconds.
 
@@ -50,7 +56,14 @@ class PersistConfig:
         if every is None and interval is None:
             every = DEFAULT_EVERY
         try:
-            return cls(url, every, interval, keep, allow_older=allow_older)
+            return cls(
+                url,
+                every,
+                interval,
+                keep,
+                allow_older=allow_older,
+                mode=DEFAULT_MODE if mode is None else mode,
+            )
         except ValueError as exc:
             raise ConfigurationError(str(exc)) from None
 
@@ -62,6 +75,7 @@ class PersistConfig:
             "keep": self.keep,
             "rate": self.rate,
             "allow_older": self.allow_older,
+            "mode": self.mode,
         }
 
     @classmethod
@@ -75,4 +89,5 @@ class PersistConfig:
             msg.get("keep"),
             msg.get("rate"),
             bool(msg.get("allow_older")),
+            msg.get("mode", DEFAULT_MODE),
         )

@@ -19,27 +19,58 @@ never visible as committed; every chunk is checked against its crc32c when read.
 Retention (``keep``) deletes older committed steps only after a newer one is committed, and
 steps that were never committed only once a later step is.
 
-Formats are msgpack and raw bytes; nothing read from storage is unpickled.
+Formats are msgpack and raw bytes; nothing read from storage is unpickled. What is read back
+is input from whoever can write to the root, checked as such: records by ``format.py``, local
+files by ``localfs.py`` (regular files only, no link followed, sizes before allocating).
+Local files are written with ``mode`` (0600), never through a link, each rename made durable
+by an fsync of its directory. Reading a committed step: ``checkpoint.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import io
-import mmap
+import logging
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
 
 import crc32c
 import fsspec
 
 from peerckpt.codec import pack, unpack
-from peerckpt.errors import CheckpointError, CorruptCheckpoint, NoCheckpoint
-from peerckpt.manifest import FORMAT_VERSION, META_KEY, ChunkRecord, align, chunk_name
+from peerckpt.errors import CheckpointError, CorruptCheckpoint, MalformedManifest, NoCheckpoint
+from peerckpt.manifest import FORMAT_VERSION, ChunkRecord, chunk_name
+from peerckpt.persist import localfs
+from peerckpt.persist.checkpoint import DurableCheckpoint
+from peerckpt.persist.direct import DirectFile as _DirectFile
+from peerckpt.persist.direct import HeldBytes
+from peerckpt.persist.format import (
+    DurableManifest,
+    StoredChunk,
+    data_file,
+    decode_part,
+    part_file,
+)
+from peerckpt.persist.localfs import DEFAULT_MODE
+
+__all__ = [  # what the rest of peerckpt imports from here (the records live in format.py)
+    "DEFAULT_MODE",
+    "DurableCheckpoint",
+    "DurableManifest",
+    "DurableStore",
+    "HeldBytes",
+    "HeldBytesChanged",
+    "Piece",
+    "StoredChunk",
+    "assign_writers",
+    "copied",
+    "step_dir_name",
+    "unique_key",
+]
+log = logging.getLogger("peerckpt.durable")
 
 _STEP_DIR = re.compile(r"step-(\d{12})$")
 MARKER = "COMMITTED"
@@ -89,66 +120,6 @@ def assign_writers(
     return plan
 
 
-@dataclass(frozen=True)
-class StoredChunk:
-    """A chunk in a durable checkpoint: the snapshot's record, and where its bytes are
-    (``record.byte_offset``/``nbytes`` are within ``file``, relative to the step)."""
-
-    file: str
-    record: ChunkRecord
-
-    def to_msg(self) -> list[Any]:
-        return [self.file, self.record.to_msg()]
-
-    @classmethod
-    def from_msg(cls, msg: list[Any]) -> StoredChunk:
-        return cls(msg[0], ChunkRecord.from_msg(msg[1]))
-
-
-@dataclass(frozen=True)
-class DurableManifest:
-    """One committed step: for every rank of the world that took it, its chunks."""
-
-    step: int
-    epoch: int
-    world_size: int
-    ranks: dict[int, list[StoredChunk]]
-
-    def to_msg(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT_VERSION,
-            "step": self.step,
-            "epoch": self.epoch,
-            "world_size": self.world_size,
-            "ranks": {str(r): [c.to_msg() for c in cs] for r, cs in sorted(self.ranks.items())},
-        }
-
-    @classmethod
-    def from_msg(cls, msg: dict[str, Any]) -> DurableManifest:
-        if msg.get("format") != FORMAT_VERSION:
-            raise CorruptCheckpoint(
-                f"checkpoint format {msg.get('format')!r} is not {FORMAT_VERSION}, the one this "
-                "peerckpt reads"
-            )
-        return cls(
-            msg["step"],
-            msg["epoch"],
-            msg["world_size"],
-            {int(r): [StoredChunk.from_msg(c) for c in cs] for r, cs in msg["ranks"].items()},
-        )
-
-    def unique_chunks(self) -> dict[tuple[str, int], StoredChunk]:
-        """Every stored chunk once, by (file, offset)."""
-        found: dict[tuple[str, int], StoredChunk] = {}
-        for chunks in self.ranks.values():
-            for c in chunks:
-                found.setdefault((c.file, c.record.byte_offset), c)
-        return found
-
-    def nbytes(self) -> int:
-        return sum(c.record.nbytes for c in self.unique_chunks().values())
-
-
 def _sync(f: Any) -> None:
     """fsync a local file before it is closed; object stores are durable once written."""
     try:
@@ -166,15 +137,6 @@ class HeldBytesChanged(CorruptCheckpoint):
     """A chunk written straight from its buffer did not match its checksum afterwards."""
 
 
-class HeldBytes(Protocol):
-    """Chunks lying in a buffer that stays unchanged only while held: an agent's snapshot
-    slot, which the rank may rewrite once a newer step committed. ``hold`` yields the whole
-    buffer (each record's ``byte_offset`` is its place in it), or raises CheckpointError when
-    the buffer no longer holds what it held when the flush began."""
-
-    def hold(self) -> contextlib.AbstractContextManager[memoryview]: ...
-
-
 Piece = tuple[int, ChunkRecord, "bytes | memoryview | HeldBytes"]
 
 
@@ -190,126 +152,11 @@ def copied(pieces: Iterable[Piece]) -> list[Piece]:
     return out
 
 
-def _verify(rank: int, record: ChunkRecord, data: bytes | memoryview) -> None:
+def _verify(rank: int, record: ChunkRecord, data: bytes | bytearray | memoryview) -> None:
     if len(data) != record.nbytes or crc32c.crc32c(data) != record.crc:
         raise CorruptCheckpoint(
             f"chunk {record.key!r} of rank {rank} fails its checksum in memory; it is not written"
         )
-
-
-class _DirectFile:
-    """A local data file written with O_DIRECT: the bytes go from memory to the disk by DMA,
-    without a copy into the page cache and with little CPU (the flush thread runs at the
-    lowest priority while the ranks train on every core).
-
-    Large held chunks are written straight from their buffer (a page-aligned shared-memory
-    slot): the file position is padded to a block boundary and the write starts at the block
-    holding the chunk's first byte, so memory and file share the alignment O_DIRECT needs; a
-    few KiB before the chunk and a zero tail pad travel with it. Everything else is gathered
-    in an aligned staging buffer and written in whole blocks. The last partial block is
-    written after turning O_DIRECT off. Measured here (256 MiB, one writer): straight from the
-    slot 2.8 GB/s, copying the chunk out first 0.8 GB/s (faulting in fresh memory), the
-    disk's own O_DIRECT bandwidth 3.4-3.7 GB/s.
-    """
-
-    ALIGN = 4096  # a multiple of every logical block size
-    BLOCK = 8 << 20  # staging buffer: bytes per gathered write
-    PIECE = 16 << 20  # bytes per write straight from a held buffer
-    DIRECT_MIN = 1 << 20  # smaller held chunks are staged, not worth a padded write
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.buf = mmap.mmap(-1, self.BLOCK)  # page-aligned, as O_DIRECT needs
-        self.view = memoryview(self.buf)
-        self.used = 0  # staged bytes
-        self.written = 0  # bytes in the file
-
-    @classmethod
-    def open(cls, path: str) -> _DirectFile | None:
-        """None where the file system refuses O_DIRECT (tmpfs, some overlays)."""
-        flag = getattr(os, "O_DIRECT", 0)
-        if not flag:
-            return None
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
-        except OSError:
-            return None
-        return cls(fd)
-
-    def tell(self) -> int:
-        return self.written + self.used
-
-    def write(self, data: bytes | memoryview) -> int:
-        """Append ``data``; return the file offset it starts at."""
-        at = self.tell()
-        src = memoryview(data).cast("B")
-        while len(src):
-            n = min(len(src), self.BLOCK - self.used)
-            self.view[self.used : self.used + n] = src[:n]
-            self.used += n
-            src = src[n:]
-            if self.used == self.BLOCK:
-                self._drain(self.BLOCK)
-        return at
-
-    def write_held(self, held: HeldBytes, start: int, n: int) -> int:
-        """Append bytes ``start:start+n`` of ``held``'s buffer; return the file offset they
-        start at. Each write holds the buffer only for its own piece."""
-        if n < self.DIRECT_MIN:
-            with held.hold() as view:
-                return self.write(view[start : start + n])
-        self._pad()
-        first = start - start % self.ALIGN
-        at = self.written + (start - first)
-        end = start + n
-        whole = first + (end - first) // self.ALIGN * self.ALIGN
-        for off in range(first, whole, self.PIECE):
-            with held.hold() as view:
-                self._write_all(view[off : min(off + self.PIECE, whole)])
-        with held.hold() as view:
-            self.write(view[whole:end])  # the partial last block
-        return at
-
-    def _pad(self) -> None:
-        """Zero-fill the staged bytes to a block boundary and write them."""
-        if self.used % self.ALIGN:
-            pad = self.ALIGN - self.used % self.ALIGN
-            self.view[self.used : self.used + pad] = bytes(pad)
-            self.used += pad
-        if self.used:
-            self._drain(self.used)
-
-    def _write_all(self, data: memoryview) -> None:
-        done = 0
-        while done < len(data):
-            done += os.write(self.fd, data[done:])
-        self.written += len(data)
-
-    def _drain(self, n: int) -> None:
-        """Write the staging buffer's first ``n`` bytes; what follows moves to its start."""
-        self._write_all(self.view[:n])
-        tail = bytes(self.view[n : self.used])
-        self.view[: len(tail)] = tail
-        self.used = len(tail)
-
-    def flush(self) -> None:
-        whole = self.used - self.used % self.ALIGN
-        if whole:
-            self._drain(whole)
-        if self.used:  # the tail is not a whole block: write it without O_DIRECT
-            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            self._drain(self.used)
-
-    def fileno(self) -> int:
-        return self.fd
-
-    def __enter__(self) -> _DirectFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.view.release()
-        self.buf.close()
-        os.close(self.fd)
 
 
 def _unpack(raw: bytes, what: str) -> Any:
@@ -320,12 +167,19 @@ def _unpack(raw: bytes, what: str) -> Any:
 
 
 class DurableStore:
-    """A root URL holding durable checkpoints."""
+    """A root URL holding durable checkpoints.
 
-    def __init__(self, url: str, **storage_options: Any) -> None:
+    ``mode``: the permission bits of the files written (local storage; 0600 by default,
+    directories the matching 0700). What is read from the root is checked as input
+    (``format.py`` for the records, ``localfs.py`` for local files).
+    """
+
+    def __init__(self, url: str, mode: int = DEFAULT_MODE, **storage_options: Any) -> None:
         self.url = url
+        self.mode = localfs.check_mode(mode)
         self.fs, self.root = fsspec.core.url_to_fs(url, **storage_options)
         self.root = self.root.rstrip("/")
+        self.local = _is_local(self.fs)
 
     def _path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
@@ -336,10 +190,31 @@ class DurableStore:
     def _put(self, path: str, data: bytes) -> None:
         """Write a small file so that readers see all of it or none of it."""
         tmp = f"{path}.tmp"
-        with self.fs.open(tmp, "wb") as f:
+        if not self.local:
+            with self.fs.open(tmp, "wb") as f:
+                f.write(data)
+            self.fs.mv(tmp, path)
+            return
+        with os.fdopen(localfs.open_for_write(tmp, self.mode), "wb") as f:
             f.write(data)
             _sync(f)
-        self.fs.mv(tmp, path)
+        localfs.replace(tmp, path)
+
+    def _read(self, path: str) -> bytes:
+        """A whole small file (marker, manifest, part, ``latest``): on local storage a
+        regular file only, inside a step directory that is not a link."""
+        if not self.local:
+            data: bytes = self.fs.cat_file(path)
+            return data
+        directory, name = path.rsplit("/", 1)
+        return localfs.read_whole(directory, name, follow_dir=directory == self.root)
+
+    def _make_step_dir(self, step: int) -> None:
+        if not self.local:
+            self.fs.makedirs(self.step_path(step), exist_ok=True)
+            return
+        localfs.make_dirs(self.root, self.mode, leaf_may_be_link=True)
+        localfs.make_dirs(self.step_path(step), self.mode, leaf_may_be_link=False)
 
     # -- writing ----------------------------------------------------------------------------
     def write_part(
@@ -358,20 +233,20 @@ class DurableStore:
         index, which makes the chunks count, is written only when all of them passed.
         ``pace(nbytes)`` is called after each chunk (a throttle).
         """
-        self.fs.makedirs(self.step_path(step), exist_ok=True)
+        self._make_step_dir(step)
         # Rewriting a step (a job restarted from an older one) uncommits it first, so that no
         # reader ever pairs the old manifest with new data.
         for stale in (MARKER, MANIFEST):
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm_file(self.step_path(step, stale))
-        name = f"data-n{node}.bin"
+        name = data_file(node)
         path = self.step_path(step, name)
-        direct = _DirectFile.open(path) if _is_local(self.fs) else None
+        direct = _DirectFile.open(path, self.mode) if self.local else None
         if direct is None:
             pieces = copied(pieces)
         stored: list[tuple[int, StoredChunk]] = []
         offset = 0
-        with direct if direct is not None else self.fs.open(path, "wb") as f:
+        with direct if direct is not None else self._open_data(path) as f:
             for rank, record, data in pieces:
                 if isinstance(data, (bytes, bytearray, memoryview)):
                     _verify(rank, record, data)
@@ -404,8 +279,14 @@ class DurableStore:
             "node": node,
             "chunks": [[rank, c.to_msg()] for rank, c in stored],
         }
-        self._put(self.step_path(step, f"part-n{node}.msgpack"), pack(part))
+        self._put(self.step_path(step, part_file(node)), pack(part))
         return [c for _, c in stored]
+
+    def _open_data(self, path: str) -> Any:
+        """A data file opened for buffered writing (storage that refuses O_DIRECT, remote)."""
+        if self.local:
+            return os.fdopen(localfs.open_for_write(path, self.mode), "wb")
+        return self.fs.open(path, "wb")
 
     def commit(
         self,
@@ -423,9 +304,7 @@ class DurableStore:
         where: dict[tuple[Any, ...], StoredChunk] = {}
         self.fs.invalidate_cache(self.step_path(step))  # object stores cache listings
         for path in self.fs.glob(self.step_path(step, "part-n*.msgpack")):
-            part = _unpack(self.fs.cat_file(path), path)
-            for rank, msg in part["chunks"]:
-                c = StoredChunk.from_msg(msg)
+            for rank, c in decode_part(_unpack(self._read(path), path), path):
                 where[unique_key(rank, c.record)] = c
         ranks: dict[int, list[StoredChunk]] = {}
         missing = []
@@ -483,9 +362,12 @@ class DurableStore:
 
     def _manifest_if_committed(self, step: int) -> bytes | None:
         try:
-            marker = _unpack(self.fs.cat_file(self.step_path(step, MARKER)), "commit marker")
-            raw: bytes = self.fs.cat_file(self.step_path(step, MANIFEST))
+            marker = _unpack(self._read(self.step_path(step, MARKER)), "commit marker")
+            raw = self._read(self.step_path(step, MANIFEST))
         except FileNotFoundError:
+            return None
+        except CorruptCheckpoint as exc:  # a link or a FIFO where a file belongs
+            log.warning("step %d in %s is not readable as committed: %s", step, self.url, exc)
             return None
         if not isinstance(marker, dict) or marker.get("crc") != crc32c.crc32c(raw):
             return None
@@ -498,8 +380,8 @@ class DurableStore:
         """The latest committed step and its manifest: what ``latest`` names, unless a newer
         step was committed after it (the pointer is written last, so it can lag)."""
         found = None
-        with contextlib.suppress(FileNotFoundError, ValueError):
-            step = int(self.fs.cat_file(self._path(LATEST)).decode().strip())
+        with contextlib.suppress(FileNotFoundError, ValueError, CorruptCheckpoint):
+            step = int(self._read(self._path(LATEST)).decode().strip())
             raw = self._manifest_if_committed(step)
             if raw is not None:
                 found = (step, raw)
@@ -532,62 +414,8 @@ class DurableStore:
                     f"committed steps: {self.committed_steps()}"
                 )
             raw = found
-        return DurableCheckpoint(self, DurableManifest.from_msg(_unpack(raw, MANIFEST)))
-
-
-class DurableCheckpoint:
-    """One committed step, read chunk by chunk and verified."""
-
-    def __init__(self, store: DurableStore, manifest: DurableManifest) -> None:
-        self.store = store
-        self.manifest = manifest
-        self.step = manifest.step
-
-    def read(self, chunk: StoredChunk) -> bytes:
-        """The chunk's bytes, verified against its checksum."""
-        path = self.store.step_path(self.step, chunk.file)
-        start = chunk.record.byte_offset
-        try:
-            data: bytes = self.store.fs.cat_file(path, start=start, end=start + chunk.record.nbytes)
-        except FileNotFoundError:
-            raise CorruptCheckpoint(
-                f"{chunk.record.key!r} of step {self.step} is in {path}, which is missing"
-            ) from None
-        if len(data) != chunk.record.nbytes or crc32c.crc32c(data) != chunk.record.crc:
-            raise CorruptCheckpoint(
-                f"{chunk.record.key!r} of step {self.step} fails verification in {path} "
-                f"(bytes {start}–{start + chunk.record.nbytes}); the checkpoint is damaged"
-            )
-        return data
-
-    def verify(self) -> list[str]:
-        """Read every stored chunk once; return a line per one that fails."""
-        problems = []
-        for chunk in self.manifest.unique_chunks().values():
-            try:
-                self.read(chunk)
-            except CorruptCheckpoint as exc:
-                problems.append(str(exc))
-        return problems
-
-    def chunks(self, rank: int) -> Iterator[StoredChunk]:
-        yield from self.manifest.ranks.get(rank, [])
-
-    def slot_image(self, rank: int) -> tuple[bytearray, list[ChunkRecord]]:
-        """Rank ``rank``'s snapshot as it was in its slot: every chunk verified and packed
-        (aligned) into one buffer, with records giving each chunk's place in it."""
-        records, offset = [], 0
-        for chunk in self.chunks(rank):
-            records.append(replace(chunk.record, byte_offset=offset))
-            offset = align(offset + chunk.record.nbytes)
-        image = bytearray(offset)
-        for chunk, record in zip(self.chunks(rank), records, strict=True):
-            image[record.byte_offset : record.byte_offset + record.nbytes] = self.read(chunk)
-        return image, records
-
-    def meta(self, rank: int) -> bytes:
-        """Rank ``rank``'s msgpack blob (step, RNG states, loader positions)."""
-        for chunk in self.chunks(rank):
-            if chunk.record.key == META_KEY:
-                return self.read(chunk)
-        raise CorruptCheckpoint(f"step {self.step} has no state blob for rank {rank}")
+        where = self.step_path(step, MANIFEST)
+        manifest = DurableManifest.from_msg(_unpack(raw, where), where)
+        if manifest.step != step:
+            raise MalformedManifest(f"{where}: step is {manifest.step}, not {step}")
+        return DurableCheckpoint(self, manifest)

@@ -44,14 +44,25 @@ def fqn(key: str, prefix: str | None = None) -> str | None:
 def shared_chunks(
     ckpt: DurableCheckpoint, prefix: str | None = None
 ) -> dict[str, list[StoredChunk]]:
-    """Every stored box of every shared tensor, once each, by exported name."""
+    """Every stored box of every shared tensor, once each, by exported name.
+
+    CorruptCheckpoint if boxes of one tensor disagree on its dtype or global shape (the
+    manifest passed its checksum, but no writer makes such a step)."""
     out: dict[str, dict[tuple[Any, ...], StoredChunk]] = {}
     for chunks in ckpt.manifest.ranks.values():
         for c in chunks:
             name = fqn(c.record.key, prefix)
             if c.record.scope != "global" or name is None:
                 continue
-            out.setdefault(name, {})[(c.record.offsets, c.record.lengths)] = c
+            boxes = out.setdefault(name, {})
+            first = next(iter(boxes.values()), c).record
+            if (first.dtype, first.global_shape) != (c.record.dtype, c.record.global_shape):
+                raise CorruptCheckpoint(
+                    f"{name!r} of step {ckpt.step}: its stored boxes disagree on what it is "
+                    f"({first.dtype} {list(first.global_shape)} and {c.record.dtype} "
+                    f"{list(c.record.global_shape)}); the manifest is damaged"
+                )
+            boxes[(c.record.offsets, c.record.lengths)] = c
     return {name: list(boxes.values()) for name, boxes in sorted(out.items())}
 
 
@@ -62,24 +73,43 @@ def _chunk_tensor(ckpt: DurableCheckpoint, chunk: StoredChunk) -> torch.Tensor:
 
 
 def full_tensors(ckpt: DurableCheckpoint, prefix: str | None = None) -> dict[str, torch.Tensor]:
-    """Every shared tensor of the step, whole, assembled from its boxes."""
+    """Every shared tensor of the step, whole, assembled from its boxes.
+
+    Nothing is allocated before the boxes are known to cover each tensor and to lie inside
+    their files: a manifest cannot make this ask for more memory than the step holds."""
     out = {}
-    for name, chunks in shared_chunks(ckpt, prefix).items():
+    tensors = shared_chunks(ckpt, prefix)
+    for name, chunks in tensors.items():
+        ckpt.check_extents(chunks)
+        covered = sum(math.prod(c.record.lengths) for c in chunks)
+        numel = math.prod(chunks[0].record.global_shape)
+        if covered != numel or _overlapping(chunks):
+            raise CorruptCheckpoint(
+                f"{name!r} of step {ckpt.step}: the stored boxes cover {covered} of "
+                f"{numel} elements{' (some overlap)' if covered == numel else ''}"
+            )
+    for name, chunks in tensors.items():
         first = chunks[0].record
         full = torch.empty(tuple(first.global_shape), dtype=dtype_of(first.dtype))
-        covered = 0
         for chunk in chunks:
             r = chunk.record
             index = tuple(slice(o, o + n) for o, n in zip(r.offsets, r.lengths, strict=True))
             full[index] = _chunk_tensor(ckpt, chunk)
-            covered += math.prod(r.lengths)
-        if covered != full.numel():
-            raise CorruptCheckpoint(
-                f"{name!r} of step {ckpt.step}: the stored boxes cover {covered} of "
-                f"{full.numel()} elements"
-            )
         out[name] = full
     return out
+
+
+def _overlapping(chunks: list[StoredChunk]) -> bool:
+    """Whether two of the boxes share an element (then a sum of sizes proves no coverage)."""
+    boxes = [(c.record.offsets, c.record.lengths) for c in chunks]
+    for i, (a_off, a_len) in enumerate(boxes):
+        for b_off, b_len in boxes[i + 1 :]:
+            if all(
+                max(a, b) < min(a + m, b + n)
+                for a, m, b, n in zip(a_off, a_len, b_off, b_len, strict=True)
+            ):
+                return True
+    return False
 
 
 def export_safetensors(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from peerckpt.errors import CheckpointError, NoCheckpoint
+from peerckpt.errors import CheckpointError, CorruptCheckpoint, NoCheckpoint
 from peerckpt.persist.config import PersistConfig
 from peerckpt.persist.durable import DurableCheckpoint, DurableStore
 from peerckpt.recovery.commits import CommitTracker
@@ -24,8 +24,11 @@ def durable_to_restore(config: PersistConfig) -> DurableCheckpoint:
         return store.open()  # damage is found (and named) as the ranks load it
     steps = store.committed_steps()
     for step in reversed(steps):
-        ckpt = store.open(step)
-        problems = ckpt.verify()
+        try:
+            ckpt = store.open(step)
+            problems = ckpt.verify()
+        except CorruptCheckpoint as exc:  # its manifest is malformed: as damaged
+            problems = [str(exc)]
         if not problems:
             return ckpt
         log.warning(

@@ -168,7 +168,7 @@ class FlushScheduler:
 
     def _commit(self, flush: FlushInProgress) -> None:
         try:
-            DurableStore(self.config.url).commit(
+            DurableStore(self.config.url, mode=self.config.mode).commit(
                 flush.step, flush.epoch, flush.layouts, keep=self.config.keep
             )
         except (CheckpointError, OSError) as exc:

@@ -69,6 +69,7 @@ from peerckpt.messages.local import (
     ToAgent,
     WantChunks,
 )
+from peerckpt.names import RUN_ENV
 from peerckpt.replication.arena import Arena
 from peerckpt.replication.control import ControlServer, ProcLink
 from peerckpt.replication.coordlink import CoordinatorLink
@@ -103,13 +104,14 @@ class Agent:
         host: str = "127.0.0.1",
         joining: int = 0,
         faults: FaultHooks = NO_FAULTS,
+        run: str | None = None,
     ) -> None:
         self.joining = joining
         self.faults = faults
         self.net = faults.net  # network fault hooks of this node's TCP links, if any
         self.job, self.node, self._secret = job, node, secret
         self.spare_node = spare_node
-        self.arena = Arena(job, node)
+        self.arena = Arena(job, node, run)  # run: the run id in the segments' names
         self.store = SlotStore(self.arena)
         self.stopping = threading.Event()
         self._ending = threading.Event()  # the job ended: process exits are expected now
@@ -452,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         args.host,
         joining=args.joining,
         faults=faults,
+        run=os.environ.get(RUN_ENV),
     )
     stop_on_signals(agent.stopping.set)
     try:

@@ -5,6 +5,10 @@ created, touched once (so the first snapshot copy does not pay page faults) and,
 unlinked by the agent — also on error. The launcher removes whatever a killed agent could not
 (``shm.sweep``). Ranks map their own slots; they never create or unlink.
 
+/dev/shm is shared with every user of the host: a file already at a segment's name (planted,
+or left by anything else) is never opened; the segment takes another name, and the agent
+tells the ranks the name it got.
+
 Nothing here imports torch: the agent stays a small process.
 """
 
@@ -14,16 +18,19 @@ import contextlib
 import logging
 import mmap
 import os
+import secrets
 import shutil
 import threading
 
 import psutil
 
 from peerckpt.errors import InsufficientMemory
+from peerckpt.names import new_run_id
 from peerckpt.shm import POPULATE, SHM_DIR, segment_prefix, sweep
 from peerckpt.units import human
 
 _TOUCH_BLOCK = 1 << 20
+_NAME_TRIES = 8  # names tried for one segment before giving up (each taken by a stranger)
 log = logging.getLogger("peerckpt.arena")
 
 
@@ -64,18 +71,23 @@ class Segment:
 
 
 class Arena:
-    """The segments one agent created. Thread-safe; ``destroy`` removes all of them."""
+    """The segments one agent created. Thread-safe; ``destroy`` removes all of them.
 
-    def __init__(self, job: str, node: int) -> None:
+    ``run``: the run id of the job's run (``PEERCKPT_RUN``; a fresh one when not given, for
+    an arena of its own)."""
+
+    def __init__(self, job: str, node: int, run: str | None = None) -> None:
         self.job = job
         self.node = node
+        self.run = run or new_run_id()
+        segment_prefix(job, self.run, node)  # a bad job name or run id fails here, not later
         self._segments: dict[str, Segment] = {}
         self._lock = threading.Lock()
         self._counter = 0
 
     @property
     def prefix(self) -> str:
-        return segment_prefix(self.job, self.node)
+        return segment_prefix(self.job, self.run, self.node)
 
     def create(self, tag: str, size: int, what: str, touch: bool = True) -> Segment:
         """Create, map and touch a new segment of ``size`` bytes named after ``tag``.
@@ -88,8 +100,8 @@ class Arena:
         with self._lock:
             self._counter += 1
             name = f"{self.prefix}{tag}-{self._counter}"
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        path, fd = self._create_file(name)
+        name = os.path.basename(path)
         try:
             # Reserve the pages now: on a full tmpfs this fails with ENOSPC, where touching
             # a sparse mapping would kill the process with SIGBUS.
@@ -121,6 +133,30 @@ class Arena:
         log.debug("created %s (%s) for %s", name, human(size), what)
         return segment
 
+    def _create_file(self, name: str) -> tuple[str, int]:
+        """Create a new file for a segment: at ``name``, or, if something is already there,
+        at ``name`` with a random suffix (O_EXCL: an existing file or link is never opened)."""
+        path = os.path.join(SHM_DIR, name)
+        for _ in range(_NAME_TRIES):
+            try:
+                return path, os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            except FileExistsError:
+                try:
+                    owner = f"uid {os.lstat(path).st_uid}"
+                except OSError:
+                    owner = "someone"
+                log.warning(
+                    "%s already exists (owned by %s), not made by this agent; it is left alone "
+                    "and the segment takes another name",
+                    path,
+                    owner,
+                )
+                path = os.path.join(SHM_DIR, f"{name}-{secrets.token_hex(4)}")
+        raise InsufficientMemory(
+            f"no free name for a segment in {SHM_DIR}: {_NAME_TRIES} names starting with {name} "
+            f"were taken; remove the files there that no job of yours owns"
+        )
+
     def release(self, segment: Segment) -> None:
         """Unmap and unlink one segment."""
         with self._lock:
@@ -129,14 +165,14 @@ class Arena:
         segment.unlink()
 
     def destroy(self) -> None:
-        """Unmap and unlink every segment of this arena, and any stray file with its prefix."""
+        """Unmap and unlink every segment of this arena, and any stray file with its prefix
+        (a file it cannot remove is left, and named in one warning line)."""
         with self._lock:
             segments = list(self._segments.values())
             self._segments.clear()
         for segment in segments:
             segment.close()
-            segment.unlink()
-        sweep(self.job, self.node)
+        sweep(self.job, self.run, self.node)
 
     def total_bytes(self) -> int:
         with self._lock:

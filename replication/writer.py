@@ -94,7 +94,7 @@ class Flusher:
             pieces = self._share(event)
             if self._copy_first:
                 pieces = copied(pieces)
-            DurableStore(config.url).write_part(step, self.node, pieces, pace)
+            DurableStore(config.url, mode=config.mode).write_part(step, self.node, pieces, pace)
         except Exception as exc:  # reported: the coordinator decides, training goes on
             if isinstance(exc, (SlotReused, HeldBytesChanged)) and not self._copy_first:
                 self._copy_first = True

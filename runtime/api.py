@@ -73,6 +73,7 @@ def resilient(
     persist_interval: float | None = None,
     keep: int | None = None,
     persist_allow_older: bool = False,
+    persist_mode: int | None = None,
     pg_timeout_s: float = 1800.0,
     backend: str | None = None,
     suspect_s: float = 15.0,
@@ -87,7 +88,9 @@ def resilient(
     ``persist_every`` steps (default 100) and/or ``persist_interval`` seconds, keeping the
     newest ``keep`` (``peerckpt run --persist`` overrides it). A job started again finds the
     latest committed step there and restores it; with ``persist_allow_older`` it verifies it
-    first and falls back to older steps if it is damaged. ``backend`` is what each epoch's
+    first and falls back to older steps if it is damaged. ``persist_mode`` is the permission
+    bits of the files written to local storage (default ``0o600``, directories ``0o700``).
+    ``backend`` is what each epoch's
     process group is initialised with (as in ``init_process_group``; default
     ``"cpu:gloo,cuda:nccl"`` where CUDA is available, else ``"gloo"``; ``"gloo"`` lets several
     ranks share one GPU). ``pg_timeout_s`` is the process groups'
@@ -105,7 +108,7 @@ def resilient(
         from peerckpt.persist.config import PersistConfig
 
         persisted = PersistConfig.from_settings(
-            persist, persist_every, persist_interval, keep, persist_allow_older
+            persist, persist_every, persist_interval, keep, persist_allow_older, persist_mode
         ).to_msg()
     elif persist_every is not None or persist_interval is not None or keep is not None:
         raise ConfigurationError("persist_every, persist_interval and keep need persist=URL")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from peerckpt.errors import ConfigurationError
+from peerckpt.secret import secret_from_env
 from peerckpt.states import ProcRole
 
 
@@ -45,13 +46,9 @@ class LaunchEnv:
                 f"PEERCKPT_ROLE must be 'rank', 'spare' or 'joiner', not "
                 f"{env.get('PEERCKPT_ROLE')!r}"
             ) from None
-        try:
-            secret = bytes.fromhex(env["PEERCKPT_SECRET"])
-        except ValueError:
-            raise ConfigurationError("PEERCKPT_SECRET must be hex; the launcher sets it") from None
         return cls(
             job=env["PEERCKPT_JOB"],
-            secret=secret,
+            secret=secret_from_env(env),
             agent_socket=env["PEERCKPT_AGENT"],
             node=int(env.get("PEERCKPT_NODE", "0")),
             role=role,

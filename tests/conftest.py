@@ -66,10 +66,13 @@ def no_leaks() -> Any:
     yield
     deadline = time.monotonic() + 5.0  # processes told to exit may take a moment
     rundirs = os.path.join(tempfile.gettempdir(), f"peerckpt-{PREFIX}*")
+    # A launcher's claim on its job name and its job file (peerckpt/launch/jobfile.py).
+    claims = os.path.join(tempfile.gettempdir(), f"peerckpt-{os.getuid()}", f"{PREFIX}*")
     procs, files, dirs = _job_processes(), glob.glob(SHM_GLOB), glob.glob(rundirs)
     while (procs or files or dirs) and time.monotonic() < deadline:
         time.sleep(0.1)
         procs, files, dirs = _job_processes(), glob.glob(SHM_GLOB), glob.glob(rundirs)
+    files += glob.glob(claims)
     for proc in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
@@ -80,7 +83,7 @@ def no_leaks() -> Any:
         shutil.rmtree(path, ignore_errors=True)
     assert not procs, f"leaked processes: {[p.pid for p in procs]}"
     assert not dirs, f"leaked run directories (sockets): {dirs}"
-    assert not files, f"leaked shared-memory files: {files}"
+    assert not files, f"leaked shared-memory or job files: {files}"
 
 
 @dataclass

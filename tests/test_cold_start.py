@@ -11,8 +11,10 @@ from __future__ import annotations
 import socket
 from collections.abc import Iterator
 
+import crc32c
 import pytest
 
+from peerckpt.codec import pack, unpack
 from peerckpt.persist.durable import DurableStore
 
 from .conftest import read_jsonl, run_job
@@ -118,4 +120,21 @@ def test_a_damaged_checkpoint_is_refused_by_name_and_allow_older_falls_back(tmp_
     assert "step 10 in" in run.log and "is damaged" in run.log
     committed = {e["digest"] for e in read_jsonl(first / "rank0.jsonl") if e["step"] == 5}
     restored = read_jsonl(third / "restored.jsonl")
+    assert [r["step"] for r in restored] == [5, 5] and {r["digest"] for r in restored} == committed
+
+    # A manifest that passes its checksum but is malformed is damage like any other: named,
+    # and skipped with --allow-older (it used to crash the coordinator with a TypeError).
+    manifest = tmp_path / "ckpt" / "step-000000000010" / "manifest.msgpack"
+    msg = unpack(manifest.read_bytes())
+    msg["ranks"]["0"][0][1][6] = "many"  # nbytes
+    manifest.write_bytes(pack(msg))
+    marker = manifest.with_name("COMMITTED")
+    marker.write_bytes(pack({"step": 10, "crc": crc32c.crc32c(manifest.read_bytes())}))
+    fourth = tmp_path / "fourth"
+    run = run_job(
+        fourth, script_args=["--steps", "16"], nodes=1, extra=["--persist", url, "--allow-older"]
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    assert "manifest.msgpack: rank 0 chunk 0 nbytes must be an integer" in run.log
+    restored = read_jsonl(fourth / "restored.jsonl")
     assert [r["step"] for r in restored] == [5, 5] and {r["digest"] for r in restored} == committed

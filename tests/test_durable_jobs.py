@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import stat
 import warnings
 
 import pytest
@@ -52,7 +53,7 @@ def test_a_job_flushes_committed_steps_that_reload_bit_exact(tmp_path) -> None:
     run = run_job(
         tmp_path,
         script_args=["--steps", "22", "--sleep", "0.02"],
-        extra=["--persist", url, "--persist-every", "5", "--keep", "2"],
+        extra=["--persist", url, "--persist-every", "5", "--keep", "2", "--persist-mode", "0640"],
     )
     assert run.returncode == 0, run.log[-4000:]
     flushed = [f["step"] for f in run.report["flushes"] if f["state"] == "committed"]
@@ -60,6 +61,11 @@ def test_a_job_flushes_committed_steps_that_reload_bit_exact(tmp_path) -> None:
     store = DurableStore(url)
     assert store.committed_steps() == flushed[-2:]  # keep=2
     assert store.all_steps() == flushed[-2:]  # nothing half-written left behind
+    # Every file the agents and the coordinator wrote has the mode asked for (default 0600).
+    root = tmp_path / "ckpt"
+    modes = {p.name: stat.S_IMODE(p.lstat().st_mode) for p in [root, *root.rglob("*")]}
+    assert {m for p, m in modes.items() if p == "ckpt" or p.startswith("step-")} == {0o750}
+    assert {m for p, m in modes.items() if p != "ckpt" and not p.startswith("step-")} == {0o640}
     assert _assert_committed_steps_reload(url, tmp_path) == flushed[-2:]
     # Other tools read the same bits: a safetensors export and dcp.load through the reader.
     model, _ = _restore_from_checkpoint(_ddp_job(), store.open(), 0)

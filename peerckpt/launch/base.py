@@ -63,6 +63,7 @@ class Launcher(abc.ABC):
     """One job, started and stopped by one backend."""
 
     job: str  # the job's name: its processes' PEERCKPT_JOB, its shared-memory prefix
+    run_id: str  # this run's random id: its processes' PEERCKPT_RUN, in every segment's name
 
     @abc.abstractmethod
     def run(self) -> JobResult:

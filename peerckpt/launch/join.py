@@ -1,7 +1,8 @@
 """``peerckpt join``: add one node to a job that is already running on this machine.
 
-It finds the job by name (the job file its ``peerckpt run`` wrote, readable only by the user
-who started it), gets a node index from the coordinator, starts an agent and
+It finds the job by name (the job file its ``peerckpt run`` published, private to the user
+who started it and checked as such: ``launch/jobfile.py``), gets a node index from the
+coordinator, starts an agent and
 ``--nproc-per-node`` processes of the job's script, and waits. Once all of them are
 connected, the coordinator widens the world and every rank restores the last committed step
 into the new layout. ``peerckpt join`` then stays until the job ends, and stops what it
@@ -10,17 +11,14 @@ started on the way out — also on Ctrl-C.
 
 from __future__ import annotations
 
-import glob
-import json
 import logging
-import os
 import shutil
 import signal
 import tempfile
 import threading
-from typing import Any
 
-from peerckpt.errors import ConfigurationError, PeerckptError
+from peerckpt.errors import PeerckptError
+from peerckpt.launch.jobfile import find_job
 from peerckpt.launch.processes import ProcessSet
 from peerckpt.messages.control import AllocateNode, Status
 from peerckpt.rpc import RpcClient
@@ -28,19 +26,7 @@ from peerckpt.shm import sweep
 from peerckpt.states import ExitCode, JobState
 
 log = logging.getLogger("peerckpt.launcher")
-
-
-def find_job(job: str) -> dict[str, Any]:
-    """The job file of the running job ``job`` on this machine."""
-    found = glob.glob(os.path.join(tempfile.gettempdir(), f"peerckpt-{job}-*", "job.json"))
-    if not found:
-        raise ConfigurationError(
-            f"no running job named {job!r} on this machine; start it with "
-            f"`peerckpt run --job {job} …` (or give the name it printed)"
-        )
-    with open(found[0]) as f:
-        info: dict[str, Any] = json.load(f)
-    return info
+__all__ = ["find_job", "join"]
 
 
 def join(job: str, nproc_per_node: int | None = None, script: list[str] | None = None) -> int:
@@ -51,7 +37,7 @@ def join(job: str, nproc_per_node: int | None = None, script: list[str] | None =
     rpc = RpcClient(info["coordinator"], secret, job)
     node = rpc.call(AllocateNode()).node
     rundir = tempfile.mkdtemp(prefix=f"peerckpt-{job}-join{node}-")
-    procs = ProcessSet(job, secret, script or info["script"], rundir, {})
+    procs = ProcessSet(job, secret, script or info["script"], rundir, {}, info["run"])
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     state = "failed"
@@ -76,7 +62,7 @@ def join(job: str, nproc_per_node: int | None = None, script: list[str] | None =
             signal.signal(s, handler)
         procs.stop()
         rpc.close()
-        sweep(job, node)
+        sweep(job, info["run"], node)
         shutil.rmtree(rundir, ignore_errors=True)
     if stop.is_set():
         return ExitCode.INTERRUPTED

@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from peerckpt.errors import ConfigurationError, PeerckptError
 from peerckpt.faults import ENV as FAULTS_ENV
 from peerckpt.launch.base import JobResult, JobSpec, Launcher
+from peerckpt.launch.jobfile import JobClaim
 from peerckpt.launch.processes import ProcessSet
 from peerckpt.messages import encode
 from peerckpt.messages.control import (
@@ -38,6 +38,7 @@ from peerckpt.messages.control import (
     Status,
     Stop,
 )
+from peerckpt.names import check_job_name, new_run_id
 from peerckpt.rpc import RpcClient
 from peerckpt.shm import sweep
 from peerckpt.states import ExitCode, JobState
@@ -47,9 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("peerckpt.launcher")
 MAX_COORDINATOR_RESTARTS = 10
-# No '-': it separates the job from the rest of a segment's name, so that cleaning up job
-# "exp" can never match the files of a job "exp-2".
-_JOB_NAME = re.compile(r"[a-z0-9][a-z0-9_]{0,39}")
 
 
 class LocalLauncher(Launcher):
@@ -62,15 +60,14 @@ class LocalLauncher(Launcher):
             raise ConfigurationError(f"training script {spec.script!r} does not exist")
         self.spec = spec
         self.chaos = _chaos(spec.chaos)  # parsed now: a bad spec fails before anything starts
-        if spec.job is not None and not _JOB_NAME.fullmatch(spec.job):
-            raise ConfigurationError(
-                f"job name {spec.job!r} must be 1-40 characters of a-z, 0-9 and '_'"
-            )
-        self.job = spec.job or secrets.token_hex(4)
+        self.job = check_job_name(spec.job) if spec.job is not None else secrets.token_hex(4)
+        # Held until stop(): a second launcher of this name is refused while this one runs.
+        self._claim = JobClaim(self.job)
+        self.run_id = new_run_id()
         self._secret = secrets.token_bytes(32)
         self.rundir = tempfile.mkdtemp(prefix=f"peerckpt-{self.job}-")
         self.procs = ProcessSet(
-            self.job, self._secret, [spec.script, *spec.args], self.rundir, spec.env
+            self.job, self._secret, [spec.script, *spec.args], self.rundir, spec.env, self.run_id
         )
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.address = ""
@@ -149,25 +146,21 @@ class LocalLauncher(Launcher):
         )
 
     def _write_job_file(self) -> None:
-        """What ``peerckpt join`` needs to find and join this job (readable by us only)."""
-        path = os.path.join(self.rundir, "job.json")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(
-                {
-                    "job": self.job,
-                    "coordinator": self.address,
-                    "secret": self._secret.hex(),
-                    "script": [self.spec.script, *self.spec.args],
-                    "nproc_per_node": self.spec.nproc_per_node,
-                },
-                f,
-            )
+        """What ``peerckpt join`` needs to find and join this job (``launch/jobfile.py``)."""
+        self._claim.publish(
+            {
+                "coordinator": self.address,
+                "secret": self._secret.hex(),
+                "script": [self.spec.script, *self.spec.args],
+                "nproc_per_node": self.spec.nproc_per_node,
+                "run": self.run_id,
+            }
+        )
 
     # -- machine-level faults and growth (``Launcher``) ------------------------------------
     def kill_node(self, node: int) -> None:
         self.procs.kill_node(node)
-        sweep(self.job, node)  # the node's memory is gone with it
+        sweep(self.job, self.run_id, node)  # the node's memory is gone with it
 
     def kill_agent(self, node: int) -> None:
         """SIGKILL node ``node``'s agent only. Its ranks see their link close and exit; the
@@ -177,7 +170,7 @@ class LocalLauncher(Launcher):
             agent.send_signal(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             agent.wait(timeout=5.0)
-        sweep(self.job, node)
+        sweep(self.job, self.run_id, node)
 
     def add_node(self) -> int:
         """Start one more node (agent and --nproc-per-node processes) that joins the job."""
@@ -367,10 +360,11 @@ class LocalLauncher(Launcher):
         if self.rpc is not None:
             self.rpc.close()
             self.rpc = None
-        removed = sweep(self.job)
+        removed = sweep(self.job, self.run_id)
         if removed:
             log.info("removed %d shared-memory file(s) left by killed processes", len(removed))
         shutil.rmtree(self.rundir, ignore_errors=True)
+        self._claim.release()
 
 
 def _chaos(spec: str) -> Chaos | None:

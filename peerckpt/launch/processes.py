@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from peerckpt.errors import PeerckptError
+from peerckpt.names import RUN_ENV
 from peerckpt.states import MAX_RESTARTS, ExitCode
 
 log = logging.getLogger("peerckpt.launcher")
@@ -43,12 +44,22 @@ class Node:
 
 
 class ProcessSet:
-    """The processes one launcher started for a job, and how to start and stop them."""
+    """The processes one launcher started for a job, and how to start and stop them.
+
+    ``run``: the run id every process gets in ``PEERCKPT_RUN`` (the agents name their
+    shared-memory segments with it)."""
 
     def __init__(
-        self, job: str, secret: bytes, script: list[str], rundir: str, env: dict[str, str]
+        self,
+        job: str,
+        secret: bytes,
+        script: list[str],
+        rundir: str,
+        env: dict[str, str],
+        run: str | None = None,
     ) -> None:
         self.job = job
+        self.run = run
         self.secret = secret
         self.script = script
         self.rundir = rundir
@@ -64,6 +75,8 @@ class ProcessSet:
         env.update(self.extra_env)
         env.setdefault("OMP_NUM_THREADS", "1")  # one intra-op thread per rank unless told
         env.update(PEERCKPT_JOB=self.job, PEERCKPT_SECRET=self.secret.hex(), **extra)
+        if self.run is not None:
+            env[RUN_ENV] = self.run
         return env
 
     def spawn(self, argv: list[str], env: dict[str, str], ready: bool) -> subprocess.Popen[bytes]:

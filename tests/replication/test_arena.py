@@ -15,7 +15,7 @@ def test_segments_are_named_for_the_job_and_removed_by_destroy(job) -> None:
     name, _ = job
     arena = Arena(name, node=3)
     seg = arena.create("o1-0", 1 << 20, "test slot")
-    assert os.path.basename(seg.path).startswith(f"peerckpt-{name}-n3-")
+    assert os.path.basename(seg.path).startswith(f"peerckpt-{name}-{arena.run}-n3-")
     assert os.path.exists(seg.path) and os.path.getsize(seg.path) == 1 << 20
     arena.destroy()
     assert not os.path.exists(seg.path)
@@ -50,7 +50,7 @@ def test_sweep_removes_what_a_killed_agent_left(job) -> None:
     arena = Arena(name, node=1)
     seg = arena.create("r2-1", 4096, "replica")
     # The agent "dies": nothing unlinks its file, until the launcher sweeps the node.
-    assert sweep(name, node=0) == []
-    assert sweep(name, node=1) == [seg.path]
+    assert sweep(name, arena.run, node=0) == []
+    assert sweep(name, arena.run, node=1) == [seg.path]
     assert not os.path.exists(seg.path)
     arena.destroy()
