@@ -34,6 +34,8 @@ def _run(args: argparse.Namespace) -> int:
         persist=_persist(args),
         placement=args.placement,
         racks=_racks(args.racks, args.nodes),
+        metrics_port=args.metrics_port,
+        metrics_addr=args.metrics_addr,
     )
     result = LocalLauncher(spec).run()
     print(format_report(result), file=sys.stderr)
@@ -249,6 +251,20 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="on a cold start, verify the latest checkpoint first and fall back to older "
         "committed steps if it is damaged",
+    )
+    run.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics at /metrics and a status page at /status on this port "
+        "(0: any free port, logged)",
+    )
+    run.add_argument(
+        "--metrics-addr",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="the address the metrics listen on (default loopback; 0.0.0.0 for every interface)",
     )
     run.add_argument("--report", default=None, help="write the job's report here as JSON")
     run.add_argument("--job", default=None, help="the job's name (default: random)")

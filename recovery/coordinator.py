@@ -36,6 +36,7 @@ from peerckpt.recovery.elastic import ReshardRounds
 from peerckpt.recovery.epochs import DeferredRecovery, EpochChanges
 from peerckpt.recovery.flushes import FlushScheduler
 from peerckpt.recovery.liveness import Liveness
+from peerckpt.recovery.observed import observed
 from peerckpt.recovery.placement import Placement, RingPlacement
 
 log = logging.getLogger("peerckpt.coordinator")
@@ -51,6 +52,7 @@ class AgentInfo:
     events: queue.Queue[dict[str, Any] | None] = field(default_factory=queue.Queue)
     alive: bool = True
     last_heartbeat: float = field(default_factory=time.monotonic)
+    stats: dict[str, Any] = field(default_factory=dict)  # its last heartbeat's, for observers
 
 
 @dataclass
@@ -248,6 +250,7 @@ class Coordinator(EpochChanges, Liveness):
             agent = self.agents.get(req["node"])
             if agent is not None and agent.alive:
                 agent.last_heartbeat = time.monotonic()
+                agent.stats = req.get("stats") or agent.stats
             return {"epoch": self.membership.epoch if self.membership else -1}
 
     def proc_joined(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -496,6 +499,7 @@ class Coordinator(EpochChanges, Liveness):
                 "events": self.events,
                 "flushes": self.flusher.records() if self.flusher else [],
                 "flush_skipped": list(self.flusher.skipped) if self.flusher else [],
+                **observed(self),
             }
 
     def close(self) -> None:

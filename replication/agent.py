@@ -34,6 +34,7 @@ from peerckpt.replication.arena import Arena
 from peerckpt.replication.control import ControlServer, ProcLink
 from peerckpt.replication.recovering import RankRecovery
 from peerckpt.replication.replicator import BuddySender, ReplicationJob
+from peerckpt.replication.stats import NodeCounters, node_stats
 from peerckpt.replication.store import SlotStore
 from peerckpt.replication.transfer import Cancelled, DataServer
 from peerckpt.replication.writer import Flusher
@@ -99,6 +100,7 @@ class Agent(RankRecovery):
         self._restarting: set[int] = set()  # pids that announced a restart in place
         self._threads: list[threading.Thread] = []
         self.flusher = Flusher(self.store, node, self._report)
+        self.counters = NodeCounters()  # sent with every heartbeat (replication/stats.py)
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -254,7 +256,12 @@ class Agent(RankRecovery):
             if self.net is not None and self.net.partitioned():
                 continue  # cut off: the coordinator hears nothing from this node
             try:
-                self.rpc.call("Heartbeat", timeout=2.0, node=self.node, epoch=self.epoch)
+                members = self.membership
+                ranks = members.local_ranks(self.node) if members is not None else []
+                stats = node_stats(self.store, self.counters, ranks)
+                self.rpc.call(
+                    "Heartbeat", timeout=2.0, node=self.node, epoch=self.epoch, stats=stats
+                )
             except PeerckptError as exc:
                 log.debug("heartbeat failed: %s", exc)
 
@@ -379,6 +386,7 @@ class Agent(RankRecovery):
             return
         manifest = SnapshotManifest.from_msg(msg["body"])
         manifest.validate_bounds(slot.segment.size)
+        self.counters.snapshot(epoch, rank, manifest.step, manifest.used_bytes)
         buddies = members.placement.get(rank, [])
         with slot.lock:
             job = ReplicationJob.start(epoch, slot, manifest, buddies)
@@ -433,6 +441,7 @@ class Agent(RankRecovery):
                     fatal=not isinstance(error, (PeerUnavailable, OSError)),
                 )
             return
+        self.counters.replicated(job.manifest.used_bytes)
         with job.lock:
             job.acked.append(node)
             if len(job.acked) < len(job.buddies):
