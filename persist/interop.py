@@ -13,7 +13,7 @@ Every chunk is verified against its checksum as it is read.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -61,10 +61,16 @@ def _chunk_tensor(ckpt: DurableCheckpoint, chunk: StoredChunk) -> torch.Tensor:
     return flat.view(dtype_of(chunk.record.dtype)).reshape(chunk.record.lengths)
 
 
-def full_tensors(ckpt: DurableCheckpoint, prefix: str | None = None) -> dict[str, torch.Tensor]:
-    """Every shared tensor of the step, whole, assembled from its boxes."""
+def full_tensors(
+    ckpt: DurableCheckpoint,
+    prefix: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every shared tensor of the step, whole, assembled from its boxes. ``progress`` is
+    told (tensors assembled, tensors in all) after each."""
     out = {}
-    for name, chunks in shared_chunks(ckpt, prefix).items():
+    shared = shared_chunks(ckpt, prefix)
+    for name, chunks in shared.items():
         first = chunks[0].record
         full = torch.empty(tuple(first.global_shape), dtype=dtype_of(first.dtype))
         covered = 0
@@ -79,17 +85,24 @@ def full_tensors(ckpt: DurableCheckpoint, prefix: str | None = None) -> dict[str
                 f"{full.numel()} elements"
             )
         out[name] = full
+        if progress is not None:
+            progress(len(out), len(shared))
     return out
 
 
 def export_safetensors(
-    url: str, out: str, step: int | None = None, prefix: str | None = None
+    url: str,
+    out: str,
+    step: int | None = None,
+    prefix: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Write the full tensors of a committed step to a safetensors file; return them."""
+    """Write the full tensors of a committed step to a safetensors file; return them.
+    ``progress`` is told (tensors read, tensors in all) as they are assembled."""
     from safetensors.torch import save_file
 
     ckpt = DurableStore(url).open(step)
-    tensors = full_tensors(ckpt, prefix)
+    tensors = full_tensors(ckpt, prefix, progress)
     save_file(tensors, out, metadata={"peerckpt_step": str(ckpt.step), "source": url})
     return tensors
 

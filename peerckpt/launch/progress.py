@@ -58,8 +58,9 @@ class Report:
         self.done = 0
         self._delay_s = delay_s
         self._started = time.monotonic()
-        self._last_plain = 0.0
+        self._last_plain = float("-inf")  # the first update prints at once
         self._shown = False
+        self._printed: int | None = None  # the count of the last plain line
         self._bar: Progress | None = None
         self._task: TaskID | None = None
 
@@ -114,6 +115,7 @@ class Report:
         of = f"/{self.total}" if self.total is not None else ""
         pct = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
         unit = f" {self.unit}" if self.unit else ""
+        self._printed = self.done
         self.stream.write(f"{self.description}: {self.done}{of}{unit}{pct}\n")
         self.stream.flush()
 
@@ -125,7 +127,7 @@ class Report:
             self._bar.update(self._task, completed=self.done, total=self.total)
             self._bar.stop()
             self._bar = None
-        elif self._shown and not self.terminal:
+        elif self._shown and not self.terminal and self._printed != self.done:
             self._line()
             self._shown = False
 

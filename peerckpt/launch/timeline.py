@@ -59,10 +59,10 @@ def timeline_data(report: dict[str, Any]) -> dict[str, Any]:
     def rel(t: float | None) -> float | None:
         return None if t is None else round(t - t0, 4)
 
-    ranks: dict[str, list[list[float]]] = {}
+    ranks: dict[str, list[list[Any]]] = {}
     for t, rank, step in samples.get("steps", []):
         ranks.setdefault(str(int(rank)), []).append([rel(t), step])
-    faults = []
+    faults: list[dict[str, Any]] = []
     for number, r in enumerate(recovery_views(events, chaos), 1):
         faults.append(
             {
@@ -157,7 +157,7 @@ def draw(data: dict[str, Any], path: str) -> None:
         else:
             top.step(xs, ys, where="post", linewidth=1.2, label=f"rank {rank}")
     if data["committed"]:
-        xs, ys = zip(*data["committed"], strict=True)
+        xs, ys = [p[0] for p in data["committed"]], [p[1] for p in data["committed"]]
         top.step(
             xs, ys, where="post", color="black", linestyle="--", linewidth=1, label="committed"
         )
