@@ -115,3 +115,17 @@ def test_a_recovery_without_an_injected_fault_has_no_detection_time() -> None:
     (rec,) = view.recoveries
     assert rec.detection_s is None and rec.fault_at is None
     assert round(rec.total_s, 3) == round(T0 + 10.25 - (T0 + 10.02), 3)
+
+
+def test_the_grafana_dashboard_uses_only_metrics_that_exist() -> None:
+    import json
+    import re
+
+    from tests.conftest import REPO
+
+    dashboard = json.loads((REPO / "examples" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"peerckpt_[a-z_]+", e)}
+    exported = {name for name, _ in _samples(build_view(status(), chaos=CHAOS))}
+    assert used and used <= exported, used - exported
+    assert all('job="$job"' in e for e in exprs), "every panel is about the chosen job"
