@@ -154,7 +154,7 @@ class RecoveryProgress:
                 self.close()
                 step = "nothing committed" if last.restore_step is None else last.restore_step
                 self._report = Report(
-                    f"recovering ({last.kind}: {last.cause}; step {step})",
+                    f"recovering from {last.cause} (restoring step {step})",
                     view.world_size,
                     "ranks stepping again",
                     stream=self._stream,

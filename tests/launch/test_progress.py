@@ -52,3 +52,31 @@ def test_json_log_records_carry_rank_epoch_and_step(monkeypatch) -> None:
     assert got["rank"] == 2 and got["epoch"] == 1 and "step" not in got
     monkeypatch.setenv(logs.ENV, "text")
     assert logs.formatter("rank", "%(levelname)s %(message)s").format(record) == "WARNING lost 3"
+
+
+def test_a_long_recovery_reports_the_ranks_stepping_again(monkeypatch) -> None:
+    from peerckpt.launch.progress import RecoveryProgress
+    from peerckpt.launch.view import build_view
+    from tests.launch.observed import status
+
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    out = io.StringIO()
+    watch = RecoveryProgress(stream=out, delay_s=3.0)
+    s = status()
+    s["events"][0]["resumed_at"] = None
+    for t, resumed in ((0.0, []), (1.0, [0]), (4.0, [0, 1]), (7.0, [0, 1, 2])):
+        now[0] = t
+        s["resumed"] = resumed
+        watch(s, build_view(s))
+    now[0] = 8.0
+    done = status()  # resumed: the recovery is over
+    watch(done, build_view(done))
+    lines = out.getvalue().splitlines()
+    # Nothing for the first 3 s; then plain lines (not a terminal), and the end at 4/4.
+    assert [line.split(": ")[-1] for line in lines] == [
+        "2/4 ranks stepping again (50%)",
+        "3/4 ranks stepping again (75%)",
+        "4/4 ranks stepping again (100%)",
+    ], lines
+    assert lines[0].startswith("recovering from rank: process 200 exited (restoring step 30)")
