@@ -158,7 +158,7 @@ def render(view: JobView) -> Group:
         "transfer",
         "restore",
         "total",
-        "from step",
+        "restored step",
         "moved",
     ):
         recs.add_column(col)

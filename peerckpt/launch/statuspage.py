@@ -150,7 +150,7 @@ def render(view: JobView, metrics_path: str = "/metrics") -> str:
     out.append('<h2>Last recoveries</h2><table id="recoveries"><tr>')
     out.append(
         "<th>detected</th><th>kind</th><th>cause</th><th>lost</th><th>detection</th>"
-        "<th>transfer</th><th>restore</th><th>total</th><th>restore step</th><th>moved</th></tr>"
+        "<th>transfer</th><th>restore</th><th>total</th><th>restored step</th><th>moved</th></tr>"
     )
     for rec in reversed(view.recoveries):
         out.append(_row(_recovery_row(rec)))

@@ -34,7 +34,7 @@ class NodeView:
     alive: bool
     spare: bool  # started as a spare node (it may run ranks since)
     ranks: tuple[int, ...]
-    memory: dict[str, int]  # slots, replicas, staging → bytes of its arena
+    memory: dict[str, int]  # slots, replicas, staging → bytes of its arena (none once lost)
     snapshot_bytes: int
     snapshots: int
     replicated_bytes: int
@@ -235,7 +235,8 @@ def build_view(
                 alive=bool(alive),
                 spare=node in spare_nodes,
                 ranks=tuple(r.rank for r in ranks if r.node == node),
-                memory={k: int(v) for k, v in s.get("memory", {}).items()},
+                # A lost node's memory is gone with it, whatever it reported last.
+                memory={k: int(v) for k, v in s.get("memory", {}).items()} if alive else {},
                 snapshot_bytes=int(s.get("snapshot_bytes", 0)),
                 snapshots=int(s.get("snapshots", 0)),
                 replicated_bytes=int(s.get("replicated_bytes", 0)),

@@ -129,3 +129,13 @@ def test_the_grafana_dashboard_uses_only_metrics_that_exist() -> None:
     exported = {name for name, _ in _samples(build_view(status(), chaos=CHAOS))}
     assert used and used <= exported, used - exported
     assert all('job="$job"' in e for e in exprs), "every panel is about the chosen job"
+
+
+def test_a_lost_node_keeps_its_counters_but_holds_no_memory() -> None:
+    view = build_view(status(nodes={0: True, 1: False, 2: True}))
+    lost = next(n for n in view.nodes if n.node == 1)
+    assert not lost.alive and lost.memory == {} and lost.snapshot_bytes == 500
+    got = _samples(view)
+    assert ("peerckpt_memory_bytes", (("job", "demo"), ("kind", "slots"), ("node", "1"))) not in got
+    assert got[("peerckpt_snapshot_bytes_total", (("job", "demo"), ("node", "1")))] == 500
+    assert got[("peerckpt_node_up", (("job", "demo"), ("node", "1")))] == 0
