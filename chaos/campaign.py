@@ -32,7 +32,9 @@ from peerckpt.chaos.spec import parse_chaos
 from peerckpt.errors import ConfigurationError
 from peerckpt.launch.base import JobResult, JobSpec
 from peerckpt.launch.local import LocalLauncher
+from peerckpt.launch.progress import Report
 from peerckpt.launch.report import failure_rows
+from peerckpt.launch.view import JobView
 from peerckpt.shm import SHM_DIR, segment_prefix
 
 # Each entry: a weight, and the clause(s) of one fault for rank r at step s (one fault may be
@@ -165,6 +167,7 @@ class Campaign:
     leaks: list[str] = field(default_factory=list)
     steps_compared: int = 0
     differing: list[str] = field(default_factory=list)
+    result: JobResult | None = field(default=None, repr=False)  # the chaos run's (not in JSON)
 
     @property
     def ok(self) -> bool:
@@ -189,7 +192,10 @@ def run_campaign(
     replicas: int | None = None,
     env: dict[str, str] | None = None,
     job: str | None = None,
+    progress: bool = False,
 ) -> Campaign:
+    """Run the reference and the chaos run; with ``progress``, report how far each got (a
+    bar on a terminal, plain lines otherwise)."""
     world = nodes * nproc_per_node
     parse_chaos("; ".join(generate(seed, faults, world, start, every or MIN_EVERY, 1.0)))
     common: dict[str, Any] = dict(
@@ -202,7 +208,11 @@ def run_campaign(
         env=env or {},
         record_digests=True,
     )
-    reference = LocalLauncher(JobSpec(**common, job=f"{job}_ref" if job else None)).run()
+    ref_launcher = LocalLauncher(JobSpec(**common, job=f"{job}_ref" if job else None))
+    with Report("reference run, no faults: committed step", None) as bar:
+        if progress:
+            ref_launcher.watchers.append(_committed(bar))
+        reference = ref_launcher.run()
     if reference.state != "succeeded":
         campaign = Campaign(seed, [])
         campaign.job_state = "reference failed"
@@ -220,11 +230,30 @@ def run_campaign(
             job=f"{job}_chaos" if job else None,
         )
     )
-    result = launcher.run()
+    with Report(f"chaos run: faults fired (seed {seed})", len(clauses)) as bar:
+        if progress:
+            launcher.watchers.append(_fired(bar, launcher))
+        result = launcher.run()
+    campaign.result = result
     campaign.job_state, campaign.job_reason = result.state, result.reason
     campaign.leaks = leaks(result.job, launcher.rundir)
     compare(campaign, reference, result)
     return campaign
+
+
+def _committed(bar: Report) -> Any:
+    """A launcher watcher: the committed step, as the reference run's progress."""
+    return lambda status, view: bar.update(view.committed_step or 0)
+
+
+def _fired(bar: Report, launcher: LocalLauncher) -> Any:
+    """A launcher watcher: the faults fired so far, as the chaos run's progress."""
+
+    def watch(status: dict[str, Any], view: JobView) -> None:
+        fired = launcher.chaos.fired if launcher.chaos is not None else []
+        bar.update(sum(1 for c in fired if c.get("fired_at")))
+
+    return watch
 
 
 def leaks(job: str, rundir: str) -> list[str]:
@@ -342,6 +371,7 @@ def format_table(campaign: Campaign) -> str:
 
 def to_json(campaign: Campaign) -> dict[str, Any]:
     out = asdict(campaign)
+    out.pop("result")  # written apart, as the chaos run's report
     out["ok"] = campaign.ok
     return out
 

@@ -4,7 +4,8 @@ and show that peerckpt's recovery is invisible in the bits.
 The chaos run kills one rank partway, then a whole node. Every rank records a digest of its
 model and optimizer after every step; each digest of the chaos run (re-executed steps
 included) must equal the fault-free run's for the same rank and step. Exits non-zero if not,
-or if either job failed. Output, including each job's log, goes to demo-out/.
+or if either job failed. Output, including each job's log and report and the chaos run's
+timeline picture (demo-out/chaos-timeline.png), goes to demo-out/.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from peerckpt.launch.base import JobResult, JobSpec
 from peerckpt.launch.local import LocalLauncher
 from peerckpt.launch.report import failure_rows, format_failures
+from peerckpt.launch.timeline import timeline
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "demo-out"
@@ -61,6 +63,7 @@ def run_job(name: str, spares: int = 0, chaos: str = "") -> tuple[JobResult, Pat
         nproc_per_node=2,
         spares=spares,
         chaos=chaos,
+        report=str(OUT / f"{name}-report.json"),
     )
     with stderr_to(log):
         result = LocalLauncher(spec).run()
@@ -112,6 +115,9 @@ def main() -> int:
         print(f"  {name:10s} {first:.4f} at step 0 → {last:.4f} at step {STEPS - 1}")
     print("\nfailures in the chaos run:")
     recovered = print_failures(chaos)
+    picture = OUT / "chaos-timeline.png"
+    timeline(str(OUT / "chaos-report.json"), str(picture), str(OUT / "chaos-timeline.json"))
+    print(f"  timeline of the chaos run: {picture.relative_to(REPO)}")
 
     complete = all(len(ref.get((r, s), [])) == 1 for r in range(4) for s in range(STEPS))
     missing = sorted(set(ref) - set(got))

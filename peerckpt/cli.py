@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import os
 import sys
 from fractions import Fraction
 
+from peerckpt import logs
 from peerckpt.errors import PeerckptError
 from peerckpt.recovery.placement import STRATEGY_NAMES
 
@@ -34,6 +34,8 @@ def _run(args: argparse.Namespace) -> int:
         persist=_persist(args),
         placement=args.placement,
         racks=_racks(args.racks, args.nodes),
+        metrics_port=args.metrics_port,
+        metrics_addr=args.metrics_addr,
     )
     result = LocalLauncher(spec).run()
     print(format_report(result), file=sys.stderr)
@@ -60,12 +62,61 @@ def _chaos(args: argparse.Namespace) -> int:
         heartbeat_timeout=args.heartbeat_timeout,
         replicas=args.replicas,
         job=args.job,
+        progress=True,
     )
     path = args.json or default_json_path(args.seed)
     write_json(campaign, path)
     print(format_table(campaign))
     print(f"written to {path}")
+    if campaign.result is not None:
+        from peerckpt.launch.timeline import timeline
+
+        stem = path[:-5] if path.endswith(".json") else path
+        report, picture = f"{stem}-report.json", f"{stem}-timeline.png"
+        with open(report, "w") as f:
+            json.dump(campaign.result.__dict__, f, indent=1, default=str)
+        timeline(report, picture)
+        print(f"the chaos run's report: {report}; its timeline: {picture}")
     return 0 if campaign.ok else 1
+
+
+def _status(args: argparse.Namespace) -> int:
+    from peerckpt.launch.console import status
+
+    if args.interval <= 0:
+        raise PeerckptError(f"--interval {args.interval}: give a positive number of seconds")
+    return status(
+        args.job, args.rdzv_endpoint, args.secret_file, args.once, args.json, args.interval
+    )
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    from peerckpt.launch.timeline import timeline
+
+    data = timeline(args.report, args.out, args.data)
+    print(f"wrote {args.out}: {len(data['faults'])} fault(s), {len(data['ranks'])} rank(s)")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from peerckpt.launch.progress import Report, callback
+    from peerckpt.persist.inspect import inspect
+
+    with Report("verifying", None, "chunks", delay_s=1.0) as report:
+        lines, ok = inspect(args.url, args.step, args.verify, args.tensors, callback(report))
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+def _export(args: argparse.Namespace) -> int:
+    from peerckpt.launch.progress import Report, callback
+    from peerckpt.persist.interop import export_safetensors
+
+    with Report(f"exporting to {args.out}", None, "tensors", delay_s=1.0) as report:
+        tensors = export_safetensors(args.url, args.out, args.step, args.prefix, callback(report))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(f"wrote {len(tensors)} tensors ({total:,} bytes) to {args.out}")
+    return 0
 
 
 def _racks(text: str | None, nodes: int) -> dict[int, str] | None:
@@ -281,6 +332,20 @@ def main(argv: list[str] | None = None) -> int:
         help="permission bits of the durable files written to local storage (default 0600; "
         "directories get the matching 0700)",
     )
+    run.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics at /metrics and a status page at /status on this port "
+        "(0: any free port, logged)",
+    )
+    run.add_argument(
+        "--metrics-addr",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="the address the metrics listen on (default loopback; 0.0.0.0 for every interface)",
+    )
     run.add_argument("--report", default=None, help="write the job's report here as JSON")
     run.add_argument("--job", default=None, help="the job's name (default: random)")
     run.add_argument("script", help="the training script")
@@ -305,12 +370,16 @@ def main(argv: list[str] | None = None) -> int:
     insp = sub.add_parser(
         "inspect",
         help="list the durable checkpoints under a URL and verify them",
-        description="Show the committed steps under URL (a path, file://, s3://, memory://), "
-        "the tensors of one step, and with --verify check every chunk's checksum.",
+        description="Show the committed steps under URL (a path, file://, s3://, memory://) "
+        "and a summary of one step; --tensors lists its tensors, --verify checks every "
+        "chunk's checksum.",
     )
     insp.add_argument("url", help="the checkpoint root")
     insp.add_argument("--step", type=int, default=None, help="which step (default: the latest)")
     insp.add_argument("--verify", action="store_true", help="read every chunk and check it")
+    insp.add_argument(
+        "--tensors", action="store_true", help="list every tensor (default: a summary)"
+    )
     exp = sub.add_parser(
         "export",
         help="write the full tensors of a durable checkpoint to another format",
@@ -376,27 +445,61 @@ def main(argv: list[str] | None = None) -> int:
     chaos.add_argument("--job", default=None, help="name the two jobs NAME_ref and NAME_chaos")
     chaos.add_argument("script", help="the training script (it must run long enough)")
     chaos.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get("PEERCKPT_LOG_LEVEL", "INFO"),
-        format="%(asctime)s peerckpt[launcher] %(levelname)s %(message)s",
+    stat = sub.add_parser(
+        "status",
+        help="show a running job: nodes, ranks and their copies, steps, lag, recoveries",
+        description="A live view of a running job (until it ends or Ctrl-C): its nodes and "
+        "their health and memory, every rank and the nodes holding its committed copy, the "
+        "committed and durable steps, replication lag, spares, and the last recoveries with "
+        "their cost.",
     )
+    stat.add_argument("--job", required=True, help="the running job's name")
+    stat.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="the job's coordinator (a job on other machines); the secret comes from "
+        "PEERCKPT_SECRET or --secret-file",
+    )
+    stat.add_argument(
+        "--secret-file", default=None, metavar="PATH", help="the job's secret in hex (mode 0600)"
+    )
+    stat.add_argument("--once", action="store_true", help="print one snapshot as text and exit")
+    stat.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
+    stat.add_argument("--interval", type=float, default=1.0, help="seconds between redraws")
+    tl = sub.add_parser(
+        "timeline",
+        help="draw a job's report: every rank's steps over time and what each fault cost",
+        description="Draw REPORT.json (from `peerckpt run --report`) as a PNG: each rank's step "
+        "over wall-clock time, the committed step, faults, recoveries and durable flushes, "
+        "and per fault its cost split into detection, transfer and restore.",
+    )
+    tl.add_argument("report", help="the job's report (peerckpt run --report PATH)")
+    tl.add_argument("-o", "--out", required=True, help="the PNG to write")
+    tl.add_argument("--data", default=None, help="also write the drawn data here as JSON")
+    for p in sub.choices.values():
+        p.add_argument(
+            "--log-format",
+            choices=logs.FORMATS,
+            default=None,
+            help="log records as text (default) or one JSON object per line, in every process "
+            "of the job",
+        )
+    args = parser.parse_args(argv)
+    if args.log_format is not None:
+        os.environ[logs.ENV] = args.log_format  # the job's processes inherit it
+    logs.configure("launcher", "%(asctime)s peerckpt[launcher] %(levelname)s %(message)s")
     try:
         if args.command == "run":
             return _run(args)
         if args.command == "inspect":
-            from peerckpt.persist.inspect import inspect
-
-            lines, ok = inspect(args.url, args.step, args.verify)
-            print("\n".join(lines))
-            return 0 if ok else 1
+            return _inspect(args)
         if args.command == "export":
-            from peerckpt.persist.interop import export_safetensors
-
-            tensors = export_safetensors(args.url, args.out, args.step, args.prefix)
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
-            print(f"wrote {len(tensors)} tensors ({total:,} bytes) to {args.out}")
-            return 0
+            return _export(args)
+        if args.command == "status":
+            return _status(args)
+        if args.command == "timeline":
+            return _timeline(args)
         if args.command == "plan":
             return _plan(args)
         if args.command == "chaos":

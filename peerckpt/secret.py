@@ -12,6 +12,7 @@ Pure functions; nothing here opens a connection.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 
 from peerckpt.errors import ConfigurationError
@@ -47,3 +48,35 @@ def secret_from_env(environ: Mapping[str, str] | None = None) -> bytes:
     except ValueError:
         raise ConfigurationError(f"{ENV} must hold the job's secret in hex. {_FIX}") from None
     return check_secret(secret)
+
+
+def secret_from_file(path: str) -> bytes:
+    """The job's secret (hex) from a file that belongs to the caller and that only the caller
+    can read (mode 0600: a secret on a command line would show in ``ps``); ConfigurationError
+    naming the file and the fix otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise ConfigurationError(
+            f"cannot read the job's secret from {path}: {exc.strerror}; give a regular file "
+            "holding the secret in hex"
+        ) from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise ConfigurationError(
+                f"the secret file {path} must be a regular file of yours that only you can "
+                f"read; run `chmod 600 {path}`"
+            )
+        raw = f.read(4096)
+    try:
+        secret = bytes.fromhex(raw.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        raise ConfigurationError(f"the secret file {path} must hold the secret in hex") from None
+    return check_secret(secret, path)
+
+
+def job_secret(secret_file: str | None = None) -> bytes:
+    """The job's secret for a process that joins a job from outside: ``secret_file`` if given,
+    else ``PEERCKPT_SECRET``."""
+    return secret_from_file(secret_file) if secret_file else secret_from_env()

@@ -3,21 +3,18 @@ the job's secret from its environment, and an orderly stop on SIGTERM or SIGINT.
 
 from __future__ import annotations
 
-import logging
-import os
 import signal
 from collections.abc import Callable
 
+from peerckpt import logs
 from peerckpt.secret import secret_from_env
 
 
 def service_process(label: str) -> bytes:
     """Start a peerckpt service process (agent, coordinator): logging labelled ``label`` on
-    stderr, at ``PEERCKPT_LOG_LEVEL``; return the job's secret from ``PEERCKPT_SECRET``."""
-    logging.basicConfig(
-        level=os.environ.get("PEERCKPT_LOG_LEVEL", "INFO"),
-        format=f"%(asctime)s peerckpt[{label}] %(levelname)s %(message)s",
-    )
+    stderr, at ``PEERCKPT_LOG_LEVEL``, as text or JSON (``peerckpt/logs.py``); return the
+    job's secret from ``PEERCKPT_SECRET``."""
+    logs.configure(label, f"%(asctime)s peerckpt[{label}] %(levelname)s %(message)s")
     return secret_from_env()
 
 

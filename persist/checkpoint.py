@@ -9,7 +9,7 @@ reader allocate more than the step holds). Local files are read through ``localf
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -85,14 +85,18 @@ class DurableCheckpoint:
             )
         return data
 
-    def verify(self) -> list[str]:
-        """Read every stored chunk once; return a line per one that fails."""
+    def verify(self, progress: Callable[[int, int], None] | None = None) -> list[str]:
+        """Read every stored chunk once; return a line per one that fails. ``progress`` is
+        told (chunks done, chunks in all) after each."""
         problems = []
-        for chunk in self.manifest.unique_chunks().values():
+        chunks = list(self.manifest.unique_chunks().values())
+        for done, chunk in enumerate(chunks, 1):
             try:
                 self.read(chunk)
             except CorruptCheckpoint as exc:
                 problems.append(str(exc))
+            if progress is not None:
+                progress(done, len(chunks))
         return problems
 
     def chunks(self, rank: int) -> Iterator[StoredChunk]:

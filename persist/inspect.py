@@ -1,16 +1,30 @@
-"""``peerckpt inspect URL``: what a durable checkpoint root holds, and whether it is intact."""
+"""``peerckpt inspect URL``: what a durable checkpoint root holds, and whether it is intact.
+
+By default a summary that fits a screen whatever the model's size: the committed steps, and
+for one step its epoch, ranks, bytes, tensor and chunk counts, files, and the verification
+status. The per-tensor listing (thousands of lines on a real model) only with ``tensors``.
+Only reads; verification reads every chunk and checks its checksum.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 from peerckpt.manifest import META_KEY
 from peerckpt.persist.durable import DurableStore
 from peerckpt.units import human
 
 
-def inspect(url: str, step: int | None = None, verify: bool = False) -> tuple[list[str], bool]:
-    """Lines describing the checkpoints under ``url``; False if ``verify`` found damage."""
+def inspect(
+    url: str,
+    step: int | None = None,
+    verify: bool = False,
+    tensors: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[list[str], bool]:
+    """Lines describing the checkpoints under ``url``; False if ``verify`` found damage.
+    ``progress`` is told (chunks verified, chunks in all) while verifying."""
     store = DurableStore(url)
     committed = store.committed_steps()
     incomplete = [s for s in store.all_steps() if s not in committed]
@@ -21,33 +35,44 @@ def inspect(url: str, step: int | None = None, verify: bool = False) -> tuple[li
         return lines, True
     ckpt = store.open(step)
     m = ckpt.manifest
-    files = sorted({c.file for c in m.unique_chunks().values()})
-    lines.append(
-        f"step {m.step} (epoch {m.epoch}, {m.world_size} ranks): {human(m.nbytes())} in "
-        f"{len(files)} file(s) {files}"
-    )
-    tensors: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    chunks = m.unique_chunks().values()
+    files = sorted({c.file for c in chunks})
+    by_tensor: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     shapes: dict[str, str] = {}
-    for chunk in m.unique_chunks().values():
+    for chunk in chunks:
         r = chunk.record
         if r.key == META_KEY:
             continue
-        tensors[r.key][0] += 1
-        tensors[r.key][1] += r.nbytes
+        by_tensor[r.key][0] += 1
+        by_tensor[r.key][1] += r.nbytes
         shapes[r.key] = f"{r.dtype} {list(r.global_shape)}"
-    width = max((len(k) for k in tensors), default=0)
-    for key in sorted(tensors):
-        count, nbytes = tensors[key]
-        lines.append(f"  {key:<{width}}  {shapes[key]:<24} {count:>4} chunk(s) {human(nbytes):>10}")
+    tensor_bytes = sum(n for _, n in by_tensor.values())
+    lines += [
+        f"step {m.step} (epoch {m.epoch}, {m.world_size} ranks): {human(m.nbytes())}",
+        f"  tensors: {len(by_tensor)} in {sum(c for c, _ in by_tensor.values())} chunk(s), "
+        f"{human(tensor_bytes)}; per-rank state: {human(m.nbytes() - tensor_bytes)}",
+        f"  files: {len(files)} ({', '.join(files[:4])}{', …' if len(files) > 4 else ''})",
+    ]
+    if tensors:
+        width = max((len(k) for k in by_tensor), default=0)
+        for key in sorted(by_tensor):
+            count, nbytes = by_tensor[key]
+            lines.append(
+                f"  {key:<{width}}  {shapes[key]:<24} {count:>4} chunk(s) {human(nbytes):>10}"
+            )
     ok = True
     if verify:
-        problems = ckpt.verify()
+        problems = ckpt.verify(progress)
         ok = not problems
-        n = len(m.unique_chunks())
+        n = len(chunks)
         lines.append(
-            f"verified {n} chunk(s): all checksums match"
+            f"  verified: {n} chunk(s), all checksums match"
             if ok
-            else f"verification FAILED for {len(problems)} of {n} chunk(s):"
+            else f"  verification FAILED for {len(problems)} of {n} chunk(s):"
         )
-        lines += [f"  {p}" for p in problems]
+        lines += [f"    {p}" for p in problems]
+    else:
+        lines.append("  verified: no (add --verify to read every chunk and check it)")
+    if not tensors:
+        lines.append("  (--tensors lists every tensor)")
     return lines, ok

@@ -13,7 +13,7 @@ Every chunk is verified against its checksum as it is read.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -72,8 +72,13 @@ def _chunk_tensor(ckpt: DurableCheckpoint, chunk: StoredChunk) -> torch.Tensor:
     return flat.view(dtype_of(chunk.record.dtype)).reshape(chunk.record.lengths)
 
 
-def full_tensors(ckpt: DurableCheckpoint, prefix: str | None = None) -> dict[str, torch.Tensor]:
-    """Every shared tensor of the step, whole, assembled from its boxes.
+def full_tensors(
+    ckpt: DurableCheckpoint,
+    prefix: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every shared tensor of the step, whole, assembled from its boxes. ``progress`` is
+    told (tensors assembled, tensors in all) after each.
 
     Nothing is allocated before the boxes are known to cover each tensor and to lie inside
     their files: a manifest cannot make this ask for more memory than the step holds."""
@@ -96,6 +101,8 @@ def full_tensors(ckpt: DurableCheckpoint, prefix: str | None = None) -> dict[str
             index = tuple(slice(o, o + n) for o, n in zip(r.offsets, r.lengths, strict=True))
             full[index] = _chunk_tensor(ckpt, chunk)
         out[name] = full
+        if progress is not None:
+            progress(len(out), len(tensors))
     return out
 
 
@@ -113,13 +120,18 @@ def _overlapping(chunks: list[StoredChunk]) -> bool:
 
 
 def export_safetensors(
-    url: str, out: str, step: int | None = None, prefix: str | None = None
+    url: str,
+    out: str,
+    step: int | None = None,
+    prefix: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Write the full tensors of a committed step to a safetensors file; return them."""
+    """Write the full tensors of a committed step to a safetensors file; return them.
+    ``progress`` is told (tensors read, tensors in all) as they are assembled."""
     from safetensors.torch import save_file
 
     ckpt = DurableStore(url).open(step)
-    tensors = full_tensors(ckpt, prefix)
+    tensors = full_tensors(ckpt, prefix, progress)
     save_file(tensors, out, metadata={"peerckpt_step": str(ckpt.step), "source": url})
     return tensors
 

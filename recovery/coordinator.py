@@ -75,6 +75,7 @@ from peerckpt.recovery.epochs import Epochs
 from peerckpt.recovery.flushes import FlushScheduler
 from peerckpt.recovery.job import JobLife, Settings, Spares
 from peerckpt.recovery.liveness import Clocks
+from peerckpt.recovery.observed import observed
 from peerckpt.recovery.placement import Placement, RingPlacement
 from peerckpt.recovery.registry import AgentInfo, Registry
 from peerckpt.states import EpochMode, JobState, ProcRole
@@ -186,6 +187,7 @@ class Coordinator:
             agent = self.registry.agents.get(msg.node)
             if agent is not None and agent.alive:
                 agent.last_heartbeat = time.monotonic()
+                agent.stats = msg.stats or agent.stats
             m = self.epochs.membership
             return HeartbeatReply(m.epoch if m else -1)
 
@@ -446,6 +448,7 @@ class Coordinator:
                 events=list(self.epochs.events),
                 flushes=self.flusher.records() if self.flusher else [],
                 flush_skipped=list(self.flusher.skipped) if self.flusher else [],
+                **observed(self),
             )
 
     def close(self) -> None:

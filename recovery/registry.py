@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from peerckpt.membership import Membership
+from peerckpt.messages.control import NodeStats
 from peerckpt.states import ROLE, ProcRole
 
 
@@ -28,6 +29,7 @@ class AgentInfo:
     events: queue.Queue[Any] = field(default_factory=queue.Queue)  # Event | None (the end)
     alive: bool = True
     last_heartbeat: float = field(default_factory=time.monotonic)
+    stats: NodeStats | None = None  # its last heartbeat's report, for observers only
 
 
 @dataclass

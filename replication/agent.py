@@ -75,6 +75,7 @@ from peerckpt.replication.control import ControlServer, ProcLink
 from peerckpt.replication.coordlink import CoordinatorLink
 from peerckpt.replication.mirroring import Mirroring
 from peerckpt.replication.recovering import Preparer
+from peerckpt.replication.stats import node_stats
 from peerckpt.replication.store import SlotStore
 from peerckpt.replication.transfer import DataServer
 from peerckpt.replication.writer import Flusher
@@ -288,8 +289,11 @@ class Agent:
             self._fence_silent()
             if self.net is not None and self.net.partitioned():
                 continue  # cut off: the coordinator hears nothing from this node
+            members = self.membership
+            ranks = members.local_ranks(self.node) if members is not None else []
+            stats = node_stats(self.store, self.mirroring.counters, ranks)
             try:
-                self.coordinator.call(Heartbeat(self.node, self.epoch), timeout=2.0)
+                self.coordinator.call(Heartbeat(self.node, self.epoch, stats), timeout=2.0)
             except PeerckptError as exc:
                 log.debug("heartbeat failed: %s", exc)
 

@@ -24,6 +24,7 @@ from peerckpt.messages.control import Replicated, ReplicationFailed
 from peerckpt.messages.local import SnapshotTaken
 from peerckpt.replication.coordlink import CoordinatorLink
 from peerckpt.replication.replicator import BuddySender, ReplicationJob
+from peerckpt.replication.stats import NodeCounters
 from peerckpt.replication.store import SlotStore
 from peerckpt.replication.transfer import Cancelled
 from peerckpt.states import SlotKind
@@ -54,6 +55,7 @@ class Mirroring:
         self._lock = threading.Lock()
         self._senders: dict[int, BuddySender] = {}
         self._reported_layouts: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self.counters = NodeCounters()  # sent with every heartbeat (replication/stats.py)
 
     def replicate(self, members: Membership, msg: SnapshotTaken) -> None:
         """Checksum and push ``msg``'s snapshot to the rank's buddies in ``members``."""
@@ -62,6 +64,7 @@ class Mirroring:
             return
         manifest = msg.manifest
         manifest.validate_bounds(slot.segment.size)
+        self.counters.snapshot(msg.epoch, msg.rank, manifest.step, manifest.used_bytes)
         buddies = members.placement.get(msg.rank, [])
         with slot.lock:
             job = ReplicationJob.start(msg.epoch, slot, manifest, buddies)
@@ -134,6 +137,7 @@ class Mirroring:
                     )
                 )
             return
+        self.counters.replicated(job.manifest.used_bytes)
         with job.lock:
             job.acked.append(node)
             if len(job.acked) < len(job.buddies):

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from peerckpt import faults as fault_hooks
+from peerckpt import logs
 from peerckpt.errors import MembershipChanged, PeerckptError
 from peerckpt.manifest import ChunkRecord
 from peerckpt.messages import Dispatch, Message
@@ -439,9 +440,10 @@ def configure_logging(level: str | None = None) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(RankFilter())
     handler.setFormatter(
-        logging.Formatter(
+        logs.formatter(
+            "rank",
             "%(asctime)s peerckpt[rank=%(rank)s epoch=%(epoch)s step=%(step)s] "
-            "%(levelname)s %(message)s"
+            "%(levelname)s %(message)s",
         )
     )
     logger.addHandler(handler)

@@ -9,6 +9,8 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,7 @@ from peerckpt.chaos.campaign import TAIL_STEPS, Campaign, compare, generate, pla
 from peerckpt.chaos.spec import parse_chaos
 from peerckpt.errors import ConfigurationError
 from peerckpt.launch.base import JobResult
+from peerckpt.launch.timeline import timeline_data
 
 from .conftest import JOBS, REPO, job_name
 
@@ -108,6 +111,16 @@ def _campaign(tmp_path, seed: int, faults: int, steps: int) -> dict:
     assert len(report["rows"]) == faults
     assert all(r["bit_exact"] and r["step"] is not None for r in report["rows"])
     assert "campaign passed" in proc.stdout
+    # The chaos run's report and its timeline, beside the campaign's JSON; the drawn data
+    # holds every fault the campaign fired.
+    stem = str(out)[: -len(".json")]
+    picture = Path(f"{stem}-timeline.png")
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"its timeline: {picture}" in proc.stdout
+    data = timeline_data(json.loads(Path(f"{stem}-report.json").read_text()))
+    drawn = [f["cause"] for f in data["faults"]]
+    fired = [r["fault"] for r in report["rows"] if r["step"] is not None]
+    assert not Counter(fired) - Counter(drawn), (fired, drawn)
     return report
 
 

@@ -8,5 +8,10 @@ so it knows all their packages; of ``chaos/`` it uses only the package's public 
 - ``local.py``: ``peerckpt run`` on this machine, every node a simulated failure domain;
 - ``processes.py``: starting and stopping agents and training processes on this machine;
 - ``join.py``: ``peerckpt join``, one more node for a running job;
-- ``report.py``: the report of a finished job.
+- ``report.py``: the report of a finished job;
+- ``view.py``: one view of a running job, from the coordinator's ``Status``, that every
+  observer shows; ``monitor.py`` keeps it in a launcher and serves it over HTTP as
+  ``metrics.py`` (Prometheus) and ``statuspage.py`` (HTML); ``console.py`` is
+  ``peerckpt status``; ``timeline.py`` draws a job's report; ``progress.py`` reports long
+  commands.
 """

@@ -39,6 +39,8 @@ class JobSpec:
     racks: dict[int, str] | None = None  # node → rack
     keep_spares: bool = False  # start a new spare (and spare node) for every one used or lost
     record_digests: bool = False  # every snapshot's tensor digest, in the result
+    metrics_port: int | None = None  # serve /metrics and /status here (0: any free port)
+    metrics_addr: str = "127.0.0.1"
 
     @property
     def world(self) -> int:
@@ -57,6 +59,7 @@ class JobResult:
     wall_s: float
     flushes: list[dict[str, Any]] = field(default_factory=list)  # durable checkpoints written
     digests: dict[str, list[str]] = field(default_factory=dict)  # "rank/step" → digests seen
+    timeline: dict[str, Any] = field(default_factory=dict)  # JobMonitor.timeline()
 
 
 class Launcher(abc.ABC):

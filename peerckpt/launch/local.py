@@ -22,13 +22,17 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from peerckpt.errors import ConfigurationError, PeerckptError
 from peerckpt.faults import ENV as FAULTS_ENV
 from peerckpt.launch.base import JobResult, JobSpec, Launcher
 from peerckpt.launch.jobfile import JobClaim
+from peerckpt.launch.monitor import JobMonitor, MonitorServer
 from peerckpt.launch.processes import ProcessSet
+from peerckpt.launch.progress import RecoveryProgress
+from peerckpt.launch.view import JobView
 from peerckpt.messages import encode
 from peerckpt.messages.control import (
     AllocateNode,
@@ -82,6 +86,12 @@ class LocalLauncher(Launcher):
         self._spares: list[subprocess.Popen[bytes]] = []  # every spare process started
         self._spare_node = -1
         self._fault_dir: str | None = None
+        # Observers: metrics and the status page (--metrics-port), the timeline samples, and
+        # whatever else wants every status the launcher polls (progress, a campaign's bar).
+        self.monitor = JobMonitor()
+        self._server: MonitorServer | None = None
+        self._recovery_progress = RecoveryProgress()
+        self.watchers: list[Callable[[dict[str, Any], JobView], None]] = [self._recovery_progress]
         if self.chaos is not None and self.chaos.needs_fault_dir:
             self._fault_dir = os.path.join(self.rundir, "faults")
             os.mkdir(self._fault_dir, 0o700)
@@ -154,6 +164,7 @@ class LocalLauncher(Launcher):
                 "script": [self.spec.script, *self.spec.args],
                 "nproc_per_node": self.spec.nproc_per_node,
                 "run": self.run_id,
+                "metrics": self._server.address if self._server is not None else None,
             }
         )
 
@@ -198,6 +209,11 @@ class LocalLauncher(Launcher):
             else {}
         )
         try:
+            if self.spec.metrics_port is not None:
+                self._server = MonitorServer(
+                    self.monitor, self.spec.metrics_addr, self.spec.metrics_port
+                )
+                self._server.start()
             self.start()
             assert self.rpc is not None
             if self.chaos is not None:
@@ -210,6 +226,7 @@ class LocalLauncher(Launcher):
             if self.chaos is not None:
                 self.chaos.stop()  # first: it thaws the processes it froze
             digests = self._read_digests()
+            self._recovery_progress.close()
             self.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -230,6 +247,7 @@ class LocalLauncher(Launcher):
             time.time() - start,
             self._flushes,
             digests,
+            self.monitor.timeline(),
         )
         if self.spec.report:
             with open(self.spec.report, "w") as f:
@@ -255,6 +273,7 @@ class LocalLauncher(Launcher):
                 continue
             state, events = status.state, status.events
             self._flushes = [encode(f) for f in status.flushes]
+            self._observe(status)
             if state.ended:
                 return state.value, status.reason, self._all_events(events)
             self.procs.end_groups()  # a rank that died takes its DataLoader workers along
@@ -267,6 +286,15 @@ class LocalLauncher(Launcher):
                 if problem:
                     return "failed", problem, []
         return "interrupted", "stopped by a signal", self._all_events(events)
+
+    def _observe(self, status: JobStatus) -> None:
+        """Hand a status to the monitor (metrics, status page, timeline) and the watchers
+        (they read it as the map it travels as, the form ``peerckpt status --json`` prints)."""
+        chaos = list(self.chaos.fired) if self.chaos is not None else []
+        raw = encode(status)
+        view = self.monitor.observe(raw, self._all_events(status.events), chaos)
+        for watcher in self.watchers:
+            watcher(raw, view)
 
     def _read_digests(self) -> dict[str, list[str]]:
         """The digests the coordinators recorded: "rank/step" → the distinct ones seen."""
@@ -360,6 +388,9 @@ class LocalLauncher(Launcher):
         if self.rpc is not None:
             self.rpc.close()
             self.rpc = None
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
         removed = sweep(self.job, self.run_id)
         if removed:
             log.info("removed %d shared-memory file(s) left by killed processes", len(removed))

@@ -41,10 +41,13 @@ def _matches(action: dict[str, Any], event: dict[str, Any]) -> bool:
     return event["kind"] == "node" and action.get("node", action["target"]) in event["nodes"]
 
 
-def failure_rows(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -> list[FailureRow]:
-    """Pair every failure event with the chaos action that caused it, if any."""
+def causes(
+    events: list[dict[str, Any]], chaos: list[dict[str, Any]]
+) -> list[dict[str, Any] | None]:
+    """For every failure event, the chaos record of the action that caused it, or None: the
+    first fired action not yet paired that lost the event's target before its detection."""
     unmatched = [c for c in chaos if c.get("fired_at")]
-    rows = []
+    found: list[dict[str, Any] | None] = []
     for event in events:
         cause = next(
             (c for c in unmatched if c["fired_at"] <= event["detected_at"] and _matches(c, event)),
@@ -52,6 +55,14 @@ def failure_rows(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -> l
         )
         if cause is not None:
             unmatched.remove(cause)
+        found.append(cause)
+    return found
+
+
+def failure_rows(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -> list[FailureRow]:
+    """Pair every failure event with the chaos action that caused it, if any."""
+    rows = []
+    for event, cause in zip(events, causes(events, chaos), strict=True):
         t0 = cause["fired_at"] if cause else event["detected_at"]
         resumed = event.get("resumed_at")
         if cause is not None:

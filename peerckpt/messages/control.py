@@ -121,11 +121,26 @@ class HeartbeatReply(Message):
     epoch: int
 
 
+@message("node_stats")
+@dataclass(frozen=True)
+class NodeStats(Message):
+    """What an agent reports of its node with each heartbeat, for observers only
+    (``replication/stats.py``): counters since it started, the newest snapshot step of each
+    local rank, and the bytes its arena holds by kind (slots, replicas, staging)."""
+
+    snapshot_bytes: int
+    snapshots: int
+    replicated_bytes: int
+    latest_step: dict[int, int]
+    memory: dict[str, int]
+
+
 @message("Heartbeat")
 @dataclass(frozen=True)
 class Heartbeat(Request[HeartbeatReply]):
     node: int
     epoch: int
+    stats: NodeStats | None = None
 
 
 @message("node_allocated")
@@ -408,6 +423,15 @@ class JobStatus(Message):
     events: list[RecoveryEvent]
     flushes: list[FlushRecord]
     flush_skipped: list[int]
+    # For observers (``recovery/observed.py``): nodes holding each rank's committed copy
+    # (-1: durable storage), each rank's buddies, the ranks resumed in this epoch, the spare
+    # nodes, every node's last heartbeat report, and the replicas per rank.
+    holders: dict[int, list[int]] = field(default_factory=dict)
+    placement: dict[int, list[int]] = field(default_factory=dict)
+    resumed: list[int] = field(default_factory=list)
+    spare_nodes: list[int] = field(default_factory=list)
+    node_stats: dict[int, NodeStats] = field(default_factory=dict)
+    replicas: int | None = None
 
 
 @message("Status")

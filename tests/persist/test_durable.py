@@ -203,7 +203,7 @@ def test_inspect_lists_steps_and_tensors_and_verify_finds_damage(tmp_path, capsy
     store = DurableStore(str(tmp_path / "ckpt"))
     _write(store, step=7)
     _write(store, step=8)
-    assert main(["inspect", str(tmp_path / "ckpt"), "--verify"]) == 0
+    assert main(["inspect", str(tmp_path / "ckpt"), "--verify", "--tensors"]) == 0
     out = capsys.readouterr().out
     assert "committed steps [7, 8]" in out and "step 8 (epoch 1, 3 ranks)" in out
     assert "model/s" in out and "uint8 [6000]" in out and "all checksums match" in out
@@ -216,6 +216,23 @@ def test_inspect_lists_steps_and_tensors_and_verify_finds_damage(tmp_path, capsy
     out = capsys.readouterr().out
     assert "verification FAILED for 1 of 6 chunk(s)" in out and "'model/s' of step 8" in out
     assert main(["inspect", str(tmp_path / "ckpt"), "--step", "7", "--verify"]) == 0
+
+
+def test_inspect_summarizes_by_default_and_lists_tensors_when_asked(tmp_path, capsys) -> None:
+    from peerckpt.cli import main
+
+    store = DurableStore(str(tmp_path / "ckpt"))
+    _write(store, step=8)
+    tensors = {c.record.key for r in store.open(8).manifest.ranks.values() for c in r}
+    tensors.discard(META_KEY)
+    assert main(["inspect", str(tmp_path / "ckpt")]) == 0
+    summary = capsys.readouterr().out
+    assert f"tensors: {len(tensors)} in " in summary and "verified: no" in summary
+    assert not any(key in summary for key in tensors), "the summary lists no tensor"
+    assert main(["inspect", str(tmp_path / "ckpt"), "--tensors"]) == 0
+    listing = capsys.readouterr().out
+    assert all(key in listing for key in tensors)
+    assert len(listing.splitlines()) == len(summary.splitlines()) - 1 + len(tensors)
 
 
 def test_the_persist_config_survives_its_message_form() -> None:

@@ -85,6 +85,20 @@ def test_export_writes_a_safetensors_file_of_full_tensors(sharded, tmp_path) -> 
     assert loaded["b"].dtype == torch.bfloat16
 
 
+def test_export_and_verify_report_their_progress(sharded, tmp_path) -> None:
+    store, _, _ = sharded
+    seen: list[tuple[int, int]] = []
+    export_safetensors(
+        store.url, str(tmp_path / "m.safetensors"), progress=lambda d, n: seen.append((d, n))
+    )
+    assert seen == [(1, 3), (2, 3), (3, 3)]
+    checked: list[tuple[int, int]] = []
+    ckpt = store.open()
+    assert ckpt.verify(lambda d, n: checked.append((d, n))) == []
+    chunks = len(ckpt.manifest.unique_chunks())
+    assert checked == [(d, chunks) for d in range(1, chunks + 1)]
+
+
 def test_dcp_load_through_the_reader_equals_our_own_load(sharded) -> None:
     store, _, _ = sharded
     state = {"model": {"w": torch.zeros(6, 4), "b": torch.zeros(4, dtype=torch.bfloat16)}}

@@ -1,0 +1,279 @@
+"""One view of a running job, built from the coordinator's ``Status`` reply: what every
+observer shows — the metrics (``metrics.py``), the status page (``statuspage.py``) and
+``peerckpt status`` (``console.py``).
+
+Pure functions and frozen records; no I/O. The status may come straight from the RPC
+(integer keys) or from JSON (string keys); both read the same.
+
+Recovery phases, per failure: *detection* is from the fault to the coordinator's decision
+(known only when the launcher injected the fault, so that it knows when it struck);
+*transfer* is the time agents spent obtaining the lost state (their own memory, a peer's
+over TCP, or storage; the slowest rank of each resharding round, summed over the rounds);
+*restore* is the rest, until every rank steps again: opening the epoch, aborting and
+re-forming the process group, copying the state into the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from peerckpt.launch.report import causes
+from peerckpt.reads import STORAGE
+
+RECOVERY_KINDS = ("rank", "node", "reshard", "storage")
+PHASES = ("detection", "transfer", "restore")
+RECENT = 10  # recoveries a view keeps (the metrics count all of them)
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One node: health, the ranks it runs, what its agent reported last."""
+
+    node: int
+    alive: bool
+    spare: bool  # started as a spare node (it may run ranks since)
+    ranks: tuple[int, ...]
+    memory: dict[str, int]  # slots, replicas, staging → bytes of its arena (none once lost)
+    snapshot_bytes: int
+    snapshots: int
+    replicated_bytes: int
+
+
+@dataclass(frozen=True)
+class RankView:
+    """One rank: where it runs and where its committed state is."""
+
+    rank: int
+    node: int
+    pid: int
+    copies: tuple[int, ...]  # nodes holding its committed step (-1: durable storage)
+    buddies: tuple[int, ...]  # nodes it replicates to in this epoch
+    replicated_step: int | None  # its newest step on all its buddies
+    snapshot_step: int | None  # its newest snapshot known (heartbeat or replication report)
+    lag: int | None  # snapshot_step - committed step: steps a failure now would train again
+
+
+@dataclass(frozen=True)
+class RecoveryView:
+    """One failure and what its repair cost."""
+
+    kind: str  # one of RECOVERY_KINDS
+    cause: str
+    epoch: int | None  # the epoch it opened
+    fault_at: float | None  # when the launcher injected it (wall clock), if it did
+    detected_at: float
+    resumed_at: float | None  # every rank stepping again; None while repairing (or superseded)
+    detection_s: float | None
+    transfer_s: float | None
+    restore_s: float | None
+    total_s: float | None  # fault (else detection) → every rank stepping again
+    restore_step: int | None
+    lost: dict[int, int]  # rank → the node it was on
+    network_bytes: int  # pulled from peers over TCP
+    storage_bytes: int  # read from durable storage
+    local_bytes: int  # taken from the rank's own node's memory
+    superseded: bool  # a newer failure opened an epoch before this one resumed
+
+
+@dataclass(frozen=True)
+class JobView:
+    """Everything an observer shows about the job at one instant."""
+
+    job: str
+    state: str
+    reason: str
+    epoch: int
+    world_size: int
+    replicas: int | None
+    committed_step: int | None
+    durable_step: int | None
+    lag: int | None  # the largest rank lag
+    spares: int
+    nodes: tuple[NodeView, ...]
+    ranks: tuple[RankView, ...]
+    recoveries: tuple[RecoveryView, ...]  # the last RECENT, oldest first
+    recoveries_total: dict[str, int]  # kind → finished recoveries, over the whole job
+    phase_seconds: dict[str, tuple[float, ...]]  # phase → every finished recovery's, in order
+    recovering: bool  # a recovery is under way
+    flushes: dict[str, int] = field(default_factory=dict)  # state → durable flushes
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (``peerckpt status --json``, ``/status.json``)."""
+        out = asdict(self)
+        for r in out["recoveries"]:
+            r["lost"] = {str(k): v for k, v in r["lost"].items()}
+        return out
+
+
+def _ints(d: dict[Any, Any] | None) -> dict[int, Any]:
+    return {int(k): v for k, v in (d or {}).items()}
+
+
+def recovery_kind(event: dict[str, Any]) -> str:
+    """The metrics' kind of a failure event: storage, reshard, rank or node."""
+    pulls = event.get("pulls", [])
+    if (
+        event.get("kind") == "cold_start"
+        or event.get("fallback")
+        or any(p.get("source") == STORAGE for p in pulls)
+    ):
+        return "storage"
+    if event.get("mode") == "reshard" or event.get("kind") == "grow":
+        return "reshard"
+    return "node" if event.get("kind") == "node" else "rank"
+
+
+def transfer_seconds(pulls: list[dict[str, Any]]) -> float | None:
+    """The slowest rank's transfer per resharding round, summed over the rounds."""
+    by_round: dict[int, float] = {}
+    for p in pulls:
+        r = int(p.get("round") or 0)
+        by_round[r] = max(by_round.get(r, 0.0), float(p.get("seconds", 0.0)))
+    return sum(by_round.values()) if by_round else None
+
+
+def recovery_views(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -> list[RecoveryView]:
+    """Every failure event with its cause (a chaos record, if the launcher injected it) and
+    the cost of its repair, by phase."""
+    out = []
+    for event, cause in zip(events, causes(events, chaos), strict=True):
+        detected, resumed = float(event["detected_at"]), event.get("resumed_at")
+        fault_at = float(cause["fired_at"]) if cause is not None else None
+        pulls = event.get("pulls", [])
+        transfer = transfer_seconds(pulls)
+        restore = None
+        if resumed is not None:
+            restore = max(0.0, resumed - detected - (transfer or 0.0))
+        net = storage = local = 0
+        for p in pulls:
+            n = int(p.get("bytes", 0))
+            if p.get("source") == STORAGE:
+                storage += n
+            elif p.get("source") == p.get("node"):
+                local += n
+            else:
+                net += n
+        out.append(
+            RecoveryView(
+                kind=recovery_kind(event),
+                cause=cause["action"]
+                if cause is not None
+                else f"{event['kind']}: {event['reason']}",
+                epoch=event.get("epoch"),
+                fault_at=fault_at,
+                detected_at=detected,
+                resumed_at=resumed,
+                detection_s=detected - fault_at if fault_at is not None else None,
+                transfer_s=transfer,
+                restore_s=restore,
+                total_s=resumed - (fault_at if fault_at is not None else detected)
+                if resumed is not None
+                else None,
+                restore_step=event.get("restore_step"),
+                lost=_ints(event.get("lost")),
+                network_bytes=net,
+                storage_bytes=storage,
+                local_bytes=local,
+                superseded=resumed is None
+                and any(e.get("from_epoch") == event.get("epoch") for e in events),
+            )
+        )
+    return out
+
+
+def durable_step(flushes: list[dict[str, Any]]) -> int | None:
+    """The newest step written to durable storage and committed there."""
+    steps = [int(f["step"]) for f in flushes if f.get("state") == "committed"]
+    return max(steps) if steps else None
+
+
+def build_view(
+    status: dict[str, Any],
+    events: list[dict[str, Any]] | None = None,
+    chaos: list[dict[str, Any]] | None = None,
+    node_stats: dict[int, dict[str, Any]] | None = None,
+) -> JobView:
+    """The view of ``status`` (a ``Status`` reply). ``events`` replaces its failure events
+    (a launcher knows those of coordinators before a restart), ``chaos`` says which the
+    launcher injected, ``node_stats`` replaces its nodes' reports (a launcher keeps those of
+    nodes a restarted coordinator never heard of)."""
+    events = status.get("events", []) if events is None else events
+    stats = _ints(status.get("node_stats")) if node_stats is None else node_stats
+    committed = status.get("committed_step")
+    placement, holders = _ints(status.get("placement")), _ints(status.get("holders"))
+    replicated = _ints(status.get("last_replicated"))
+    latest: dict[int, int] = {}
+    for s in stats.values():
+        latest.update(_ints(s.get("latest_step")))
+    ranks = []
+    for rank, (node, pid) in sorted(_ints(status.get("ranks")).items()):
+        # The heartbeat's step may be older than the coordinator's replicated one.
+        known = [s for s in (latest.get(rank), replicated.get(rank)) if s is not None]
+        snap = max(known) if known else None
+        ranks.append(
+            RankView(
+                rank=rank,
+                node=int(node),
+                pid=int(pid),
+                copies=tuple(sorted(int(n) for n in holders.get(rank, []))),
+                buddies=tuple(int(n) for n in placement.get(rank, [])),
+                replicated_step=replicated.get(rank),
+                snapshot_step=snap,
+                lag=max(0, snap - committed)
+                if snap is not None and committed is not None
+                else None,
+            )
+        )
+    spare_nodes = {int(n) for n in status.get("spare_nodes", [])}
+    nodes = []
+    for node, alive in sorted(_ints(status.get("nodes")).items()):
+        s = stats.get(node, {})
+        nodes.append(
+            NodeView(
+                node=node,
+                alive=bool(alive),
+                spare=node in spare_nodes,
+                ranks=tuple(r.rank for r in ranks if r.node == node),
+                # A lost node's memory is gone with it, whatever it reported last.
+                memory={k: int(v) for k, v in s.get("memory", {}).items()} if alive else {},
+                snapshot_bytes=int(s.get("snapshot_bytes", 0)),
+                snapshots=int(s.get("snapshots", 0)),
+                replicated_bytes=int(s.get("replicated_bytes", 0)),
+            )
+        )
+    recoveries = recovery_views(events, chaos or [])
+    finished = [r for r in recoveries if r.resumed_at is not None]
+    totals = dict.fromkeys(RECOVERY_KINDS, 0)
+    for r in finished:
+        totals[r.kind] += 1
+    phases = {
+        "detection": tuple(r.detection_s for r in finished if r.detection_s is not None),
+        "transfer": tuple(r.transfer_s for r in finished if r.transfer_s is not None),
+        "restore": tuple(r.restore_s for r in finished if r.restore_s is not None),
+        "total": tuple(r.total_s for r in finished if r.total_s is not None),
+    }
+    flushes: dict[str, int] = {}
+    for f in status.get("flushes", []):
+        flushes[f["state"]] = flushes.get(f["state"], 0) + 1
+    lags = [r.lag for r in ranks if r.lag is not None]
+    return JobView(
+        job=status.get("job", ""),
+        state=status.get("state", "unknown"),
+        reason=status.get("reason", ""),
+        epoch=int(status.get("epoch", -1)),
+        world_size=int(status.get("world_size", 0)),
+        replicas=status.get("replicas"),
+        committed_step=committed,
+        durable_step=durable_step(status.get("flushes", [])),
+        lag=max(lags) if lags else None,
+        spares=len(status.get("spares", [])),
+        nodes=tuple(nodes),
+        ranks=tuple(ranks),
+        recoveries=tuple(recoveries[-RECENT:]),
+        recoveries_total=totals,
+        phase_seconds=phases,
+        recovering=status.get("state") == "running"
+        and any(r.resumed_at is None and not r.superseded for r in recoveries),
+        flushes=flushes,
+    )

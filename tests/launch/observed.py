@@ -1,0 +1,90 @@
+"""A job's status as the coordinator returns it, for the observability tests: 2 nodes × 2
+ranks and a spare node, one rank lost and recovered by a chaos kill, one durable flush."""
+
+from __future__ import annotations
+
+from typing import Any
+
+T0 = 1_700_000_000.0
+
+
+def status(**over: Any) -> dict[str, Any]:
+    """A ``Status`` reply (integer keys, as the RPC returns them); ``over`` replaces fields."""
+    out: dict[str, Any] = {
+        "job": "demo",
+        "state": "running",
+        "reason": "",
+        "epoch": 1,
+        "world_size": 4,
+        "min_nodes": None,
+        "committed_step": 41,
+        "last_replicated": {0: 42, 1: 42, 2: 41, 3: 43},
+        "ranks": {0: [0, 100], 1: [0, 101], 2: [2, 300], 3: [1, 201]},
+        "spares": [[2, 301]],
+        "nodes": {0: True, 1: True, 2: True},
+        "events": [
+            {
+                "kind": "rank",
+                "ranks": [2],
+                "nodes": [],
+                "reason": "process 200 exited",
+                "lost": {2: 1},
+                "detected_at": T0 + 10.02,
+                "from_epoch": 0,
+                "pulls": [
+                    {"rank": 2, "node": 2, "source": 0, "bytes": 5000, "seconds": 0.03},
+                    {"rank": 0, "node": 0, "source": 0, "bytes": 4000, "seconds": 0.001},
+                ],
+                "resumed_at": T0 + 10.25,
+                "restore_step": 30,
+                "mode": "same",
+                "epoch": 1,
+            }
+        ],
+        "flushes": [
+            {"step": 20, "state": "committed", "started_at": T0 + 5, "committed_at": T0 + 6},
+            {"step": 40, "state": "failed", "started_at": T0 + 12, "committed_at": None},
+        ],
+        "flush_skipped": [],
+        "holders": {0: [0, 1], 1: [0, 1], 2: [1, 2], 3: [0, 1], 9: [-1]},
+        "placement": {0: [1], 1: [1], 2: [1], 3: [0]},
+        "resumed": [0, 1, 2, 3],
+        "spare_nodes": [2],
+        "node_stats": {
+            0: {
+                "snapshot_bytes": 1000,
+                "snapshots": 10,
+                "replicated_bytes": 900,
+                "latest_step": {0: 44, 1: 43},
+                "memory": {"slots": 4096, "replicas": 2048, "staging": 0},
+            },
+            1: {
+                "snapshot_bytes": 500,
+                "snapshots": 5,
+                "replicated_bytes": 400,
+                "latest_step": {3: 43},
+                "memory": {"slots": 2048, "replicas": 8192, "staging": 0},
+            },
+        },
+        "replicas": 1,
+    }
+    out.update(over)
+    return out
+
+
+CHAOS = [
+    {"action": "kill rank=2 at=30", "kind": "kill_rank", "target": 2, "fired_at": T0 + 10.0},
+    {
+        "action": "slow node=0 at=35 rate=2 for=2",
+        "kind": "slow_node",
+        "target": 0,
+        "fired_at": T0 + 11.0,
+    },
+    {
+        "action": "kill rank=1 at=999",
+        "kind": "kill_rank",
+        "target": 1,
+        "fired_at": None,
+        "skipped": "the job ended before its step",
+    },
+]
