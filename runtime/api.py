@@ -19,10 +19,12 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from peerckpt.errors import ConfigurationError, PeerUnavailable
+from peerckpt.errors import PeerUnavailable
 from peerckpt.runtime import children
-from peerckpt.runtime.env import LaunchEnv
-from peerckpt.runtime.rank import Assignment, RankRuntime, configure_logging
+from peerckpt.runtime.config import DEFAULTS, ResilientConfig
+from peerckpt.runtime.env import LaunchEnv, configure_logging
+from peerckpt.runtime.rank import RankRuntime
+from peerckpt.runtime.tracking import EpochTracking
 from peerckpt.states import ProcRole
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -31,8 +33,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 class Context:
     """What the decorated function gets: its place in the current epoch, and the state hooks."""
 
-    def __init__(self, runtime: RankRuntime, assignment: Assignment) -> None:
-        self._runtime = runtime
+    def __init__(self, tracking: EpochTracking) -> None:
+        self._tracking = tracking
+        assignment = tracking.assignment
         self.rank = assignment.rank
         self.world_size = assignment.world_size
         self.local_rank = assignment.local_rank
@@ -52,14 +55,14 @@ class Context:
         torch, random and numpy are tracked without being asked. Call it once per name,
         before ``steps``.
         """
-        self._runtime.track(state)
+        self._tracking.track(state)
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield step numbers up to ``total - 1``, starting after the restored step.
 
         After each iteration the runtime snapshots the tracked state (in the background).
         """
-        for step in self._runtime.steps(total):
+        for step in self._tracking.steps(total):
             self.step = step
             yield step
 
@@ -67,18 +70,18 @@ class Context:
 def resilient(
     fn: F | None = None,
     *,
-    replicas: int | None = None,
-    persist: str | None = None,
-    persist_every: int | None = None,
-    persist_interval: float | None = None,
-    keep: int | None = None,
-    persist_allow_older: bool = False,
-    persist_mode: int | None = None,
-    pg_timeout_s: float = 1800.0,
-    backend: str | None = None,
-    suspect_s: float = 15.0,
-    abort_grace_s: float = 10.0,
-    abort_timeout_s: float = 30.0,
+    replicas: int | None = DEFAULTS.replicas,
+    persist: str | None = DEFAULTS.persist,
+    persist_every: int | None = DEFAULTS.persist_every,
+    persist_interval: float | None = DEFAULTS.persist_interval,
+    keep: int | None = DEFAULTS.keep,
+    persist_allow_older: bool = DEFAULTS.persist_allow_older,
+    persist_mode: int | None = DEFAULTS.persist_mode,
+    pg_timeout_s: float = DEFAULTS.pg_timeout_s,
+    backend: str | None = DEFAULTS.backend,
+    suspect_s: float = DEFAULTS.suspect_s,
+    abort_grace_s: float = DEFAULTS.abort_grace_s,
+    abort_timeout_s: float = DEFAULTS.abort_timeout_s,
 ) -> Any:
     """Make a training function survive the loss of ranks and nodes.
 
@@ -103,15 +106,21 @@ def resilient(
     (``peerckpt run --spares S``).
     """
 
-    persisted = None
-    if persist is not None:
-        from peerckpt.persist.config import PersistConfig
-
-        persisted = PersistConfig.from_settings(
-            persist, persist_every, persist_interval, keep, persist_allow_older, persist_mode
-        ).to_msg()
-    elif persist_every is not None or persist_interval is not None or keep is not None:
-        raise ConfigurationError("persist_every, persist_interval and keep need persist=URL")
+    config = ResilientConfig(
+        replicas=replicas,
+        persist=persist,
+        persist_every=persist_every,
+        persist_interval=persist_interval,
+        keep=keep,
+        persist_allow_older=persist_allow_older,
+        persist_mode=persist_mode,
+        pg_timeout_s=pg_timeout_s,
+        backend=backend,
+        suspect_s=suspect_s,
+        abort_grace_s=abort_grace_s,
+        abort_timeout_s=abort_timeout_s,
+    )
+    config.persist_msg()  # a bad persist setting fails here, at decoration time
 
     def decorate(func: F) -> F:
         @functools.wraps(func)
@@ -119,16 +128,7 @@ def resilient(
             env = LaunchEnv.from_environ()
             configure_logging()
             try:
-                runtime = RankRuntime(
-                    env,
-                    replicas=replicas,
-                    persist=persisted,
-                    pg_timeout_s=pg_timeout_s,
-                    backend=backend,
-                    suspect_s=suspect_s,
-                    abort_grace_s=abort_grace_s,
-                    abort_timeout_s=abort_timeout_s,
-                )
+                runtime = RankRuntime(env, config)
             except PeerUnavailable as exc:
                 if env.role is ProcRole.RANK:
                     raise

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from peerckpt import logs
 from peerckpt.errors import ConfigurationError
 from peerckpt.secret import secret_from_env
 from peerckpt.states import ProcRole
@@ -70,3 +72,22 @@ class RankFilter(logging.Filter):
         step = getattr(rt, "step", None)
         record.step = step if step is not None else "-"
         return True
+
+
+def configure_logging(level: str | None = None) -> None:
+    """Give peerckpt's records rank, epoch and step; keep the user's handlers alone."""
+    logger = logging.getLogger("peerckpt")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(RankFilter())
+    handler.setFormatter(
+        logs.formatter(
+            "rank",
+            "%(asctime)s peerckpt[rank=%(rank)s epoch=%(epoch)s step=%(step)s] "
+            "%(levelname)s %(message)s",
+        )
+    )
+    logger.addHandler(handler)
+    logger.setLevel(level or os.environ.get("PEERCKPT_LOG_LEVEL", "INFO"))
+    logger.propagate = False

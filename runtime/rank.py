@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +28,6 @@ from typing import Any
 import torch
 
 from peerckpt import faults as fault_hooks
-from peerckpt import logs
 from peerckpt.errors import MembershipChanged, PeerckptError
 from peerckpt.manifest import ChunkRecord
 from peerckpt.messages import Dispatch, Message
@@ -49,11 +47,12 @@ from peerckpt.messages.local import (
 from peerckpt.runtime import capture
 from peerckpt.runtime.abort import AbortWatchdog, exit_code
 from peerckpt.runtime.channel import AgentChannel
+from peerckpt.runtime.config import DEFAULTS, ResilientConfig
 from peerckpt.runtime.env import LaunchEnv, RankFilter
 from peerckpt.runtime.pg import ProcessGroupLifecycle
 from peerckpt.runtime.snapshot import SnapshotEngine
 from peerckpt.runtime.state import Assignment, RankState, check_transition
-from peerckpt.runtime.tracking import Tracking
+from peerckpt.runtime.tracking import AuditOnce, EpochTracking
 from peerckpt.states import ExitCode, ProcRole
 
 log = logging.getLogger("peerckpt.rank")
@@ -63,39 +62,27 @@ class JobEnded(Exception):
     """The job ended while this process waited."""
 
 
-class RankRuntime(Tracking):
+class RankRuntime:
     """Runs a resilient function in this process, epoch after epoch."""
 
     def __init__(
         self,
         env: LaunchEnv,
-        replicas: int | None = None,
-        persist: dict[str, Any] | None = None,
-        pg_timeout_s: float = 1800.0,
-        backend: str | None = None,
-        suspect_s: float = 15.0,
-        abort_grace_s: float = 10.0,
-        abort_timeout_s: float = 30.0,
+        config: ResilientConfig = DEFAULTS,
     ) -> None:
-        self.abort_grace_s = abort_grace_s
-        self.abort_timeout_s = abort_timeout_s
+        self.config = config
         self._unwound = -1  # the last epoch whose function this process has left
         self.env = env
-        self.suspect_s = suspect_s
         self.state = RankState.WAITING if env.role is ProcRole.RANK else RankState.SPARE
         self._cond = threading.Condition()
         self._latest_epoch = -1
         self._assignments: dict[int, Assignment] = {}
         self._shutdown: Shutdown | None = None
         self.assignment: Assignment | None = None
-        self.tracked: dict[str, Any] = {}
-        self._restored: dict[str, Any] | None = None
-        self._hooks: list[Any] = []
-        self._resumed_sent = False
+        self.tracking: EpochTracking | None = None  # the joined epoch's restore and snapshots
+        self._audit = AuditOnce()
         self._staging: dict[tuple[int, int], tuple[str, list[ChunkRecord]]] = {}
-        self._round = 0
         self._initial_rng = capture.capture_rng()
-        self.step: int | None = None
         RankFilter.runtime = self
         if self.state is RankState.SPARE:
             self._warm_up()  # before saying hello: a spare is chosen only once it is ready
@@ -111,9 +98,9 @@ class RankRuntime(Tracking):
             },
             f"rank process {os.getpid()}",
         )
-        hello = ProcHello(env.role, os.getpid(), env.rank, replicas, persist)
+        hello = ProcHello(env.role, os.getpid(), env.rank, config.replicas, config.persist_msg())
         self.channel = AgentChannel(env.agent_socket, env.secret, env.job, hello, self._on_event)
-        self.pg = ProcessGroupLifecycle(env.job, pg_timeout_s, backend)
+        self.pg = ProcessGroupLifecycle(env.job, config.pg_timeout_s, config.backend)
         self.faults = fault_hooks.load(env.node)
         self.engine = SnapshotEngine(self.channel, node=env.node, faults=self.faults)
         self._stop = threading.Event()
@@ -183,8 +170,8 @@ class RankRuntime(Tracking):
             lambda: self._unwound >= current,
             lambda: self.pg.abort(everything=True),
             lambda waited_s: self._give_up(current, waited_s),
-            self.abort_grace_s,
-            self.abort_timeout_s,
+            self.config.abort_grace_s,
+            self.config.abort_timeout_s,
         ).start(current)
 
     def _give_up(self, epoch: int, waited_s: float) -> None:
@@ -236,7 +223,8 @@ class RankRuntime(Tracking):
                     break
                 try:
                     self._join(assignment)
-                    result = fn(Context(self, assignment), *args, **kwargs)
+                    assert self.tracking is not None
+                    result = fn(Context(self.tracking), *args, **kwargs)
                     self._finish()
                 except BaseException as exc:
                     if self._superseded(exc):
@@ -293,8 +281,16 @@ class RankRuntime(Tracking):
                 raise MembershipChanged(f"epoch {assignment.epoch} ended before it was joined")
             self._become(RankState.JOINING)
             self.assignment = assignment
-            self.tracked, self._restored, self._resumed_sent = {}, None, False
-            self._round = 0
+            self.tracking = EpochTracking(
+                assignment,
+                self.channel,
+                self.engine,
+                self.pg,
+                self.check,
+                self._wait_staging,
+                self._audit,
+                started_job=self.env.role is ProcRole.RANK,
+            )
             # Under the lock: an abort notice is either seen above or cuts what this opens.
             self.pg.begin(assignment.epoch, assignment.store_addr, set(assignment.hosts))
         os.environ.update(
@@ -329,7 +325,9 @@ class RankRuntime(Tracking):
         """Was ``exc`` caused by a membership change (now or within the suspect window)?"""
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             return False
-        deadline = time.monotonic() + (self.suspect_s if _looks_like_comm_error(exc) else 0.0)
+        deadline = time.monotonic() + (
+            self.config.suspect_s if _looks_like_comm_error(exc) else 0.0
+        )
         with self._cond:
             while True:
                 current = self.assignment.epoch if self.assignment else -1
@@ -347,10 +345,8 @@ class RankRuntime(Tracking):
             if self.assignment is not None:
                 self._unwound = max(self._unwound, self.assignment.epoch)
                 self._cond.notify_all()
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-        self.tracked = {}
+        if self.tracking is not None:
+            self.tracking.close()
         self.pg.leave()
         with self._cond:
             if self.state is not RankState.ABORTING:
@@ -397,9 +393,8 @@ class RankRuntime(Tracking):
 
     def close(self) -> None:
         self._stop.set()
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
+        if self.tracking is not None:
+            self.tracking.close()
         self.engine.close()
         self.faults.close()
         self.pg.leave()
@@ -409,7 +404,22 @@ class RankRuntime(Tracking):
         self.channel.close()
         self._watchdog.join(timeout=1.0)
 
-    # -- what Context calls ----------------------------------------------------------------
+    # -- what Context and the epoch's tracking call -----------------------------------------
+    @property
+    def step(self) -> int | None:
+        """The step the loop is in (for log records), None outside ``ctx.steps``."""
+        return self.tracking.step if self.tracking is not None else None
+
+    def _wait_staging(self, epoch: int, round_: int) -> tuple[str, list[ChunkRecord]]:
+        """The staging segment the agent gathered for ``round_`` of ``epoch``: its path and
+        chunks; MembershipChanged if the epoch ends first."""
+        with self._cond:
+            while (epoch, round_) not in self._staging:
+                if self.state is RankState.ABORTING or self._shutdown is not None:
+                    raise MembershipChanged("the job's membership changed during a restore")
+                self._cond.wait()
+            return self._staging.pop((epoch, round_))
+
     def check(self) -> None:
         """Raise MembershipChanged if this epoch has ended (called at step boundaries)."""
         with self._cond:
@@ -430,22 +440,3 @@ def _looks_like_comm_error(exc: BaseException) -> bool:
 def _short(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) < 160 else text[:157] + "..."
-
-
-def configure_logging(level: str | None = None) -> None:
-    """Give peerckpt's records rank, epoch and step; keep the user's handlers alone."""
-    logger = logging.getLogger("peerckpt")
-    if logger.handlers:
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(RankFilter())
-    handler.setFormatter(
-        logs.formatter(
-            "rank",
-            "%(asctime)s peerckpt[rank=%(rank)s epoch=%(epoch)s step=%(step)s] "
-            "%(levelname)s %(message)s",
-        )
-    )
-    logger.addHandler(handler)
-    logger.setLevel(level or os.environ.get("PEERCKPT_LOG_LEVEL", "INFO"))
-    logger.propagate = False

@@ -1,11 +1,15 @@
 """What ``Context.track`` and ``Context.steps`` do in a rank: restore, then snapshot each step.
 
-``Tracking`` is mixed into ``RankRuntime`` (``runtime/rank.py``), which owns the epoch loop
-and the link to the agent. ``track`` registers the objects and, when the epoch restores,
-loads them: from the rank's own slot in the same topology (mapped once, no network), or,
-after a topology change, by sending the boxes it wants and reading the staging segment its
-agent gathered. ``steps`` applies the saved RNG states, resumes after the restored step, and
-hands every finished step to the snapshot engine.
+One :class:`EpochTracking` per epoch a process joins (``RankRuntime._join`` makes it, its
+``close`` removes its hooks when the epoch is left). ``track`` registers the objects and, when
+the epoch restores, loads them: from the rank's own slot in the same topology (mapped once, no
+network), or, after a topology change, by sending the boxes it wants and reading the staging
+segment its agent gathered. ``steps`` applies the saved RNG states, resumes after the restored
+step, and hands every finished step to the snapshot engine.
+
+It is given what it uses (the epoch's assignment, the agent channel, the snapshot engine, the
+process groups, and two callables of the runtime: ``check`` raises when the epoch has ended,
+``staging`` waits for a gathered staging segment); it never reads the runtime's state.
 """
 
 from __future__ import annotations
@@ -13,16 +17,15 @@ from __future__ import annotations
 import logging
 import os
 import resource
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from peerckpt.errors import MembershipChanged, StateMismatch
+from peerckpt.errors import StateMismatch
 from peerckpt.manifest import META_KEY, ChunkRecord
-from peerckpt.messages.control import Shutdown
 from peerckpt.messages.local import RankResumed, ReleaseStaging, WantChunks
 from peerckpt.runtime import capture
 from peerckpt.runtime.audit import FirstStepWatch
@@ -33,12 +36,11 @@ from peerckpt.runtime.restore import (
     restore_objects,
     wanted_chunks,
 )
-from peerckpt.runtime.state import Assignment, RankState
+from peerckpt.runtime.state import Assignment
 from peerckpt.states import EpochMode
 
 if TYPE_CHECKING:
     from peerckpt.runtime.channel import AgentChannel
-    from peerckpt.runtime.env import LaunchEnv
     from peerckpt.runtime.pg import ProcessGroupLifecycle
     from peerckpt.runtime.snapshot import SnapshotEngine
 
@@ -72,38 +74,54 @@ class RestoreCost:
         )
 
 
-class Tracking:
-    """Restore and snapshot. Expects the rank runtime's state (declared for type checking)."""
+@dataclass
+class AuditOnce:
+    """Whether this process still owes the audit of its loop (``runtime/audit.py``): it runs
+    once per process, at the first step of the first epoch that tracks something."""
 
-    env: LaunchEnv
-    state: RankState
-    assignment: Assignment | None
-    tracked: dict[str, Any]
-    step: int | None
-    channel: AgentChannel
-    engine: SnapshotEngine
-    pg: ProcessGroupLifecycle
-    _cond: threading.Condition
-    _shutdown: Shutdown | None
-    _restored: dict[str, Any] | None
-    _hooks: list[Any]
-    _resumed_sent: bool
-    _staging: dict[tuple[int, int], tuple[str, list[ChunkRecord]]]
-    _round: int
-    _watch: FirstStepWatch | None = None  # this epoch's first-step hooks (runtime/audit.py)
-    _audit_pending = True  # the audit of the loop runs once per process
+    pending: bool = True
 
-    if TYPE_CHECKING:  # provided by RankRuntime
 
-        def check(self) -> None: ...
+class EpochTracking:
+    """Restore and snapshot for one epoch of this process."""
+
+    def __init__(
+        self,
+        assignment: Assignment,
+        channel: AgentChannel,
+        engine: SnapshotEngine,
+        pg: ProcessGroupLifecycle,
+        check: Callable[[], None],
+        staging: Callable[[int, int], tuple[str, list[ChunkRecord]]],
+        audit: AuditOnce,
+        started_job: bool,
+    ) -> None:
+        self.assignment = assignment
+        self.channel, self.engine, self.pg = channel, engine, pg
+        self.check = check  # raises MembershipChanged once the epoch has ended
+        self._staging = staging  # (epoch, round) → the gathered segment's path and chunks
+        self._audit = audit
+        self._started_job = started_job  # a rank of the first epoch, not a spare
+        self.tracked: dict[str, Any] = {}
+        self.step: int | None = None  # the step the loop is in (for log records)
+        self._restored: dict[str, Any] | None = None
+        self._hooks: list[Any] = []
+        self._resumed_sent = False
+        self._round = 0
+        self._watch: FirstStepWatch | None = None  # this epoch's first-step hooks
+
+    def close(self) -> None:
+        """The epoch is left: remove every hook it installed."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
 
     def track(self, state: dict[str, Any]) -> None:
-        assert self.assignment is not None
         clash = sorted(set(state) & set(self.tracked))
         if clash:
             raise StateMismatch(f"ctx.track got {clash} twice in one epoch; track each name once")
         self.check()
-        if self._watch is None or self._watch.tracked is not self.tracked:
+        if self._watch is None:
             self._start_watch()
         self.tracked.update(state)
         for obj in state.values():
@@ -138,7 +156,7 @@ class Tracking:
         wait for the agent to gather them (every rank of the epoch does the same, then the
         coordinator plans the reads of all of them at once), and load them."""
         a = self.assignment
-        assert a is not None and a.old_layout is not None
+        assert a.old_layout is not None
         old = OldLayout.from_msg(a.old_layout)
         primary = a.previous_rank if a.previous_rank is not None else a.rank % a.old_world
         wants = wanted_chunks(state, self.tracked, old, primary)
@@ -146,12 +164,7 @@ class Tracking:
         self._round += 1
         asked = time.perf_counter()
         self.channel.notify(WantChunks(a.epoch, a.rank, round_, [w.to_msg() for w in wants]))
-        with self._cond:
-            while (a.epoch, round_) not in self._staging:
-                if self.state is RankState.ABORTING or self._shutdown is not None:
-                    raise MembershipChanged("the job's membership changed during a restore")
-                self._cond.wait()
-            path, chunks = self._staging.pop((a.epoch, round_))
+        path, chunks = self._staging(a.epoch, round_)
         gathered = time.perf_counter()
         cost = RestoreCost()
         # Read, not mapped: each byte is copied once, straight into its destination.
@@ -183,10 +196,7 @@ class Tracking:
         """Watch this epoch's first step (``runtime/audit.py``): DDPs that wrap tracked modules,
         and, once per process, what the loop uses that is not tracked. The audit runs in a rank
         that started the job (spares run the same script: they would only repeat it)."""
-        assert self.assignment is not None
-        audit = self._audit_pending and (
-            self.assignment.restore_step is None or self.env.role == "rank"
-        )
+        audit = self._audit.pending and (self.assignment.restore_step is None or self._started_job)
         self._watch = FirstStepWatch(self.tracked, audit=audit)
         self._hooks.append(self._watch)  # removed when the epoch is left, whatever happens
 
@@ -198,7 +208,6 @@ class Tracking:
         self.engine.guard_step()
 
     def steps(self, total: int) -> Iterator[int]:
-        assert self.assignment is not None
         a = self.assignment
         start = 0
         if a.restore_step is not None:
@@ -210,9 +219,7 @@ class Tracking:
             capture.restore_rng(self._restored["rng"])
             start = a.restore_step + 1
         self._resumed(start)
-        watch = self._watch
-        if watch is not None and watch.tracked is not self.tracked:
-            watch = None  # an earlier epoch's: nothing was tracked in this one
+        watch = self._watch  # None when nothing was tracked in this epoch
         for step in range(start, total):
             self.check()
             self.step = step
@@ -221,13 +228,13 @@ class Tracking:
             extra = {"ddp": watch.ddp.layouts() if watch is not None else {}}
             self.engine.take(step, capture.capture(self.tracked, step, extra))
             if step == start and watch is not None:
-                self._audit_pending = self._audit_pending and not watch.audit
+                self._audit.pending = self._audit.pending and not watch.audit
                 watch.finish()  # the first snapshot: the hooks go, the audit speaks
             if self.engine.committed_step is not None and self.engine.committed_step >= start:
                 self.pg.release_retired()  # this epoch committed: the old groups are idle
 
     def _resumed(self, start: int) -> None:
-        if self._resumed_sent or self.assignment is None:
+        if self._resumed_sent:
             return
         self._resumed_sent = True
         self.channel.notify(RankResumed(self.assignment.epoch, self.assignment.rank, start))
