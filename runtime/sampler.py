@@ -16,6 +16,9 @@ the same data epoch and cursor, and the states captured at a committed step alwa
 
 This module is pure: no I/O, no process group, no logging. The states it produces hold only
 msgpack-encodable values (ints, bools, None, one int64 tensor) and are never pickled.
+
+Its length (~460 lines) is one algorithm (the lockstep cursor and its redistribution) with
+its invariants written beside each step; split, the invariants would lose their code.
 """
 
 from __future__ import annotations
