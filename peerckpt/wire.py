@@ -42,14 +42,23 @@ MAGIC = b"PCK1"
 PROTOCOL_VERSION = 2  # 2: a push's checksums travel in its end frame
 _PREFIX = struct.Struct("!4sI")
 MAX_HEADER_BYTES = 1 << 20
+# Before a peer has proved the secret its frames are small (challenge, auth, welcome): a
+# stranger may not make a listener allocate more than this per connection.
+PREAUTH_HEADER_BYTES = 16 << 10
 # Control messages (everything that is not bulk slot bytes) are bounded too.
 MAX_CONTROL_PAYLOAD = 64 << 20
 _HANDSHAKE_TIMEOUT_S = 10.0
+_PIECE = 64 << 10  # a header is read (and its buffer grown) this much at a time
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    recv_into(sock, memoryview(buf), n)
+    """Receive exactly ``n`` bytes, allocating only as they arrive (a peer that declares a
+    large header and sends nothing costs one piece, not ``n`` bytes)."""
+    buf = bytearray()
+    while len(buf) < n:
+        piece = bytearray(min(_PIECE, n - len(buf)))
+        recv_into(sock, memoryview(piece), len(piece))
+        buf += piece
     return bytes(buf)
 
 
@@ -75,6 +84,8 @@ class Connection:
         self.peer = peer or _peer_name(sock)
         self._send_lock = threading.Lock()
         self.closed = False
+        # The largest frame header accepted; the handshake lowers it until the peer is known.
+        self.max_header = MAX_HEADER_BYTES
         self._faults = net
         if net is not None:
             net.track(self)
@@ -147,11 +158,20 @@ class Connection:
                 f"{self.peer} sent {magic!r} where a peerckpt frame starts; it is not a peerckpt "
                 "process of this version (or the stream lost sync)"
             )
-        if hlen > MAX_HEADER_BYTES:
+        if hlen > self.max_header:
             raise FrameTooLarge(
-                f"{self.peer} declared a {hlen}-byte frame header (limit {MAX_HEADER_BYTES})"
+                f"{self.peer} declared a {hlen}-byte frame header (limit {self.max_header})"
             )
-        header = unpack(_recv_exactly(self.sock, hlen))
+        try:
+            raw = _recv_exactly(self.sock, hlen)
+        except OSError as exc:
+            raise PeerUnavailable(f"receiving from {self.peer} failed: {exc}") from exc
+        try:
+            header = unpack(raw)
+        except Exception as exc:  # msgpack raises a zoo of types; they all mean garbage
+            raise ProtocolError(
+                f"{self.peer} sent a frame header that is not msgpack ({type(exc).__name__})"
+            ) from None
         if self._faults is not None:
             self._faults.check(self.peer)
         if not isinstance(header, dict) or "type" not in header or "len" not in header:
@@ -252,35 +272,49 @@ _WRONG_SECRET = (
 )
 
 
+def _bytes_field(frame: dict[str, Any], key: str, size: int) -> bytes:
+    value = frame.get(key)
+    if not isinstance(value, bytes) or len(value) != size:
+        raise ProtocolError(f"the handshake's {frame.get('type')!r} frame has no {size}-byte {key}")
+    return value
+
+
 def server_handshake(conn: Connection, secret: bytes, job: str) -> dict[str, Any]:
     """Authenticate a freshly accepted connection; return the client's ``auth`` header.
 
     Raises AuthenticationError (after telling the client why) if the client does not prove
-    the secret. The client must prove it first, so a wrong client learns nothing.
+    the secret, ProtocolError or PeerUnavailable for anything that is not a handshake (never
+    another exception, whatever the bytes). The client must prove it first, so a wrong client
+    learns nothing. Until it has, frame headers are limited to ``PREAUTH_HEADER_BYTES``; the
+    overall deadline is the listener's (``serving.Listener``).
     """
     conn.sock.settimeout(_HANDSHAKE_TIMEOUT_S)
+    conn.max_header = PREAUTH_HEADER_BYTES
     nonce = os.urandom(32)
     conn.send({"type": "challenge", "nonce": nonce, "proto": PROTOCOL_VERSION})
     hello, _ = conn.recv_message(max_payload=0)
     if hello.get("type") != "auth" or not isinstance(hello.get("nonce"), bytes):
         conn.send_error("auth", "expected an auth frame first")
         raise AuthenticationError(f"{conn.peer} did not start with an auth frame")
+    cnonce, mac = _bytes_field(hello, "nonce", 32), _bytes_field(hello, "mac", 32)
     if hello.get("job") != job:
         message = f"this agent serves job {job!r}, the client asked for {hello.get('job')!r}"
         conn.send_error("auth", message)
         raise AuthenticationError(f"{conn.peer} is from another job: {message}")
-    expected = _mac(secret, b"client", nonce, hello["nonce"], job.encode())
-    if not hmac.compare_digest(expected, hello.get("mac", b"")):
+    expected = _mac(secret, b"client", nonce, cnonce, job.encode())
+    if not hmac.compare_digest(expected, mac):
         conn.send_error("auth", _WRONG_SECRET)
         raise AuthenticationError(f"{conn.peer} failed the handshake: {_WRONG_SECRET}")
-    conn.send({"type": "welcome", "mac": _mac(secret, b"server", hello["nonce"], nonce)})
+    conn.send({"type": "welcome", "mac": _mac(secret, b"server", cnonce, nonce)})
     conn.sock.settimeout(None)
+    conn.max_header = MAX_HEADER_BYTES
     return hello
 
 
 def client_handshake(conn: Connection, secret: bytes, job: str, **fields: Any) -> None:
     """Prove the job secret to the server and check that the server knows it too."""
     conn.sock.settimeout(_HANDSHAKE_TIMEOUT_S)
+    conn.max_header = PREAUTH_HEADER_BYTES
     challenge, _ = conn.recv_message(max_payload=0)
     raise_if_error(challenge, conn.peer)
     if challenge.get("type") != "challenge" or challenge.get("proto") != PROTOCOL_VERSION:
@@ -288,15 +322,22 @@ def client_handshake(conn: Connection, secret: bytes, job: str, **fields: Any) -
             f"{conn.peer} speaks protocol {challenge.get('proto')!r}, this process speaks "
             f"{PROTOCOL_VERSION}; run every process of the job from the same peerckpt version"
         )
+    snonce = _bytes_field(challenge, "nonce", 32)
     cnonce = os.urandom(32)
-    mac = _mac(secret, b"client", challenge["nonce"], cnonce, job.encode())
+    mac = _mac(secret, b"client", snonce, cnonce, job.encode())
     conn.send({"type": "auth", "job": job, "nonce": cnonce, "mac": mac, **fields})
     reply, _ = conn.recv_message(max_payload=0)
     raise_if_error(reply, conn.peer)
-    expected = _mac(secret, b"server", cnonce, challenge["nonce"])
-    if reply.get("type") != "welcome" or not hmac.compare_digest(expected, reply.get("mac", b"")):
+    expected = _mac(secret, b"server", cnonce, snonce)
+    proof = reply.get("mac")
+    if (
+        reply.get("type") != "welcome"
+        or not isinstance(proof, bytes)
+        or not hmac.compare_digest(expected, proof)
+    ):
         raise AuthenticationError(f"{conn.peer} could not prove the job secret; refusing to talk")
     conn.sock.settimeout(None)
+    conn.max_header = MAX_HEADER_BYTES
 
 
 def connect_tcp(
