@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from peerckpt import errors
+from peerckpt import errors, tls
 from peerckpt.codec import pack, unpack
 from peerckpt.messages import Dispatch, decode, encode, type_name
 from peerckpt.messages.control import Event, Request, reply_class
@@ -65,7 +65,14 @@ class RpcServer:
             handlers=(grpc.method_handlers_generic_handler(SERVICE, handlers),),
             options=[("grpc.so_reuseport", 0)],
         )
-        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        if tls.wanted(host):
+            creds = tls.credentials(secret)
+            server_creds = grpc.ssl_server_credentials(
+                [(creds.key, creds.cert)], root_certificates=creds.ca, require_client_auth=True
+            )
+            self.port = self._server.add_secure_port(f"{host}:{port}", server_creds)
+        else:
+            self.port = self._server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise errors.ConfigurationError(f"cannot listen on {host}:{port} for the coordinator")
         self.address = f"{host}:{self.port}"
@@ -131,14 +138,20 @@ class RpcClient:
         self._signer = CallSigner(secret, job)
         # Reconnect within a fraction of a second once a restarted coordinator listens again
         # (gRPC's default backoff grows to minutes; agents must rejoin within seconds).
-        self._channel = grpc.insecure_channel(
-            address,
-            options=[
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 500),
-            ],
-        )
+        options: list[tuple[str, Any]] = [
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 500),
+        ]
+        host = address.rpartition(":")[0]
+        if tls.wanted(host):
+            creds = tls.credentials(secret)
+            if creds.derived:  # every derived certificate is named ``peerckpt``
+                options.append(("grpc.ssl_target_name_override", tls.DERIVED_NAME))
+            channel_creds = grpc.ssl_channel_credentials(creds.ca, creds.key, creds.cert)
+            self._channel = grpc.secure_channel(address, channel_creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
 
     def call(self, msg: Request[R], timeout: float = 10.0) -> R:
         """Call the coordinator; return its typed reply, or re-raise the handler's
@@ -200,6 +213,13 @@ def _translate(exc: grpc.RpcError, address: str, method: str) -> Exception:
     detail = exc.details() if hasattr(exc, "details") else str(exc)
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return errors.AuthenticationError(f"coordinator at {address}: {detail}")
+    if code == grpc.StatusCode.UNAVAILABLE and "handshake failed" in (detail or "").lower():
+        return errors.AuthenticationError(
+            f"coordinator at {address}: TLS handshake failed: the coordinator's certificate is "
+            "not signed by this job's CA (wrong job secret, another job's coordinator, or a "
+            f"different {tls.CA_ENV}). Start every process of a job with the same "
+            f"PEERCKPT_SECRET. ({detail})"
+        )
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return errors.PeerUnavailable(f"coordinator at {address} did not answer {method}: {detail}")
     if code == grpc.StatusCode.FAILED_PRECONDITION and detail and ": " in detail:

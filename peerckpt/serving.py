@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from peerckpt import tls
 from peerckpt.faults import NetHooks
 from peerckpt.wire import Connection
 
@@ -246,6 +247,8 @@ class Listener:
                 sock.close()
             if expired:
                 why = f"no authentication within {self.limits.handshake_s:g} s"
+            elif isinstance(exc, (ssl.SSLError, ssl.CertificateError)):
+                why = tls.refusal(exc)
             else:
                 why = _first_line(exc)
             if not self._stop.is_set():

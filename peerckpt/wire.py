@@ -19,10 +19,12 @@ import hashlib
 import hmac
 import os
 import socket
+import ssl
 import struct
 import threading
 from typing import Any, TypeVar
 
+from peerckpt import tls
 from peerckpt.codec import pack, unpack
 from peerckpt.errors import (
     AuthenticationError,
@@ -360,6 +362,8 @@ def connect_tcp(
     except OSError as exc:
         raise PeerUnavailable(f"cannot connect to peer agent at {addr}: {exc}") from exc
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if tls.wanted(host):
+        sock = _wrap_tls(sock, addr, secret, host)
     conn = Connection(sock, addr, net)
     try:
         client_handshake(conn, secret, job, **fields)
@@ -368,6 +372,20 @@ def connect_tcp(
         raise
     sock.settimeout(io_timeout)
     return conn
+
+
+def _wrap_tls(sock: socket.socket, addr: str, secret: bytes, host: str) -> socket.socket:
+    """The TLS handshake of a connecting side (within the socket's connect timeout)."""
+    try:
+        return tls.client_context(secret).wrap_socket(
+            sock, server_hostname=tls.server_name(secret, host)
+        )
+    except (ssl.SSLError, ssl.CertificateError) as exc:
+        sock.close()
+        raise AuthenticationError(f"{addr}: {tls.refusal(exc)}") from None
+    except OSError as exc:
+        sock.close()
+        raise PeerUnavailable(f"TLS handshake with {addr} failed: {exc}") from exc
 
 
 def connect_unix(path: str, secret: bytes, job: str, **fields: Any) -> Connection:

@@ -46,6 +46,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from peerckpt import tls
 from peerckpt.errors import (
     ChecksumMismatch,
     InsufficientMemory,
@@ -238,6 +239,7 @@ class DataServer:
             "peerckpt-data",
             tcp=True,
             net=net,
+            tls=tls.server_context(secret) if tls.wanted(host) else None,
         )
         self.bytes_served = 0
         self._requests = Dispatch[None](
