@@ -211,10 +211,11 @@ class Connection:
         header = self.recv_header()
         if header["len"] > max_payload:  # checked before a byte is allocated or read
             self.recv_payload_into(header, memoryview(b""))  # raises FrameTooLarge
-        buf = bytearray(header["len"])
-        if header["len"]:
-            self.recv_payload_into(header, memoryview(buf))
-        return header, bytes(buf)
+        try:  # grown as the bytes arrive: a declared size alone allocates nothing
+            payload = _recv_exactly(self.sock, header["len"])
+        except OSError as exc:
+            raise PeerUnavailable(f"receiving from {self.peer} failed: {exc}") from exc
+        return header, payload
 
     def request(self, header: dict[str, Any], payload: bytes | None = None) -> dict[str, Any]:
         """Send a frame and wait for the reply frame's header; raise on an error reply."""
