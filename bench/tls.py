@@ -114,6 +114,11 @@ def main() -> None:
     tls_gbps = nbytes / statistics.median(secure) / 1e9
     raw_gbps = socket_gbps(nbytes, runs=max(2, runs // 2))
     ratio = tls_gbps / clear_gbps
+    ktls = (
+        "tried"
+        if hasattr(ssl, "OP_ENABLE_KTLS")
+        else f"Python {sys.version.split()[0]} has no ssl.OP_ENABLE_KTLS (3.12+)"
+    )
     result = {
         "quick": args.quick,
         "snapshot_mib": mib,
@@ -121,23 +126,20 @@ def main() -> None:
         "clear_gbps": round(clear_gbps, 3),
         "tls_gbps": round(tls_gbps, 3),
         "socket_gbps": round(raw_gbps, 3),
-        "ratio_tls_to_clear": target(round(ratio, 3), 0.8, "higher"),
+        "targets": {"ratio_tls_to_clear": target(round(ratio, 3), 0.8, "higher")},
         "ratio_tls_to_socket": round(tls_gbps / raw_gbps, 3),
         "ratio_clear_to_socket": round(clear_gbps / raw_gbps, 3),
         "tls": negotiated,
         "openssl": ssl.OPENSSL_VERSION,
-        "ktls": (
-            "tried"
-            if hasattr(ssl, "OP_ENABLE_KTLS")
-            else f"not available: Python {sys.version.split()[0]} has no ssl.OP_ENABLE_KTLS (3.12+)"
-        ),
+        "ktls": ktls,
         "times_s": {"clear": [round(t, 4) for t in clear], "tls": [round(t, 4) for t in secure]},
         "leftover_segments": left,
     }
     if ratio < 0.8:
-        result["ratio_tls_to_clear"]["reason"] = (
-            "user-space TLS (AES-GCM) encrypts and decrypts every byte on one core per side; "
-            "on this loopback both sides share the machine's cores"
+        result["targets"]["ratio_tls_to_clear"]["reason"] = (
+            "user-space TLS (OpenSSL AES-256-GCM, TLS 1.3) encrypts and decrypts every byte on "
+            "one core per side, and on loopback sender and receiver share the machine's cores; "
+            f"kernel TLS could not be tried ({ktls}); see docs/security-network.md"
         )
     path = write_result("tls", result)
     print(
