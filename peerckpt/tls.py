@@ -108,6 +108,19 @@ def credentials(secret: bytes) -> Credentials:
     return _derived(secret)
 
 
+def use_files(cert: str | None, key: str | None, ca: str | None) -> None:
+    """Make this process, and every process it starts, use these certificate files (the
+    launcher's ``--tls-cert/--tls-key/--tls-ca``); all three or none."""
+    given = [p for p in (cert, key, ca) if p]
+    if not given:
+        return
+    if len(given) != 3:
+        raise ConfigurationError("give all three of --tls-cert, --tls-key and --tls-ca, or none")
+    for env, path in zip((CERT_ENV, KEY_ENV, CA_ENV), (cert, key, ca), strict=True):
+        assert path is not None
+        os.environ[env] = os.path.abspath(path)
+
+
 @functools.lru_cache(maxsize=8)
 def _derived(secret: bytes) -> Credentials:
     from cryptography import x509
