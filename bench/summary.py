@@ -24,12 +24,23 @@ from common import REPO, RESULTS
 
 PAGE = REPO / "docs" / "performance.md"
 START, END = "<!-- bench-summary:start -->", "<!-- bench-summary:end -->"
-ORDER = ["ceilings", "stall", "replication", "recovery", "memory", "reshard", "flush", "planner"]
+ORDER = [
+    "ceilings",
+    "stall",
+    "replication",
+    "tls",
+    "recovery",
+    "memory",
+    "reshard",
+    "flush",
+    "planner",
+]
 
 # figure key (regular expression) → how the row reads, and how its value is written
 LABELS: list[tuple[str, str, str]] = [
     (r"stall_fraction_(\w+)", "training stall, {0} per rank, snapshot every step", "percent"),
     (r"ratio_to_socket", "replication between agents, checksums on / loopback socket", "ratio"),
+    (r"ratio_tls_to_clear", "replication over TLS / the same push in the clear", "ratio"),
     (r"speedup_vs_dcp_(\w+)", "recovery of one rank, {0}: DCP restart time / peerckpt", "times"),
     (r"peerckpt_s_(\w+)", "recovery of one rank, {0}: kill → every rank stepping", "seconds"),
     (r"overhead_ratio", "host memory / 2·(1+k)·S per rank", "ratio"),

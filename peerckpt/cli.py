@@ -18,7 +18,9 @@ def _run(args: argparse.Namespace) -> int:
     from peerckpt.launch.base import JobSpec
     from peerckpt.launch.local import LocalLauncher
     from peerckpt.launch.report import format_report
+    from peerckpt.tls import use_files
 
+    use_files(args.tls_cert, args.tls_key, args.tls_ca)  # inherited by every process started
     spec = JobSpec(
         script=args.script,
         args=args.script_args,
@@ -347,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
         help="the address the metrics listen on (default loopback; 0.0.0.0 for every interface)",
     )
     run.add_argument("--report", default=None, help="write the job's report here as JSON")
+    for name in ("cert", "key", "ca"):
+        run.add_argument(
+            f"--tls-{name}", default=None, help=f"TLS {name} (PEM; default: derived per job)"
+        )
     run.add_argument("--job", default=None, help="the job's name (default: random)")
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")

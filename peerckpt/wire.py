@@ -19,10 +19,12 @@ import hashlib
 import hmac
 import os
 import socket
+import ssl
 import struct
 import threading
 from typing import Any, TypeVar
 
+from peerckpt import tls
 from peerckpt.codec import pack, unpack
 from peerckpt.errors import (
     AuthenticationError,
@@ -42,14 +44,23 @@ MAGIC = b"PCK1"
 PROTOCOL_VERSION = 2  # 2: a push's checksums travel in its end frame
 _PREFIX = struct.Struct("!4sI")
 MAX_HEADER_BYTES = 1 << 20
+# Before a peer has proved the secret its frames are small (challenge, auth, welcome): a
+# stranger may not make a listener allocate more than this per connection.
+PREAUTH_HEADER_BYTES = 16 << 10
 # Control messages (everything that is not bulk slot bytes) are bounded too.
 MAX_CONTROL_PAYLOAD = 64 << 20
 _HANDSHAKE_TIMEOUT_S = 10.0
+_PIECE = 64 << 10  # a header is read (and its buffer grown) this much at a time
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    recv_into(sock, memoryview(buf), n)
+    """Receive exactly ``n`` bytes, allocating only as they arrive (a peer that declares a
+    large header and sends nothing costs one piece, not ``n`` bytes)."""
+    buf = bytearray()
+    while len(buf) < n:
+        piece = bytearray(min(_PIECE, n - len(buf)))
+        recv_into(sock, memoryview(piece), len(piece))
+        buf += piece
     return bytes(buf)
 
 
@@ -75,6 +86,8 @@ class Connection:
         self.peer = peer or _peer_name(sock)
         self._send_lock = threading.Lock()
         self.closed = False
+        # The largest frame header accepted; the handshake lowers it until the peer is known.
+        self.max_header = MAX_HEADER_BYTES
         self._faults = net
         if net is not None:
             net.track(self)
@@ -147,11 +160,20 @@ class Connection:
                 f"{self.peer} sent {magic!r} where a peerckpt frame starts; it is not a peerckpt "
                 "process of this version (or the stream lost sync)"
             )
-        if hlen > MAX_HEADER_BYTES:
+        if hlen > self.max_header:
             raise FrameTooLarge(
-                f"{self.peer} declared a {hlen}-byte frame header (limit {MAX_HEADER_BYTES})"
+                f"{self.peer} declared a {hlen}-byte frame header (limit {self.max_header})"
             )
-        header = unpack(_recv_exactly(self.sock, hlen))
+        try:
+            raw = _recv_exactly(self.sock, hlen)
+        except OSError as exc:
+            raise PeerUnavailable(f"receiving from {self.peer} failed: {exc}") from exc
+        try:
+            header = unpack(raw)
+        except Exception as exc:  # msgpack raises a zoo of types; they all mean garbage
+            raise ProtocolError(
+                f"{self.peer} sent a frame header that is not msgpack ({type(exc).__name__})"
+            ) from None
         if self._faults is not None:
             self._faults.check(self.peer)
         if not isinstance(header, dict) or "type" not in header or "len" not in header:
@@ -189,10 +211,11 @@ class Connection:
         header = self.recv_header()
         if header["len"] > max_payload:  # checked before a byte is allocated or read
             self.recv_payload_into(header, memoryview(b""))  # raises FrameTooLarge
-        buf = bytearray(header["len"])
-        if header["len"]:
-            self.recv_payload_into(header, memoryview(buf))
-        return header, bytes(buf)
+        try:  # grown as the bytes arrive: a declared size alone allocates nothing
+            payload = _recv_exactly(self.sock, header["len"])
+        except OSError as exc:
+            raise PeerUnavailable(f"receiving from {self.peer} failed: {exc}") from exc
+        return header, payload
 
     def request(self, header: dict[str, Any], payload: bytes | None = None) -> dict[str, Any]:
         """Send a frame and wait for the reply frame's header; raise on an error reply."""
@@ -252,35 +275,49 @@ _WRONG_SECRET = (
 )
 
 
+def _bytes_field(frame: dict[str, Any], key: str, size: int) -> bytes:
+    value = frame.get(key)
+    if not isinstance(value, bytes) or len(value) != size:
+        raise ProtocolError(f"the handshake's {frame.get('type')!r} frame has no {size}-byte {key}")
+    return value
+
+
 def server_handshake(conn: Connection, secret: bytes, job: str) -> dict[str, Any]:
     """Authenticate a freshly accepted connection; return the client's ``auth`` header.
 
     Raises AuthenticationError (after telling the client why) if the client does not prove
-    the secret. The client must prove it first, so a wrong client learns nothing.
+    the secret, ProtocolError or PeerUnavailable for anything that is not a handshake (never
+    another exception, whatever the bytes). The client must prove it first, so a wrong client
+    learns nothing. Until it has, frame headers are limited to ``PREAUTH_HEADER_BYTES``; the
+    overall deadline is the listener's (``serving.Listener``).
     """
     conn.sock.settimeout(_HANDSHAKE_TIMEOUT_S)
+    conn.max_header = PREAUTH_HEADER_BYTES
     nonce = os.urandom(32)
     conn.send({"type": "challenge", "nonce": nonce, "proto": PROTOCOL_VERSION})
     hello, _ = conn.recv_message(max_payload=0)
     if hello.get("type") != "auth" or not isinstance(hello.get("nonce"), bytes):
         conn.send_error("auth", "expected an auth frame first")
         raise AuthenticationError(f"{conn.peer} did not start with an auth frame")
+    cnonce, mac = _bytes_field(hello, "nonce", 32), _bytes_field(hello, "mac", 32)
     if hello.get("job") != job:
         message = f"this agent serves job {job!r}, the client asked for {hello.get('job')!r}"
         conn.send_error("auth", message)
         raise AuthenticationError(f"{conn.peer} is from another job: {message}")
-    expected = _mac(secret, b"client", nonce, hello["nonce"], job.encode())
-    if not hmac.compare_digest(expected, hello.get("mac", b"")):
+    expected = _mac(secret, b"client", nonce, cnonce, job.encode())
+    if not hmac.compare_digest(expected, mac):
         conn.send_error("auth", _WRONG_SECRET)
         raise AuthenticationError(f"{conn.peer} failed the handshake: {_WRONG_SECRET}")
-    conn.send({"type": "welcome", "mac": _mac(secret, b"server", hello["nonce"], nonce)})
+    conn.send({"type": "welcome", "mac": _mac(secret, b"server", cnonce, nonce)})
     conn.sock.settimeout(None)
+    conn.max_header = MAX_HEADER_BYTES
     return hello
 
 
 def client_handshake(conn: Connection, secret: bytes, job: str, **fields: Any) -> None:
     """Prove the job secret to the server and check that the server knows it too."""
     conn.sock.settimeout(_HANDSHAKE_TIMEOUT_S)
+    conn.max_header = PREAUTH_HEADER_BYTES
     challenge, _ = conn.recv_message(max_payload=0)
     raise_if_error(challenge, conn.peer)
     if challenge.get("type") != "challenge" or challenge.get("proto") != PROTOCOL_VERSION:
@@ -288,15 +325,22 @@ def client_handshake(conn: Connection, secret: bytes, job: str, **fields: Any) -
             f"{conn.peer} speaks protocol {challenge.get('proto')!r}, this process speaks "
             f"{PROTOCOL_VERSION}; run every process of the job from the same peerckpt version"
         )
+    snonce = _bytes_field(challenge, "nonce", 32)
     cnonce = os.urandom(32)
-    mac = _mac(secret, b"client", challenge["nonce"], cnonce, job.encode())
+    mac = _mac(secret, b"client", snonce, cnonce, job.encode())
     conn.send({"type": "auth", "job": job, "nonce": cnonce, "mac": mac, **fields})
     reply, _ = conn.recv_message(max_payload=0)
     raise_if_error(reply, conn.peer)
-    expected = _mac(secret, b"server", cnonce, challenge["nonce"])
-    if reply.get("type") != "welcome" or not hmac.compare_digest(expected, reply.get("mac", b"")):
+    expected = _mac(secret, b"server", cnonce, snonce)
+    proof = reply.get("mac")
+    if (
+        reply.get("type") != "welcome"
+        or not isinstance(proof, bytes)
+        or not hmac.compare_digest(expected, proof)
+    ):
         raise AuthenticationError(f"{conn.peer} could not prove the job secret; refusing to talk")
     conn.sock.settimeout(None)
+    conn.max_header = MAX_HEADER_BYTES
 
 
 def connect_tcp(
@@ -319,6 +363,8 @@ def connect_tcp(
     except OSError as exc:
         raise PeerUnavailable(f"cannot connect to peer agent at {addr}: {exc}") from exc
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if tls.wanted(host):
+        sock = _wrap_tls(sock, addr, secret, host)
     conn = Connection(sock, addr, net)
     try:
         client_handshake(conn, secret, job, **fields)
@@ -327,6 +373,20 @@ def connect_tcp(
         raise
     sock.settimeout(io_timeout)
     return conn
+
+
+def _wrap_tls(sock: socket.socket, addr: str, secret: bytes, host: str) -> socket.socket:
+    """The TLS handshake of a connecting side (within the socket's connect timeout)."""
+    try:
+        return tls.client_context(secret).wrap_socket(
+            sock, server_hostname=tls.server_name(secret, host)
+        )
+    except (ssl.SSLError, ssl.CertificateError) as exc:
+        sock.close()
+        raise AuthenticationError(f"{addr}: {tls.refusal(exc)}") from None
+    except OSError as exc:
+        sock.close()
+        raise PeerUnavailable(f"TLS handshake with {addr} failed: {exc}") from exc
 
 
 def connect_unix(path: str, secret: bytes, job: str, **fields: Any) -> Connection:

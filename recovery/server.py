@@ -1,4 +1,5 @@
-"""The coordinator process: hosts the job's TCPStore and serves the Coordinator over gRPC.
+"""The coordinator process: hosts the job's TCPStore (bound to its address only, behind an
+authenticated gate when ranks reach it from other hosts) and serves the Coordinator over gRPC.
 
 Started by a launcher as ``python -m peerckpt.recovery.server``; prints one ``READY {json}``
 line with its address on stdout once it serves, and runs until SIGTERM or until its launcher
@@ -12,12 +13,14 @@ import json
 import logging
 import os
 import sys
+from typing import Any
 
 from peerckpt.persist.config import PersistConfig
 from peerckpt.recovery.coordinator import Coordinator
 from peerckpt.recovery.placement import placement_by_name
 from peerckpt.rpc import RpcServer
 from peerckpt.service import service_process, stop_on_signals
+from peerckpt.storegate import StoreGate, bound_socket, tunnelled
 
 log = logging.getLogger("peerckpt.coordinator")
 
@@ -40,16 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store-port", type=int, default=0, help="the TCPStore's port")
     args = parser.parse_args(argv)
     secret = service_process(f"coordinator job={args.job}")
-    from torch.distributed import TCPStore  # the rendezvous store of every epoch
-
-    # A restarted coordinator listens where the first one did: agents and ranks know it there.
-    store = TCPStore(args.host, args.store_port, is_master=True, wait_for_workers=False)
+    store, gate = _rendezvous_store(secret, args.job, args.host, args.store_port)
     coordinator = Coordinator(
         args.job,
         args.world_size,
         args.replicas,
         args.heartbeat_timeout,
-        f"{args.host}:{store.port}",
+        f"{args.host}:{gate.port if gate is not None else store.port}",
         min_nodes=args.min_nodes,
         spares=args.spares,
         placement=placement_by_name(
@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     parent = os.getppid()
 
     stop_on_signals(coordinator.stopped.set)
-    print("READY " + json.dumps({"address": server.address, "store_port": store.port}), flush=True)
+    store_port = gate.port if gate is not None else store.port
+    print("READY " + json.dumps({"address": server.address, "store_port": store_port}), flush=True)
     try:
         while not coordinator.stopped.wait(0.2):
             coordinator.check_heartbeats()
@@ -75,8 +76,37 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         coordinator.close()
         server.stop()
+        if gate is not None:
+            gate.stop()
         del store
     return 0
+
+
+def _rendezvous_store(
+    secret: bytes, job: str, host: str, port: int
+) -> tuple[Any, StoreGate | None]:
+    """The TCPStore every epoch's group meets in, bound to one address, never a wildcard
+    (torch's own bind is every interface); behind the authenticated gate when ranks reach
+    it from other hosts (``peerckpt/storegate.py``). A restarted coordinator listens where
+    the first one did: agents and ranks know it there."""
+    from torch.distributed import TCPStore
+
+    tunnel = tunnelled(host)
+    sock = bound_socket("127.0.0.1" if tunnel else host, 0 if tunnel else port)
+    store_port = sock.getsockname()[1]
+    # The store owns the descriptor from here on (it closes it).
+    store = TCPStore(
+        sock.getsockname()[0],
+        store_port,
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
+    if not tunnel:
+        return store, None
+    gate = StoreGate(secret, job, host, port, store_port)
+    gate.start()
+    return store, gate
 
 
 if __name__ == "__main__":

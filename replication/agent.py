@@ -86,6 +86,7 @@ from peerckpt.replication.writer import Flusher
 from peerckpt.rpc import is_stream_closed
 from peerckpt.service import service_process, stop_on_signals
 from peerckpt.states import JobState, SlotKind
+from peerckpt.storegate import Relays
 
 log = logging.getLogger("peerckpt.agent")
 COORDINATOR_GRACE_S = 30.0  # how long an agent waits for a restarted coordinator
@@ -148,6 +149,8 @@ class Agent:
             faults,
             self.net,
         )
+        self.relays = Relays(secret, job)  # the rendezvous store, reached through the gate
+        self.preparer.store_addr = self.relays.address_for
         self._lock = threading.RLock()
         self.mirroring = Mirroring(
             node,
@@ -222,6 +225,7 @@ class Agent:
             self.mirroring.stop()
             self.control.stop()
             self.data.stop()
+            self.relays.stop()
             self.flusher.join(timeout=2.0)
             for thread in self._threads:
                 thread.join(timeout=2.0)

@@ -96,7 +96,9 @@ class ControlServer:
         os.chmod(path, 0o600)
         sock.listen(64)
         self._exits = ExitWatcher()
-        self._listener = Listener(sock, self._serve, "peerckpt-control", peer="local process")
+        self._listener = Listener(
+            sock, self._handshake, self._serve, "peerckpt-control", peer="local process"
+        )
 
     def start(self) -> None:
         self._listener.start()
@@ -161,10 +163,12 @@ class ControlServer:
             while self._links and time.monotonic() < deadline:
                 self._cond.wait(max(0.0, deadline - time.monotonic()))
 
-    def _serve(self, conn: Connection) -> None:
+    def _handshake(self, conn: Connection) -> dict[str, Any]:
+        return server_handshake(conn, self._secret, self._job)
+
+    def _serve(self, conn: Connection, auth: dict[str, Any]) -> None:
         link = None
         try:
-            auth = server_handshake(conn, self._secret, self._job)
             link = ProcLink(conn, decode(auth.get("hello"), ProcHello, where=conn.peer))
             conn.peer = repr(link)
             with self._cond:

@@ -62,6 +62,8 @@ class Preparer:
         self._pulls: dict[tuple[int, int], list[Pull]] = {}  # (epoch, rank) → its restore's
         self._holds: set[tuple[int, int]] = set()  # restored in place: this node holds a copy
         self._wanted: dict[tuple[int, int, int], list[ChunkRecord]] = {}
+        # The store address local ranks use (the agent's relay when the store is tunnelled).
+        self.store_addr: Callable[[str], str] = lambda addr: addr
 
     def _connect(self, members: Membership) -> Callable[[int], Connection]:
         """Data connections to the epoch's agents, by node."""
@@ -138,7 +140,7 @@ class Preparer:
                 world_size=members.world_size,
                 local_rank=members.local_ranks(self.node).index(rank),
                 node=self.node,
-                store_addr=members.store_addr,
+                store_addr=self.store_addr(members.store_addr),
                 hosts=sorted({a.rpartition(":")[0] for a in members.node_addrs.values()}),
                 restore=restore,
                 body=RestoreBody(manifest, members.old_layout),

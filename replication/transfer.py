@@ -44,7 +44,9 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
+from typing import Any
 
+from peerckpt import tls
 from peerckpt.errors import (
     ChecksumMismatch,
     InsufficientMemory,
@@ -230,7 +232,15 @@ class DataServer:
         self._current_epoch = current_epoch
         sock = socket.create_server((host, 0), backlog=128)
         self.address = f"{host}:{sock.getsockname()[1]}"
-        self._listener = Listener(sock, self._serve, "peerckpt-data", tcp=True, net=net)
+        self._listener = Listener(
+            sock,
+            lambda conn: server_handshake(conn, secret, job),
+            self._serve,
+            "peerckpt-data",
+            tcp=True,
+            net=net,
+            tls=tls.server_context(secret) if tls.wanted(host) else None,
+        )
         self.bytes_served = 0
         self._requests = Dispatch[None](
             {Push: self._on_push, Fetch: self._on_fetch, FetchBoxes: self._on_fetch_boxes},
@@ -243,9 +253,8 @@ class DataServer:
     def stop(self) -> None:
         self._listener.stop()
 
-    def _serve(self, conn: Connection) -> None:
+    def _serve(self, conn: Connection, hello: dict[str, Any]) -> None:
         try:
-            server_handshake(conn, self._secret, self._job)
             while not self._listener.stopping:
                 conn.sock.settimeout(None)  # idle between requests: wait as long as it takes
                 try:
