@@ -183,11 +183,14 @@ class Coordinator:
             return Ok()
 
     def heartbeat(self, msg: Heartbeat) -> HeartbeatReply:
+        # Recorded before taking the lock: a heartbeat counts when it arrives, also while the
+        # lock is held by a long step (a cold start reading a slow object store), which would
+        # otherwise make every node look silent to the liveness check that runs after it.
+        agent = self.registry.agents.get(msg.node)
+        if agent is not None and agent.alive:
+            agent.last_heartbeat = time.monotonic()
+            agent.stats = msg.stats or agent.stats
         with self._lock:
-            agent = self.registry.agents.get(msg.node)
-            if agent is not None and agent.alive:
-                agent.last_heartbeat = time.monotonic()
-                agent.stats = msg.stats or agent.stats
             m = self.epochs.membership
             return HeartbeatReply(m.epoch if m else -1)
 

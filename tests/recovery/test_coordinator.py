@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -193,6 +195,28 @@ def test_a_node_whose_heartbeats_stop_is_declared_lost() -> None:
     assert event.kind == "node" and event.nodes == [1]
     assert "no heartbeat for" in event.reason
     assert _events(c, 0)[-1].membership.restore_step == 3
+
+
+def test_heartbeats_that_arrive_while_the_coordinator_is_busy_still_count() -> None:
+    """A cold start reading a slow object store holds the coordinator's lock for seconds: the
+    heartbeats that arrive meanwhile must keep their nodes alive (before, they waited for the
+    lock, and the liveness check that ran first declared every node lost)."""
+    c = _job(spares=1)
+    _commit(c, 0, 3)
+    c.settings.heartbeat_timeout = c.clocks.heartbeat_timeout = 1.0
+    with c._lock:  # the long step
+        for agent in c.registry.agents.values():
+            agent.last_heartbeat -= 5.0  # every node's last heartbeat is old
+        beats = [  # one RPC thread per agent's heartbeat, as the server runs them
+            threading.Thread(target=c.heartbeat, args=(Heartbeat(n, 0),)) for n in (0, 1, 2)
+        ]
+        for beat in beats:
+            beat.start()
+        time.sleep(0.3)  # the heartbeats arrive while the lock is held
+        c.check_heartbeats()  # the next holder of the lock is the liveness check
+    for beat in beats:
+        beat.join(timeout=10)
+    assert all(a.alive for a in c.registry.agents.values())
 
 
 @pytest.mark.parametrize(
