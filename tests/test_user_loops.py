@@ -22,20 +22,8 @@ from peerckpt.launch.report import failure_rows
 from peerckpt.runtime.audit import PREFIX
 
 from .conftest import JobRun, assert_same_digests, read_jsonl, run_job, run_with_reference
+from .jobs.user_loop import PATTERNS
 
-PATTERNS = [
-    "inner-tracked",
-    "module-tracked",
-    "ddp-tracked",
-    "stateful-loader",
-    "resumable-sampler",
-    "scaler",
-    "two-optimizers",
-    "lambdalr",
-    "accumulation",
-    "batchnorm",
-    "user-stateful",
-]
 STEPS = 24
 CHAOS = "kill rank=1 at=8; kill node=1 at=16"
 
