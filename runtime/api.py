@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from peerckpt.errors import ConfigurationError, PeerUnavailable
 from peerckpt.runtime.env import LaunchEnv
 from peerckpt.runtime.rank import Assignment, RankRuntime, configure_logging
+from peerckpt.runtime.torchrun import join_host, under_torchrun
 from peerckpt.states import ProcRole
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -112,8 +113,10 @@ def resilient(
     def decorate(func: F) -> F:
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            env = LaunchEnv.from_environ()
             configure_logging()
+            if under_torchrun():
+                join_host()  # this host's agent, started by its first worker
+            env = LaunchEnv.from_environ()
             try:
                 runtime = RankRuntime(
                     env,
