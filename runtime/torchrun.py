@@ -17,11 +17,13 @@ detached, and which dies with that host's torchrun::
 
 The directory is keyed by the job and by torchrun's pid, under a per-user runtime directory
 of this host (``$PEERCKPT_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/peerckpt``, else
-``/tmp/peerckpt-<uid>``); nothing in it is shared between hosts. A worker of the first
-rendezvous round on a host that started with the job is a rank (torchrun's ``RANK``); every
-other (a restart, a host that came later) is a spare, which the coordinator makes a rank —
-on the node that holds its state when it can — so torchrun's rank numbers after a new
-rendezvous do not matter.
+``/tmp/peerckpt-<uid>``); nothing in it is shared between hosts. The first
+``LOCAL_WORLD_SIZE`` workers of a host that started with the job are ranks (torchrun's
+``RANK``); every later one (a restart, a host that came later) is a spare, which the
+coordinator makes a rank — on the node that holds its state when it can — so torchrun's rank
+numbers after a new rendezvous do not matter. (torchrun keeps ``TORCHELASTIC_RESTART_COUNT``
+unchanged on a host whose workers it restarts because another host failed, so the count
+cannot tell a restarted worker from a first one.)
 
 Runs in the rank process: stdlib and ground modules only; it starts the supervisor by
 module name, never imports it.
@@ -115,7 +117,11 @@ def join_host(environ: MutableMapping[str, str] | None = None) -> None:
         if supervisor is None and not os.path.exists(os.path.join(path, "agent.json")):
             supervisor = _spawn_supervisor(env, job, path, launcher, secret, first_round)
     info = _await_agent(path, supervisor)
-    role = "rank" if info["first"] and first_round else "spare"
+    role = "spare"
+    if info["first"] and first_round:
+        with open(os.path.join(path, "lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            role = _claim_first_rank(path, int(env.get("LOCAL_WORLD_SIZE", "1")))
     env.update(
         PEERCKPT_JOB=job,
         PEERCKPT_SECRET=secret.hex(),
@@ -125,6 +131,20 @@ def join_host(environ: MutableMapping[str, str] | None = None) -> None:
         PEERCKPT_RESTART_BASED=RESTART_BASED,
     )
     log.debug("torchrun worker joins node %s as %s", info["node"], role)
+
+
+def _claim_first_rank(path: str, local_world: int) -> str:
+    """ "rank" for the first ``local_world`` workers of this host (the job's first epoch),
+    "spare" for any later one: torchrun restarts a host's workers with the restart count
+    unchanged when another host failed, so the count alone cannot tell a restart. Call it
+    under the host's lock."""
+    claims = os.path.join(path, "first-round")
+    with open(claims, "a+") as f:
+        f.seek(0)
+        if len(f.read().split()) >= local_world:
+            return "spare"
+        f.write(f"{os.getpid()}\n")
+    return "rank"
 
 
 def _supervisor_pid(path: str) -> int | None:
