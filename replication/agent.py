@@ -345,7 +345,8 @@ class Agent:
         if self.stopping.is_set():
             return
         log.warning("%r on node %d exited; torchrun restarts it", link, self.node)
-        self.coordinator.report(SparesStarting(1, self.node))  # before the loss: it waits
+        if link.pid not in self._restarting:  # else counted when it announced its restart
+            self.coordinator.report(SparesStarting(1, self.node))  # before the loss: it waits
         self.coordinator.report(ProcLost(self.node, link.pid, f"process {link.pid} exited"))
 
     def _on_message(self, link: ProcLink, msg: ToAgent) -> Message | None:
