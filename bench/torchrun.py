@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from common import (
+    HEARTBEAT_TIMEOUT_S,
     REPO,
     background_load,
     bench_parser,
@@ -56,6 +57,12 @@ def _lines(out: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+def _why(job: TorchrunJob) -> str:
+    """peerckpt's warnings and errors from the hosts' logs, and the end of the logs."""
+    lines = [x for x in job.log().splitlines() if "peerckpt[" in x and ("WARN" in x or "ERR" in x)]
+    return "\n".join(lines[-40:]) + "\n...\n" + job.log()[-2000:]
+
+
 def one_run(mode: str, mib: int, base: Path, steps: int) -> dict[str, Any]:
     """Run the job under torchrun in ``mode``, kill a worker, time every rank stepping again."""
     out = base / f"{mode}-{mib}-{time.monotonic_ns()}"
@@ -63,12 +70,13 @@ def one_run(mode: str, mib: int, base: Path, steps: int) -> dict[str, Any]:
     if mode == "dcp":
         args += ["--ckpt", str(out / "ckpt")]
     name = job_name("btr")
-    job = TorchrunJob(out, name, JOB, args, nnodes="2", nproc=2)
+    env = {"PEERCKPT_HEARTBEAT_TIMEOUT": HEARTBEAT_TIMEOUT_S, "PEERCKPT_LOG_LEVEL": "INFO"}
+    job = TorchrunJob(out, name, JOB, args, nnodes="2", nproc=2, env=env)
     try:
         deadline = time.monotonic() + 600
         while len(_lines(out)) < WORLD * KILL_AFTER_STEPS:
             if time.monotonic() > deadline or any(p.poll() is not None for p in job.procs):
-                raise RuntimeError(f"{mode}: the job did not start:\n{job.log()[-3000:]}")
+                raise RuntimeError(f"{mode}: the job did not start:\n{_why(job)}")
             time.sleep(0.02)
         before = {line["pid"] for line in _lines(out)}
         killed_at = time.time()
@@ -77,7 +85,7 @@ def one_run(mode: str, mib: int, base: Path, steps: int) -> dict[str, Any]:
     finally:
         job.stop()
     if codes != [0, 0]:
-        raise RuntimeError(f"{mode}: torchrun exited {codes}:\n{job.log()[-3000:]}")
+        raise RuntimeError(f"{mode}: torchrun exited {codes}:\n{_why(job)}")
     report = job.report() if mode == "peerckpt" else {}
     first: dict[int, float] = {}  # restarted process → its first step's end
     for line in _lines(out):

@@ -86,7 +86,14 @@ def min_nodes_of(launcher_pid: int) -> int | None:
         return None
     from torch.distributed.run import get_args_parser, parse_min_max_nnodes
 
-    start = next((i + 1 for i, a in enumerate(argv) if a.endswith(("torchrun", "run.py"))), 1)
+    start = next(
+        (
+            i + 1
+            for i, a in enumerate(argv)
+            if a.endswith(("torchrun", "run.py")) or a == "torch.distributed.run"
+        ),
+        1,
+    )
     try:
         args, _ = get_args_parser().parse_known_args(argv[start:])
         low, high = parse_min_max_nnodes(args.nnodes)
@@ -153,6 +160,9 @@ class HostSupervisor:
             addr,
             "--restart-based",
         ]
+        timeout = os.environ.get("PEERCKPT_HEARTBEAT_TIMEOUT")
+        if timeout:  # how long a silent host is given before it is declared lost
+            argv += ["--heartbeat-timeout", timeout]
         low = min_nodes_of(self.args.launcher_pid)
         if low is not None:
             argv += ["--min-nodes", str(low)]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from peerckpt.errors import ConfigurationError
+from peerckpt.launch.torchrun import min_nodes_of
 from peerckpt.pidwatch import ProcessWatch
 from peerckpt.runtime.torchrun import job_name, join_host, runtime_base, under_torchrun
 from peerckpt.secret import secret_from_env
@@ -73,6 +74,28 @@ def test_a_killed_process_is_seen_gone_before_it_is_reaped() -> None:
             os.kill(child.pid, signal.SIGKILL)
             assert watch.exited(wait_s=5.0)  # a zombie still: nobody has waited for it
             assert child.returncode is None
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["torchrun", "--nnodes=1:2", "--nproc-per-node=2", "train.py", "--nnodes", "5"], 1),
+        (["python", "-m", "torch.distributed.run", "--nnodes", "2:4", "train.py"], 2),
+        (["torchrun", "--nnodes=2", "train.py"], None),
+    ],
+)
+def test_the_shrink_floor_is_read_from_torchruns_own_command_line(
+    tmp_path: Path, argv: list[str], expected: int | None
+) -> None:
+    """``--nnodes=MIN:MAX`` of the torchrun that started the job (the script's own flags
+    after it are not torchrun's)."""
+    script = "import sys, time; time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", script, *argv])
+    try:
+        assert min_nodes_of(child.pid) == expected
     finally:
         child.kill()
         child.wait()
