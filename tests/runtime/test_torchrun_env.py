@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,10 @@ def test_the_shrink_floor_is_read_from_torchruns_own_command_line(
     script = "import sys, time; time.sleep(30)"
     child = subprocess.Popen([sys.executable, "-c", script, *argv])
     try:
+        cmdline = Path(f"/proc/{child.pid}/cmdline")
+        deadline = time.monotonic() + 10.0
+        while b"-c" not in cmdline.read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the child has exec'd (its cmdline was empty here once)
         assert min_nodes_of(child.pid) == expected
     finally:
         child.kill()
