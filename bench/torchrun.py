@@ -98,6 +98,9 @@ def one_run(mode: str, mib: int, base: Path, steps: int) -> dict[str, Any]:
         [event] = report["events"]
         row["pulled_bytes"] = sum(p["bytes"] for p in event["pulls"])
         row["detected_after_s"] = event["detected_at"] - killed_at
+        # From the loss until every restarted worker had joined (torchrun's restart, the new
+        # processes' imports); what is left of stepping_again_s is peerckpt's own part.
+        row["waited_for_restart_s"] = event.get("waited_for_spares_s")
     left = leftover_segments(name) + runtime_dirs(name)
     if left:
         raise RuntimeError(f"{mode}: the job left {left} behind")
