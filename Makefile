@@ -39,6 +39,7 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/memory.py
 	$(PY) bench/reshard.py
 	$(PY) bench/flush.py
+	$(PY) bench/torchrun.py
 	if [ -f bench/planner.py ]; then $(PY) bench/planner.py; fi
 	$(PY) bench/summary.py
 

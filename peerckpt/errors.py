@@ -78,3 +78,8 @@ class MembershipChanged(PeerckptError):
     User code should let it propagate. The runtime catches it, rejoins the new epoch, restores
     the last committed step and calls the decorated function again.
     """
+
+
+class JobEnded(PeerckptError):
+    """A process came to a job that has already ended (a worker torchrun restarted after the
+    job failed): it must not start training alone; the message says how the job ended."""

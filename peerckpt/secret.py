@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from peerckpt.errors import ConfigurationError
 
 ENV = "PEERCKPT_SECRET"
+FILE_ENV = "PEERCKPT_SECRET_FILE"  # the path of a 0600 file holding it (torchrun jobs)
 MIN_SECRET_BYTES = 16
 _FIX = (
     "`peerckpt run` sets it for the processes it starts; to set it yourself, give every "
@@ -37,12 +38,16 @@ def check_secret(secret: bytes, what: str = ENV) -> bytes:
 
 
 def secret_from_env(environ: Mapping[str, str] | None = None) -> bytes:
-    """The job's secret from ``PEERCKPT_SECRET`` (hex); ConfigurationError naming the
-    variable and the fix if it is missing, not hex, empty or shorter than 16 bytes."""
+    """The job's secret from ``PEERCKPT_SECRET`` (hex), else from the file named by
+    ``PEERCKPT_SECRET_FILE``; ConfigurationError naming the variable and the fix if it is
+    missing, not hex, empty or shorter than 16 bytes."""
     env = os.environ if environ is None else environ
     text = env.get(ENV)
     if text is None:
-        raise ConfigurationError(f"{ENV} is not set. {_FIX}")
+        path = env.get(FILE_ENV)
+        if path:
+            return secret_from_file(path)
+        raise ConfigurationError(f"{ENV} is not set (nor {FILE_ENV}). {_FIX}")
     try:
         secret = bytes.fromhex(text)
     except ValueError:

@@ -98,6 +98,7 @@ class Coordinator:
         spares: int = 0,
         placement: Placement | None = None,
         digests_file: str | None = None,
+        restart_based: bool = False,
     ) -> None:
         self._lock = threading.RLock()
         self.settings = Settings(
@@ -108,6 +109,7 @@ class Coordinator:
             store_addr,
             min_nodes,
             placement or RingPlacement(),
+            restart_based,
         )
         self.registry = Registry()
         self.life = JobLife(self.registry)

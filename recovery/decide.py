@@ -7,10 +7,14 @@ where, is unit-tested without a process (``tests/recovery/test_decide.py``).
 
 A ``Loss`` (ranks gone, with their nodes) is decided as:
 
+0. restart-based (torchrun): some member still alive, or restarted workers still starting,
+   and the wait not over → ``Wait`` (torchrun restarts every worker after any failure);
 1. fewer spares joined than ranks lost, but more starting and the wait not over → ``Wait``;
-2. enough spares → they take the lost ranks (``elastic.replaced``);
+2. enough spares → they take the lost ranks, those on a lost rank's node first
+   (``elastic.replaced``);
 3. else, if the job may shrink (``min_nodes``) and enough nodes remain → the survivors are
-   renumbered (``elastic.shrunk``);
+   renumbered (``elastic.shrunk``), or, none survived (every worker restarted), the
+   restarted processes form the world (``elastic.restarted``);
 4. else ``Fail``, naming the ranks, the reason and the fix.
 
 A ``Join`` (a node's joiners all connected) always grows the world (``elastic.grown``).
@@ -29,7 +33,7 @@ from peerckpt.errors import RecoveryFailed
 from peerckpt.membership import Membership, RankAssignment
 from peerckpt.reads import STORAGE
 from peerckpt.recovery.commits import CommitTracker
-from peerckpt.recovery.elastic import grown, old_layout_summary, replaced, shrunk
+from peerckpt.recovery.elastic import grown, old_layout_summary, replaced, restarted, shrunk
 from peerckpt.recovery.placement import Placement
 from peerckpt.recovery.planning.sources import plan_sources
 from peerckpt.states import EPOCH_MODE, EpochMode
@@ -58,6 +62,10 @@ class JobView:
     spares_starting: int  # started by a launcher, not joined yet
     min_nodes: int | None  # None: the world never shrinks
     topology: Topology
+    # Restart-based recovery (torchrun): a loss makes every worker restart, so a decision
+    # waits until no member of the epoch is alive and the restarted processes have joined.
+    restart_based: bool = False
+    members_alive: int = 0  # processes of the current epoch not lost yet
 
 
 @dataclass(frozen=True)
@@ -136,29 +144,38 @@ def decide_loss(view: JobView, loss: Loss, now: float, spare_wait_s: float) -> D
     """What to do about ``loss`` (``now`` and ``deadline`` on the monotonic clock)."""
     old = view.membership
     ranks = loss.ranks
+    if view.restart_based and (view.members_alive > 0 or view.spares_starting > 0):
+        deadline = loss.deadline if loss.deadline is not None else now + spare_wait_s
+        if now < deadline:
+            return Wait(replace(loss, deadline=deadline))
     if len(view.spares) < len(ranks) and view.spares_starting > 0:
         deadline = loss.deadline if loss.deadline is not None else now + spare_wait_s
         if now < deadline:
             return Wait(replace(loss, deadline=deadline))
     if len(view.spares) >= len(ranks):
         assignments, previous = replaced(old.ranks, set(ranks), list(view.spares))
-        chosen = dict(zip(sorted(ranks), view.spares, strict=False))
         return _transition(
             view,
             assignments,
             previous,
-            promoted={proc: rank for rank, proc in chosen.items()},
+            promoted={(assignments[r].node, assignments[r].pid): r for r in sorted(ranks)},
             replacements={r: [assignments[r].node, assignments[r].pid] for r in sorted(ranks)},
         )
     if view.min_nodes is not None:
         assignments, previous = shrunk(old.ranks, set(ranks))
+        promoted: dict[Proc, int] = {}
+        if not assignments and view.spares:
+            assignments, previous = restarted(list(view.spares))
+            promoted = {(a.node, a.pid): r for r, a in assignments.items()}
         remaining = {a.node for a in assignments.values()}
         if len(remaining) < view.min_nodes:
             return Fail(
                 f"lost rank(s) {sorted(ranks)} ({loss.reason}); {len(remaining)} node(s) would "
                 f"be left, fewer than --min-nodes {view.min_nodes}, and no spare is left"
             )
-        return _transition(view, assignments, previous, shrunk_to=len(assignments))
+        return _transition(
+            view, assignments, previous, promoted=promoted, shrunk_to=len(assignments)
+        )
     missing = view.spares_starting or loss.never_joined
     never = f" ({missing} more never joined)" if missing else ""
     return Fail(

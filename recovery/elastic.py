@@ -2,9 +2,11 @@
 
 Pure functions and one small state holder, no I/O; the coordinator calls them under its lock.
 
-- ``replaced``: spares take the lost ranks' numbers, everyone else keeps theirs.
+- ``replaced``: spares take the lost ranks' numbers (a spare on the lost rank's own node
+  first), everyone else keeps theirs.
 - ``shrunk``: no spare is left and the job may shrink: the survivors are renumbered 0…W'-1
   in the order of their old ranks.
+- ``restarted``: every rank was restarted (torchrun) and fewer came back: they form the world.
 - ``grown``: a node joins: its processes become ranks W…W+P-1.
 
 In the last two the layout changes and every rank restores through a plan. A resharding
@@ -32,13 +34,38 @@ from peerckpt.recovery.planning.types import HeldChunk, WantedChunk
 def replaced(
     old: dict[int, RankAssignment], lost: set[int], spares: list[tuple[int, int]]
 ) -> tuple[dict[int, RankAssignment], dict[int, int | None]]:
-    """Spares (node, pid) take the lost ranks, in rank order; the others keep their rank."""
+    """Spares (node, pid) take the lost ranks; the others keep their rank.
+
+    A spare on the node a lost rank ran on takes it first: that node still holds the rank's
+    snapshot, so the restore needs no network (a process restarted in place, every worker
+    torchrun restarted). The other lost ranks take the remaining spares in rank order.
+    """
     assignments = dict(old)
     previous: dict[int, int | None] = {r: r for r in old if r not in lost}
-    for rank, (node, pid) in zip(sorted(lost), spares, strict=False):
+    pool = list(spares)
+    chosen: dict[int, tuple[int, int]] = {}
+    for rank in sorted(lost):
+        here = next((s for s in pool if s[0] == old[rank].node), None)
+        if here is not None:
+            chosen[rank] = here
+            pool.remove(here)
+    for rank in sorted(lost):
+        if rank not in chosen and pool:
+            chosen[rank] = pool.pop(0)
+    for rank, (node, pid) in chosen.items():
         assignments[rank] = RankAssignment(rank, node, pid)
         previous[rank] = None
     return assignments, previous
+
+
+def restarted(
+    spares: list[tuple[int, int]],
+) -> tuple[dict[int, RankAssignment], dict[int, int | None]]:
+    """Every rank was lost and restarted (torchrun restarts every worker after a failure),
+    and too few came back for the old world: the restarted processes (node, pid) form the
+    new, smaller world, ranks 0…W'-1 in the order given; all of them restore through a plan."""
+    assignments = {r: RankAssignment(r, node, pid) for r, (node, pid) in enumerate(spares)}
+    return assignments, dict.fromkeys(assignments)
 
 
 def shrunk(

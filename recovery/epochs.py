@@ -47,6 +47,10 @@ from peerckpt.states import EpochMode, JobState, ProcRole
 log = logging.getLogger("peerckpt.coordinator")
 
 SPARE_WAIT_S = 60.0  # how long a recovery waits for spares the launcher started to join
+# Under torchrun, restarted workers come after a new rendezvous, which waits out a lost
+# host's keep-alive and the last call (45 s with torchrun's defaults); its join timeout
+# (600 s by default) bounds it.
+RESTART_WAIT_S = 600.0
 
 
 class Epochs:
@@ -90,6 +94,18 @@ class Epochs:
             self.spares.starting,
             self.settings.min_nodes,
             self.topology(),
+            self.settings.restart_based,
+            self._members_alive(),
+        )
+
+    def _members_alive(self) -> int:
+        """Processes of the current epoch not lost yet."""
+        assert self.membership is not None
+        procs = self.registry.procs
+        return sum(
+            1
+            for a in self.membership.ranks.values()
+            if (p := procs.get((a.node, a.pid))) is not None and p.alive
         )
 
     # -- changes -------------------------------------------------------------------------------
@@ -132,7 +148,8 @@ class Epochs:
             self.deferred = self.deferred.merged(loss)
             self.retry_deferred()
             return
-        decision = decide_loss(self.view(), loss, time.monotonic(), SPARE_WAIT_S)
+        wait_s = RESTART_WAIT_S if self.settings.restart_based else SPARE_WAIT_S
+        decision = decide_loss(self.view(), loss, time.monotonic(), wait_s)
         if isinstance(decision, Wait):
             if self.deferred is None and loss.deadline is None:
                 log.warning(
@@ -142,7 +159,7 @@ class Epochs:
                     loss.reason,
                     len(self.view().spares),
                     self.spares.starting,
-                    SPARE_WAIT_S,
+                    wait_s,
                 )
             self.deferred = decision.loss
             return

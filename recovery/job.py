@@ -30,6 +30,7 @@ class Settings:
     store_addr: str
     min_nodes: int | None  # None: the world never shrinks
     placement: Placement
+    restart_based: bool = False  # torchrun: every worker restarts after any failure
 
 
 class JobLife:

@@ -41,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--digests-file", default=None, help="append snapshot digests here")
     parser.add_argument("--port", type=int, default=0, help="the RPC port (0: any free one)")
     parser.add_argument("--store-port", type=int, default=0, help="the TCPStore's port")
+    parser.add_argument(
+        "--restart-based",
+        action="store_true",
+        help="every worker restarts after any failure (torchrun): wait for them",
+    )
     args = parser.parse_args(argv)
     secret = service_process(f"coordinator job={args.job}")
     store, gate = _rendezvous_store(secret, args.job, args.host, args.store_port)
@@ -58,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         persist=PersistConfig.from_msg(json.loads(args.persist)) if args.persist else None,
         digests_file=args.digests_file,
+        restart_based=args.restart_based,
     )
     unary, streams = coordinator.handlers()
     server = RpcServer(secret, args.job, unary, streams, host=args.host, port=args.port)

@@ -74,6 +74,7 @@ from peerckpt.messages.local import (
     WantChunks,
 )
 from peerckpt.names import RUN_ENV
+from peerckpt.pidwatch import ProcessWatch
 from peerckpt.replication.arena import Arena
 from peerckpt.replication.control import ControlServer, ProcLink
 from peerckpt.replication.coordlink import CoordinatorLink
@@ -111,8 +112,12 @@ class Agent:
         joining: int = 0,
         faults: FaultHooks = NO_FAULTS,
         run: str | None = None,
+        launcher_pid: int | None = None,
     ) -> None:
         self.joining = joining
+        # torchrun (``launch/torchrun.py``): it restarts this node's processes after they
+        # exit, and the node is gone when it is.
+        self.launcher = ProcessWatch(launcher_pid) if launcher_pid is not None else None
         self.faults = faults
         self.net = faults.net  # network fault hooks of this node's TCP links, if any
         self.job, self.node, self._secret = job, node, secret
@@ -210,7 +215,7 @@ class Agent:
     def wait(self) -> None:
         parent = os.getppid()
         while not self.stopping.wait(0.2):
-            if os.getppid() != parent:
+            if os.getppid() != parent or (self.launcher is not None and self.launcher.exited()):
                 log.warning("launcher is gone; agent of node %d stops", self.node)
                 self.stopping.set()
 
@@ -231,6 +236,8 @@ class Agent:
                 thread.join(timeout=2.0)
             self.coordinator.close()
             self.faults.close()
+            if self.launcher is not None:
+                self.launcher.close()
         finally:
             self.arena.destroy()
 
@@ -332,10 +339,29 @@ class Agent:
     def _on_lost(self, link: ProcLink) -> None:
         if link.fenced is not None:
             log.info("fenced %r exited", link)
+        elif self.launcher is not None and not self._ending.is_set():
+            self._lost_under_launcher(link)
         elif not self.stopping.is_set() and not self._ending.is_set():
             how = "restarted in place" if link.pid in self._restarting else "exited"
             log.warning("%r on node %d %s", link, self.node, how)
             self.coordinator.report(ProcLost(self.node, link.pid, f"process {link.pid} {how}"))
+
+    def _lost_under_launcher(self, link: ProcLink) -> None:
+        """A process exited under torchrun: torchrun restarts it (and every other worker),
+        unless torchrun itself is dying, which is this host dying. A SIGKILL to the host's
+        process tree may reach the worker first, so torchrun gets a moment to be seen gone;
+        then this agent stops and its node is lost as one, nothing reported rank by rank."""
+        assert self.launcher is not None
+        if self.launcher.exited(wait_s=0.5):
+            log.warning("%r exited with torchrun: node %d is going away", link, self.node)
+            self.stopping.set()
+            return
+        if self.stopping.is_set():
+            return
+        log.warning("%r on node %d exited; torchrun restarts it", link, self.node)
+        if link.pid not in self._restarting:  # else counted when it announced its restart
+            self.coordinator.report(SparesStarting(1, self.node))  # before the loss: it waits
+        self.coordinator.report(ProcLost(self.node, link.pid, f"process {link.pid} exited"))
 
     def _on_message(self, link: ProcLink, msg: ToAgent) -> Message | None:
         return self._requests.handle(msg, link)
@@ -452,6 +478,12 @@ def main(argv: list[str] | None = None) -> int:
         "--joining", type=int, default=0, help="ranks this node adds to a running job"
     )
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--launcher-pid",
+        type=int,
+        default=None,
+        help="torchrun's pid: it restarts this node's processes; the node dies with it",
+    )
     args = parser.parse_args(argv)
     secret = service_process(f"agent node={args.node}")
     # Before any connection exists: network faults apply to every TCP link of the node.
@@ -467,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         joining=args.joining,
         faults=faults,
         run=os.environ.get(RUN_ENV),
+        launcher_pid=args.launcher_pid,
     )
     stop_on_signals(agent.stopping.set)
     try:

@@ -24,6 +24,7 @@ from peerckpt.runtime import children
 from peerckpt.runtime.config import DEFAULTS, ResilientConfig
 from peerckpt.runtime.env import LaunchEnv, configure_logging
 from peerckpt.runtime.rank import RankRuntime
+from peerckpt.runtime.torchrun import join_host, under_torchrun
 from peerckpt.runtime.tracking import EpochTracking
 from peerckpt.states import ProcRole
 
@@ -125,8 +126,10 @@ def resilient(
     def decorate(func: F) -> F:
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            env = LaunchEnv.from_environ()
             configure_logging()
+            if under_torchrun():
+                join_host()  # this host's agent, started by its first worker
+            env = LaunchEnv.from_environ()
             try:
                 runtime = RankRuntime(env, config)
             except PeerUnavailable as exc:

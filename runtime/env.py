@@ -30,6 +30,9 @@ class LaunchEnv:
     role: ProcRole
     rank: int | None
     world_size: int | None
+    # Who restarts this process after a failure ("torchrun"), or "" (peerckpt recovers it
+    # in place). Set by ``runtime/torchrun.py``.
+    restart_based: str = ""
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> LaunchEnv:
@@ -39,7 +42,7 @@ class LaunchEnv:
             raise ConfigurationError(
                 f"this process was not started by a peerckpt launcher ({', '.join(missing)} "
                 "unset). A function decorated with @peerckpt.resilient runs inside a job: start "
-                "the script with `peerckpt run --nodes N --nproc-per-node P script.py`."
+                "the script with `peerckpt run --nodes N --nproc-per-node P script.py` (or with torchrun)."
             )
         try:
             role = ProcRole(env.get("PEERCKPT_ROLE", "rank"))
@@ -56,6 +59,7 @@ class LaunchEnv:
             role=role,
             rank=int(env["RANK"]) if role is ProcRole.RANK and "RANK" in env else None,
             world_size=int(env["WORLD_SIZE"]) if "WORLD_SIZE" in env else None,
+            restart_based=env.get("PEERCKPT_RESTART_BASED", ""),
         )
 
 

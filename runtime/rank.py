@@ -198,6 +198,21 @@ class RankRuntime:
         logging.shutdown()
         os._exit(code)
 
+    def _restart_on_comm_error(self, exc: BaseException) -> None:
+        """Under torchrun, a collective that failed without an abort notice (a peer died)
+        ends this process: torchrun restarts every worker, which then restore from their
+        host's memory. Waiting here for a verdict would only hold torchrun's restart back."""
+        if not self.env.restart_based or not _looks_like_comm_error(exc):
+            return
+        with self._cond:
+            if self.state is not RankState.RUNNING or self._shutdown is not None:
+                return
+        log.warning(
+            "%s; exiting for %s to restart this worker", _short(exc), self.env.restart_based
+        )
+        logging.shutdown()
+        os._exit(ExitCode.RESTART)
+
     def _become(self, state: RankState) -> None:
         check_transition(self.state, state)
         log.debug("state %s → %s", self.state.name, state.name)
@@ -227,6 +242,7 @@ class RankRuntime:
                     result = fn(Context(self.tracking), *args, **kwargs)
                     self._finish()
                 except BaseException as exc:
+                    self._restart_on_comm_error(exc)
                     if self._superseded(exc):
                         log.warning(
                             "epoch %d ended by a membership change (%s)",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from peerckpt.manifest import ChunkRecord
 from peerckpt.membership import Membership, RankAssignment
 from peerckpt.recovery.commits import CommitTracker
@@ -139,3 +141,40 @@ def test_merged_losses_recover_together() -> None:
     both = first.merged(_loss(3, nodes=(1,)))
     assert both.ranks == {1, 3} and both.kind == "node" and both.deadline == 70.0
     assert both.reason == "test; test"
+
+
+def test_a_spare_on_the_lost_ranks_own_node_takes_it_first() -> None:
+    # Spares sorted spare node first; the one restarted on node 1 (where rank 2's snapshot
+    # is) takes rank 2, the spare node's takes rank 0.
+    view = _view(spares=((2, 200), (1, 300)))
+    d = decide_loss(view, _loss(0, 2), now=0.0, spare_wait_s=60.0)
+    assert isinstance(d, OpenEpoch)
+    assert d.replacements == {0: [2, 200], 2: [1, 300]}
+    assert d.promoted == {(2, 200): 0, (1, 300): 2}
+    assert d.membership.sources[2][0] == 1  # its own node holds it: restored there
+
+
+def test_restart_based_recovery_waits_until_every_worker_is_gone_and_back() -> None:
+    """torchrun restarts every worker after one fails: no epoch opens while a worker of the
+    old one lives or restarted ones are still coming, though enough spares joined."""
+    spares = ((0, 400), (0, 401), (1, 402), (1, 403))
+    alive = replace(_view(spares=spares), restart_based=True, members_alive=2)
+    d = decide_loss(alive, _loss(2, 3), now=0.0, spare_wait_s=600.0)
+    assert isinstance(d, Wait) and d.loss.deadline == 600.0
+    coming = replace(_view(spares=spares[:3], starting=1), restart_based=True)
+    assert isinstance(decide_loss(coming, _loss(0, 1, 2, 3), 1.0, 600.0), Wait)
+    ready = replace(_view(spares=spares), restart_based=True)
+    d = decide_loss(ready, _loss(0, 1, 2, 3), now=2.0, spare_wait_s=600.0)
+    assert isinstance(d, OpenEpoch) and d.membership.mode is EpochMode.SAME
+    # Every rank back on its own node (ranks 0, 1 on node 0; 2, 3 on node 1).
+    assert {r: a.node for r, a in d.membership.ranks.items()} == {0: 0, 1: 0, 2: 1, 3: 1}
+
+
+def test_restarted_workers_of_the_surviving_nodes_form_the_shrunk_world() -> None:
+    view = replace(_view(spares=((0, 400), (0, 401)), min_nodes=1), restart_based=True)
+    d = decide_loss(view, _loss(0, 1, 2, 3, nodes=(1,)), now=0.0, spare_wait_s=600.0)
+    assert isinstance(d, OpenEpoch) and d.shrunk_to == 2
+    m = d.membership
+    assert m.mode is EpochMode.RESHARD and m.old_world == 4
+    assert {r: (a.node, a.pid) for r, a in m.ranks.items()} == {0: (0, 400), 1: (0, 401)}
+    assert d.promoted == {(0, 400): 0, (0, 401): 1} and m.previous == {0: None, 1: None}
