@@ -14,10 +14,12 @@ class name and message and are raised again, as the same class, in the caller.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine, Iterator
 from concurrent import futures
 from typing import Any, TypeVar
 
@@ -34,7 +36,8 @@ SERVICE = "peerckpt.Coordinator"
 _AUTH_KEY = "peerckpt-auth"
 log = logging.getLogger("peerckpt.rpc")
 
-Stream = Callable[[Any, grpc.ServicerContext], Iterator[Event]]
+# A server stream: an async generator of events, or of events already packed (``bytes``).
+Stream = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Event | bytes]]
 
 
 def _token(secret: bytes, job: str, method: str) -> str:
@@ -42,7 +45,15 @@ def _token(secret: bytes, job: str, method: str) -> str:
 
 
 class RpcServer:
-    """A gRPC server exposing msgpack handlers under ``/peerckpt.Coordinator/<name>``."""
+    """A gRPC server exposing msgpack handlers under ``/peerckpt.Coordinator/<name>``.
+
+    It is an asyncio server (``grpc.aio``) on its own event-loop thread, so that a server
+    stream costs a coroutine, not a thread: one coordinator holds the event streams of
+    thousands of agents. Unary handlers are plain functions: those in ``inline`` (fast, no
+    I/O) run on the loop, the others on a small thread pool so that a slow one (a recovery
+    plan, a storage read) does not stall the streams. Stream handlers are async generators
+    of events or of already packed bytes (an event packed once for many streams).
+    """
 
     def __init__(
         self,
@@ -52,10 +63,12 @@ class RpcServer:
         streams: dict[type[Any], Stream],
         host: str = "127.0.0.1",
         port: int = 0,
-        max_workers: int = 64,
+        max_workers: int = 16,
+        inline: Collection[type[Any]] = (),
     ) -> None:
         self._secret = secret
         self._job = job
+        self._inline = frozenset(inline)
         handlers: dict[str, grpc.RpcMethodHandler] = {}
         for cls in unary.table:
             handlers[type_name(cls)] = grpc.unary_unary_rpc_method_handler(
@@ -63,23 +76,44 @@ class RpcServer:
             )
         for cls, gen in streams.items():
             handlers[type_name(cls)] = grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(cls, gen), request_deserializer=unpack, response_serializer=pack
+                self._wrap_stream(cls, gen), request_deserializer=unpack
             )
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="peerckpt-rpc"),
+        self._pool = futures.ThreadPoolExecutor(max_workers, thread_name_prefix="peerckpt-rpc")
+        self._loop = asyncio.new_event_loop()
+        self._loop.set_default_executor(self._pool)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="peerckpt-rpc-loop", daemon=True
+        )
+        self._thread.start()
+        try:
+            self._server, self.port = self._run(self._create(handlers, f"{host}:{port}"))
+        except Exception as exc:
+            self._close_loop()
+            raise errors.ConfigurationError(
+                f"cannot listen on {host}:{port} for the coordinator: {exc}"
+            ) from exc
+        self.address = f"{host}:{self.port}"
+
+    async def _create(
+        self, handlers: dict[str, grpc.RpcMethodHandler], where: str
+    ) -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server(
             handlers=(grpc.method_handlers_generic_handler(SERVICE, handlers),),
             options=[("grpc.so_reuseport", 0)],
         )
-        self.port = self._server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise errors.ConfigurationError(f"cannot listen on {host}:{port} for the coordinator")
-        self.address = f"{host}:{self.port}"
+        port = server.add_insecure_port(where)
+        if port == 0:
+            raise OSError("the port is taken")
+        return server, port
 
-    def _authenticate(self, name: str, context: grpc.ServicerContext) -> None:
-        metadata = dict(context.invocation_metadata())
+    def _run(self, coro: Coroutine[Any, Any, R], timeout: float | None = 10.0) -> R:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _authenticate(self, name: str, context: grpc.aio.ServicerContext) -> None:
+        metadata = dict(context.invocation_metadata() or ())
         expected = _token(self._secret, self._job, name)
         if not hmac.compare_digest(str(metadata.get(_AUTH_KEY, "")), expected):
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"AuthenticationError: call to {name} refused: wrong job secret or another job's "
                 "coordinator. Start every process of a job with the same PEERCKPT_SECRET.",
@@ -87,43 +121,69 @@ class RpcServer:
 
     def _wrap_unary(
         self, cls: type[Any], table: Dispatch[Any]
-    ) -> Callable[[Any, grpc.ServicerContext], Any]:
+    ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
         name = type_name(cls)
 
-        def handler(request: Any, context: grpc.ServicerContext) -> Any:
-            self._authenticate(name, context)
+        def call(request: Any, where: str) -> tuple[grpc.StatusCode | None, Any]:
             try:
-                msg = decode({**(request or {}), "type": name}, cls, where=_caller(context))
-                return encode(table.handle(msg))
+                msg = decode({**(request or {}), "type": name}, cls, where=where)
+                return None, encode(table.handle(msg))
             except errors.PeerckptError as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{type(exc).__name__}: {exc}")
+                return grpc.StatusCode.FAILED_PRECONDITION, f"{type(exc).__name__}: {exc}"
             except Exception:
                 log.exception("handler %s failed", name)
-                context.abort(grpc.StatusCode.INTERNAL, f"coordinator error in {name}; see its log")
+                return grpc.StatusCode.INTERNAL, f"coordinator error in {name}; see its log"
+
+        async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await self._authenticate(name, context)
+            if cls in self._inline:
+                code, out = call(request, _caller(context))
+            else:
+                loop = asyncio.get_running_loop()
+                code, out = await loop.run_in_executor(self._pool, call, request, _caller(context))
+            if code is not None:
+                await context.abort(code, out)
+            return out
 
         return handler
 
     def _wrap_stream(
         self, cls: type[Any], gen: Stream
-    ) -> Callable[[Any, grpc.ServicerContext], Any]:
+    ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[bytes]]:
         name = type_name(cls)
 
-        def handler(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            self._authenticate(name, context)
+        async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            await self._authenticate(name, context)
             try:
                 msg = decode({**(request or {}), "type": name}, cls, where=_caller(context))
             except errors.ProtocolError as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ProtocolError: {exc}")
-            for event in gen(msg, context):
-                yield encode(event)
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ProtocolError: {exc}")
+            try:
+                async for event in gen(msg, context):
+                    yield event if isinstance(event, bytes) else pack(encode(event))
+            except errors.PeerckptError as exc:
+                detail = f"{type(exc).__name__}: {exc}"
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, detail)
 
         return handler
 
     def start(self) -> None:
-        self._server.start()
+        self._run(self._server.start())
 
     def stop(self, grace: float = 0.5) -> None:
-        self._server.stop(grace).wait(grace + 1.0)
+        """Stop serving (streams still open are cancelled after ``grace``), end the loop."""
+        try:
+            self._run(self._server.stop(grace), timeout=grace + 2.0)
+        except (TimeoutError, futures.TimeoutError, RuntimeError) as exc:
+            log.warning("the RPC server did not stop within %.1f s: %s", grace + 2.0, exc)
+        self._close_loop()
+
+    def _close_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5.0)
+        if not self._thread.is_alive():
+            self._loop.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class RpcClient:
@@ -194,7 +254,7 @@ def _body(msg: Any) -> dict[str, Any]:
     return out
 
 
-def _caller(context: grpc.ServicerContext) -> str:
+def _caller(context: grpc.ServicerContext | grpc.aio.ServicerContext) -> str:
     return f"caller {context.peer()}"
 
 

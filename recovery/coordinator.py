@@ -28,13 +28,12 @@ at once by its agent.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Any
-
-import grpc
 
 from peerckpt.errors import CheckpointError, ConfigurationError, RecoveryFailed, StaleEpoch
 from peerckpt.messages import Dispatch
@@ -44,7 +43,6 @@ from peerckpt.messages.control import (
     Commit,
     Done,
     EpochOpened,
-    Event,
     Flushed,
     Heartbeat,
     HeartbeatReply,
@@ -84,6 +82,9 @@ log = logging.getLogger("peerckpt.coordinator")
 
 class Coordinator:
     """The job's single source of truth. All handlers hold ``_lock`` while they decide."""
+
+    # Handlers fast enough to run on the RPC server's event loop (no I/O, no planning).
+    INLINE = frozenset({Heartbeat, Replicated, Resumed, Done})
 
     def __init__(
         self,
@@ -141,15 +142,14 @@ class Coordinator:
             known = self.registry.agents.get(msg.node)
             if msg.rejoin is not None and known is not None and not known.alive:
                 return AgentConfig(s.replicas, s.heartbeat_timeout, lost=True)
-            self.registry.agents[msg.node] = AgentInfo(
-                msg.node, msg.data_addr, msg.spare_node, msg.joining
-            )
+            self.registry.add_agent(AgentInfo(msg.node, msg.data_addr, msg.spare_node, msg.joining))
             log.info("agent of node %d registered (data %s)", msg.node, msg.data_addr)
             if msg.rejoin is not None:
                 rebuild.adopt(self, msg.node, msg.rejoin)
             return AgentConfig(s.replicas, s.heartbeat_timeout)
 
-    def watch(self, msg: Watch, context: grpc.ServicerContext) -> Iterator[Event]:
+    async def watch(self, msg: Watch, context: Any) -> AsyncIterator[bytes]:
+        """Node ``msg.node``'s events, packed, as they come (the RPC server's event loop)."""
         with self._lock:
             agent = self.registry.agents.get(msg.node)
             if agent is None:
@@ -157,12 +157,17 @@ class Coordinator:
             events = agent.events
             if self.epochs.membership is not None:
                 events.put(EpochOpened(self.epochs.membership))
-        context.add_callback(lambda: self._watch_closed(msg.node, agent))
-        while True:
-            event = events.get()
-            if event is None:
-                return
-            yield event
+        try:
+            async for data in events.stream():
+                yield data
+        finally:  # it ended, or its agent went away: decide off the loop (a recovery may plan)
+            try:
+                closed = asyncio.get_running_loop().run_in_executor(
+                    None, self._watch_closed, msg.node, agent
+                )
+                closed.add_done_callback(_log_failure)
+            except RuntimeError:  # the server is stopping: its thread pool is shut down
+                self._watch_closed(msg.node, agent)
 
     def _watch_closed(self, node: int, agent: AgentInfo) -> None:
         agent.events.put(None)
@@ -481,3 +486,8 @@ class Coordinator:
             "the coordinator",
         )
         return unary, {Watch: self.watch}
+
+
+def _log_failure(done: asyncio.Future[None]) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        log.error("handling a closed event stream failed", exc_info=done.exception())

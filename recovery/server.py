@@ -60,7 +60,15 @@ def main(argv: list[str] | None = None) -> int:
         digests_file=args.digests_file,
     )
     unary, streams = coordinator.handlers()
-    server = RpcServer(secret, args.job, unary, streams, host=args.host, port=args.port)
+    server = RpcServer(
+        secret,
+        args.job,
+        unary,
+        streams,
+        host=args.host,
+        port=args.port,
+        inline=Coordinator.INLINE,
+    )
     server.start()
     parent = os.getppid()
 
