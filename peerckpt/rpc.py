@@ -232,6 +232,46 @@ class RpcClient:
         self._channel.close()
 
 
+class AsyncRpcClient:
+    """``RpcClient`` for asyncio code: the same messages, metadata and errors on a
+    ``grpc.aio`` channel (many simulated agents in one process: ``bench/coordinator.py``)."""
+
+    def __init__(self, address: str, secret: bytes, job: str) -> None:
+        self.address = address
+        self._secret = secret
+        self._job = job
+        self._channel = grpc.aio.insecure_channel(address)
+
+    def _metadata(self, method: str) -> tuple[tuple[str, str], ...]:
+        # The agents' client's own authentication: one place computes it.
+        return RpcClient._metadata(self, method)  # type: ignore[arg-type]
+
+    async def call(self, msg: Request[R], timeout: float = 10.0) -> R:
+        """Call the coordinator; its typed reply, or the handler's PeerckptError raised again."""
+        method = type_name(type(msg))
+        stub = self._channel.unary_unary(
+            f"/{SERVICE}/{method}", request_serializer=pack, response_deserializer=unpack
+        )
+        try:
+            raw = await stub(_body(msg), timeout=timeout, metadata=self._metadata(method))
+        except grpc.RpcError as exc:
+            raise _translate(exc, self.address, method) from None
+        return decode(raw, reply_class(type(msg)), where=f"the coordinator at {self.address}")
+
+    async def stream(self, msg: Request[Event]) -> AsyncIterator[Event]:
+        """A server stream's events, decoded as they arrive (cancel the task to stop)."""
+        method = type_name(type(msg))
+        stub = self._channel.unary_stream(
+            f"/{SERVICE}/{method}", request_serializer=pack, response_deserializer=unpack
+        )
+        where = f"the coordinator at {self.address}"
+        async for raw in stub(_body(msg), metadata=self._metadata(method)):
+            yield decode(raw, Event, where=where)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
 class EventStream:
     """A server stream's events, decoded as they arrive."""
 

@@ -55,6 +55,7 @@ from peerckpt.messages.control import (
     Reads,
     RegisterAgent,
     Replicated,
+    ReplicatedMany,
     ReplicatedReply,
     ReplicationFailed,
     Resumed,
@@ -84,7 +85,7 @@ class Coordinator:
     """The job's single source of truth. All handlers hold ``_lock`` while they decide."""
 
     # Handlers fast enough to run on the RPC server's event loop (no I/O, no planning).
-    INLINE = frozenset({Heartbeat, Replicated, Resumed, Done})
+    INLINE = frozenset({Heartbeat, Replicated, ReplicatedMany, Resumed, Done})
 
     def __init__(
         self,
@@ -330,6 +331,21 @@ class Coordinator:
                 self._maybe_flush(committed)
             return ReplicatedReply(tracker.committed_step)
 
+    def replicated_many(self, msg: ReplicatedMany) -> ReplicatedReply:
+        """Reports that were ready together on one node, each as ``replicated``; a stale one
+        is refused (after the others count), as it would have been alone."""
+        refused: StaleEpoch | None = None
+        reply = ReplicatedReply(None)
+        with self._lock:
+            for report in msg.reports:
+                try:
+                    reply = self.replicated(report)
+                except StaleEpoch as exc:
+                    refused = refused or exc
+        if refused is not None:
+            raise refused
+        return reply
+
     def _maybe_flush(self, step: int) -> None:
         tracker = self.epochs.tracker
         if self.flusher is None or tracker is None or not self.flusher.due(step):
@@ -473,6 +489,7 @@ class Coordinator:
                 ProcJoined: self.proc_joined,
                 ProcLost: self.proc_lost,
                 Replicated: self.replicated,
+                ReplicatedMany: self.replicated_many,
                 Resumed: self.resumed_rank,
                 Done: self.rank_done,
                 RankFailed: self.rank_failed,

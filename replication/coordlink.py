@@ -16,7 +16,15 @@ from typing import Any, TypeVar
 
 from peerckpt.errors import PeerckptError
 from peerckpt.faults import NetHooks
-from peerckpt.messages.control import AgentConfig, RegisterAgent, RejoinState, Request, Watch
+from peerckpt.messages.control import (
+    AgentConfig,
+    RegisterAgent,
+    RejoinState,
+    Replicated,
+    ReplicatedMany,
+    Request,
+    Watch,
+)
 from peerckpt.rpc import EventStream, RpcClient
 
 log = logging.getLogger("peerckpt.agent")
@@ -42,6 +50,8 @@ class CoordinatorLink:
         # The last report of each kind per local rank, sent again to a restarted coordinator.
         self._resend: dict[tuple[str, int], Request[Any]] = {}
         self._lock = threading.Lock()
+        self._ready: list[Replicated] = []  # reports waiting for the one on its way
+        self._reporting = False  # a thread is sending reports
 
     def call(self, msg: Request[R], timeout: float = 10.0) -> R:
         return self.rpc.call(msg, timeout=timeout)
@@ -64,6 +74,30 @@ class CoordinatorLink:
             log.warning("coordinator refused %s: %s", type(msg).__name__, exc)
         except ValueError as exc:  # grpc: the channel was closed because the agent is exiting
             log.debug("could not report %s: %s", type(msg).__name__, exc)
+
+    def report_replicated(self, msg: Replicated) -> None:
+        """Report a replicated snapshot. Reports that become ready while one is on its way
+        go together in the next call (one ``ReplicatedMany``): a node's ranks, which finish
+        a step together, cost the coordinator one or two calls a step instead of one each,
+        and no report waits for more than the call before it. Never blocks a caller while
+        another thread is sending; that thread sends what queued up."""
+        with self._lock:
+            self._ready.append(msg)
+            if self._reporting:
+                return
+            self._reporting = True
+        try:
+            while True:
+                with self._lock:
+                    ready, self._ready = self._ready, []
+                    if not ready:
+                        self._reporting = False
+                        return
+                self.report(ready[0] if len(ready) == 1 else ReplicatedMany(self.node, ready))
+        except BaseException:
+            with self._lock:
+                self._reporting = False
+            raise
 
     def rejoin(
         self,
