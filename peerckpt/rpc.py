@@ -63,7 +63,7 @@ class RpcServer:
         streams: dict[type[Any], Stream],
         host: str = "127.0.0.1",
         port: int = 0,
-        max_workers: int = 16,
+        max_workers: int = 4,
         inline: Collection[type[Any]] = (),
     ) -> None:
         self._secret = secret
@@ -240,7 +240,11 @@ class AsyncRpcClient:
         self.address = address
         self._secret = secret
         self._job = job
-        self._channel = grpc.aio.insecure_channel(address)
+        # Its own connection, as an agent on its own host has (channels of one process to
+        # one address would otherwise share one).
+        self._channel = grpc.aio.insecure_channel(
+            address, options=[("grpc.use_local_subchannel_pool", 1)]
+        )
 
     def _metadata(self, method: str) -> tuple[tuple[str, str], ...]:
         # The agents' client's own authentication: one place computes it.
@@ -258,15 +262,20 @@ class AsyncRpcClient:
             raise _translate(exc, self.address, method) from None
         return decode(raw, reply_class(type(msg)), where=f"the coordinator at {self.address}")
 
-    async def stream(self, msg: Request[Event]) -> AsyncIterator[Event]:
-        """A server stream's events, decoded as they arrive (cancel the task to stop)."""
+    async def stream(
+        self, msg: Request[Event], decoder: Callable[[Any], Event] | None = None
+    ) -> AsyncIterator[Event]:
+        """A server stream's events, decoded as they arrive (cancel the task to stop).
+
+        ``decoder`` replaces ``decode`` (many simulated agents in one process decode the
+        same large membership once, not once each)."""
         method = type_name(type(msg))
         stub = self._channel.unary_stream(
             f"/{SERVICE}/{method}", request_serializer=pack, response_deserializer=unpack
         )
         where = f"the coordinator at {self.address}"
         async for raw in stub(_body(msg), metadata=self._metadata(method)):
-            yield decode(raw, Event, where=where)
+            yield decoder(raw) if decoder is not None else decode(raw, Event, where=where)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -84,8 +84,11 @@ log = logging.getLogger("peerckpt.coordinator")
 class Coordinator:
     """The job's single source of truth. All handlers hold ``_lock`` while they decide."""
 
-    # Handlers fast enough to run on the RPC server's event loop (no I/O, no planning).
-    INLINE = frozenset({Heartbeat, Replicated, ReplicatedMany, Resumed, Done})
+    # Handlers that run on the RPC server's event loop: fast (no I/O, no planning), or so
+    # frequent that handing each to a thread costs more than it saves (every handler takes
+    # ``_lock``; a thread holding it makes the loop wait for the GIL and the lock in turn).
+    # A process joining is cheap but for the last rank's: it opens epoch 0 (a plan).
+    INLINE = frozenset({Heartbeat, Replicated, ReplicatedMany, Resumed, Done, ProcJoined})
 
     def __init__(
         self,
@@ -189,11 +192,15 @@ class Coordinator:
 
     def heartbeat(self, msg: Heartbeat) -> HeartbeatReply:
         with self._lock:
-            agent = self.registry.agents.get(msg.node)
-            if agent is not None and agent.alive:
-                agent.last_heartbeat = time.monotonic()
+            self._heard_from(msg.node)
             m = self.epochs.membership
             return HeartbeatReply(m.epoch if m else -1)
+
+    def _heard_from(self, node: int) -> None:
+        """Node ``node``'s agent is alive: a heart-beat, or a report that stands for one."""
+        agent = self.registry.agents.get(node)
+        if agent is not None and agent.alive:
+            agent.last_heartbeat = time.monotonic()
 
     def proc_joined(self, msg: ProcJoined) -> Ok:
         with self._lock:
@@ -318,6 +325,7 @@ class Coordinator:
             tracker = self.epochs.tracker
             if tracker is None:
                 raise StaleEpoch("no epoch is open yet")
+            self._heard_from(msg.node)  # the agent skips heart-beats while it reports
             self.epochs.snapshot_bytes[msg.rank] = msg.nbytes
             committed = tracker.record(
                 msg.epoch, msg.rank, msg.step, msg.holders, msg.layout, msg.meta_nbytes

@@ -286,6 +286,8 @@ class Agent:
             self._fence_silent()
             if self.net is not None and self.net.partitioned():
                 continue  # cut off: the coordinator hears nothing from this node
+            if time.monotonic() - self.coordinator.reported_at < self.heartbeat_timeout / 5:
+                continue  # a report has just told the coordinator that this node is alive
             try:
                 self.coordinator.call(Heartbeat(self.node, self.epoch), timeout=2.0)
             except PeerckptError as exc:

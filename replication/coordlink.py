@@ -52,6 +52,9 @@ class CoordinatorLink:
         self._lock = threading.Lock()
         self._ready: list[Replicated] = []  # reports waiting for the one on its way
         self._reporting = False  # a thread is sending reports
+        # When the coordinator last took a replicated-snapshot report from this node: it
+        # counts as a heart-beat, so a training node sends few others.
+        self.reported_at = float("-inf")
 
     def call(self, msg: Request[R], timeout: float = 10.0) -> R:
         return self.rpc.call(msg, timeout=timeout)
@@ -64,16 +67,19 @@ class CoordinatorLink:
         with self._lock:
             self._resend[key] = msg
 
-    def report(self, msg: Request[Any]) -> None:
-        """Send a report; a refusal is logged, not raised (the coordinator decides)."""
+    def report(self, msg: Request[Any]) -> bool:
+        """Send a report; a refusal is logged, not raised (the coordinator decides). True if
+        the coordinator took it."""
         if self._net is not None:
             self._net.wait_healed(self._stopping)
         try:
             self.rpc.call(msg)
+            return True
         except PeerckptError as exc:
             log.warning("coordinator refused %s: %s", type(msg).__name__, exc)
         except ValueError as exc:  # grpc: the channel was closed because the agent is exiting
             log.debug("could not report %s: %s", type(msg).__name__, exc)
+        return False
 
     def report_replicated(self, msg: Replicated) -> None:
         """Report a replicated snapshot. Reports that become ready while one is on its way
@@ -93,7 +99,8 @@ class CoordinatorLink:
                     if not ready:
                         self._reporting = False
                         return
-                self.report(ready[0] if len(ready) == 1 else ReplicatedMany(self.node, ready))
+                if self.report(ready[0] if len(ready) == 1 else ReplicatedMany(self.node, ready)):
+                    self.reported_at = time.monotonic()  # it counts as a heart-beat
         except BaseException:
             with self._lock:
                 self._reporting = False
