@@ -39,6 +39,7 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/reshard.py
 	$(PY) bench/flush.py
 	if [ -f bench/planner.py ]; then $(PY) bench/planner.py; fi
+	$(PY) bench/coordinator.py
 	$(PY) bench/summary.py
 
 lint: $(STAMP)

@@ -24,7 +24,17 @@ from common import REPO, RESULTS
 
 PAGE = REPO / "docs" / "performance.md"
 START, END = "<!-- bench-summary:start -->", "<!-- bench-summary:end -->"
-ORDER = ["ceilings", "stall", "replication", "recovery", "memory", "reshard", "flush", "planner"]
+ORDER = [
+    "ceilings",
+    "stall",
+    "replication",
+    "recovery",
+    "memory",
+    "reshard",
+    "flush",
+    "planner",
+    "coordinator",
+]
 
 # figure key (regular expression) → how the row reads, and how its value is written
 LABELS: list[tuple[str, str, str]] = [
@@ -33,6 +43,16 @@ LABELS: list[tuple[str, str, str]] = [
     (r"speedup_vs_dcp_(\w+)", "recovery of one rank, {0}: DCP restart time / peerckpt", "times"),
     (r"peerckpt_s_(\w+)", "recovery of one rank, {0}: kill → every rank stepping", "seconds"),
     (r"overhead_ratio", "host memory / 2·(1+k)·S per rank", "ratio"),
+    (
+        r"coordinator_commit_p99_(\d+)x(\d+)",
+        "one coordinator, {0} nodes × {1} ranks, a step a second: last report → commit seen, p99",
+        "seconds",
+    ),
+    (
+        r"coordinator_cpu_(\d+)x(\d+)",
+        "one coordinator, {0} nodes × {1} ranks, a step a second: its CPU (cores)",
+        "ratio",
+    ),
 ]
 
 

@@ -84,11 +84,26 @@ log = logging.getLogger("peerckpt.coordinator")
 class Coordinator:
     """The job's single source of truth. All handlers hold ``_lock`` while they decide."""
 
-    # Handlers that run on the RPC server's event loop: fast (no I/O, no planning), or so
-    # frequent that handing each to a thread costs more than it saves (every handler takes
-    # ``_lock``; a thread holding it makes the loop wait for the GIL and the lock in turn).
-    # A process joining is cheap but for the last rank's: it opens epoch 0 (a plan).
-    INLINE = frozenset({Heartbeat, Replicated, ReplicatedMany, Resumed, Done, ProcJoined})
+    # Handlers that run on the RPC server's event loop: all but those that may plan a
+    # recovery, read storage or build the whole job's status (those run on a thread).
+    # Handing the frequent ones to threads cost more than it saved: every handler takes
+    # ``_lock``, and a thread holding it made the loop wait for the lock and the GIL in turn
+    # (with 1,000 nodes joining at once, calls ran past their deadlines). A process joining
+    # is cheap but for the last rank's, which opens epoch 0 (a plan, once).
+    INLINE = frozenset(
+        {
+            RegisterAgent,
+            Heartbeat,
+            AllocateNode,
+            SparesStarting,
+            ProcJoined,
+            Replicated,
+            ReplicatedMany,
+            Resumed,
+            Done,
+            Flushed,
+        }
+    )
 
     def __init__(
         self,
