@@ -219,3 +219,14 @@ def test_reports_sent_together_commit_and_a_stale_one_is_refused_after_the_other
         c.replicated_many(ReplicatedMany(0, [stale, *reports]))
     assert c.epochs.tracker is not None and c.epochs.tracker.committed_step == 3
     assert _events(c, 0) == [Commit(0, 3)]
+
+
+def test_a_report_stands_for_a_heartbeat_and_a_silent_node_is_still_lost() -> None:
+    c = _job(spares=2)
+    c.settings.heartbeat_timeout = c.clocks.heartbeat_timeout = 1.0
+    for node in (0, 1, 2):
+        c.registry.agents[node].last_heartbeat -= 5.0  # no heart-beat for 5 s
+    c.replicated(_replicated(0, 0, 3, [0, 1]))  # node 0 reports: the agent skipped its beats
+    c.check_heartbeats()
+    assert c.registry.agents[0].alive
+    assert not c.registry.agents[1].alive and not c.registry.agents[2].alive

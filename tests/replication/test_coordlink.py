@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
+from peerckpt.errors import StaleEpoch
 from peerckpt.messages.control import Replicated, ReplicatedMany, ReplicatedReply
 from peerckpt.replication.coordlink import CoordinatorLink
 
@@ -49,3 +51,22 @@ def test_reports_ready_while_one_is_on_its_way_go_in_one_call_in_order() -> None
     assert rpc.calls == [_report(0), ReplicatedMany(0, [_report(1), _report(2), _report(3)])]
     link.report_replicated(_report(4))  # nothing on its way: sent alone, at once
     assert rpc.calls[-1] == _report(4)
+
+
+class RefusingRpc(SlowRpc):
+    def call(self, msg: Any, timeout: float = 10.0) -> ReplicatedReply:
+        self.calls.append(msg)
+        raise StaleEpoch("epoch 3 is over")
+
+
+def test_only_a_report_the_coordinator_took_stands_for_a_heartbeat() -> None:
+    link = CoordinatorLink("127.0.0.1:1", b"s" * 32, "j", 0, threading.Event())
+    link.rpc.close()
+    link.rpc = RefusingRpc()  # type: ignore[assignment]
+    link.report_replicated(_report(0))
+    assert link.reported_at == float("-inf")  # refused: the agent still heart-beats
+    link.rpc = SlowRpc()  # type: ignore[assignment]
+    link.rpc.release.set()
+    before = time.monotonic()
+    link.report_replicated(_report(1))
+    assert link.reported_at >= before
