@@ -89,7 +89,8 @@ class Coordinator:
     # Handing the frequent ones to threads cost more than it saved: every handler takes
     # ``_lock``, and a thread holding it made the loop wait for the lock and the GIL in turn
     # (with 1,000 nodes joining at once, calls ran past their deadlines). A process joining
-    # is cheap but for the last rank's, which opens epoch 0 (a plan, once).
+    # is cheap but for the last rank's, which opens epoch 0 once (a plan; with a durable
+    # tier, a read of its latest manifest): the loop waits for it, as every handler would.
     INLINE = frozenset(
         {
             RegisterAgent,
