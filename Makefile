@@ -41,6 +41,7 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/flush.py
 	$(PY) bench/torchrun.py
 	if [ -f bench/planner.py ]; then $(PY) bench/planner.py; fi
+	$(PY) bench/coordinator.py
 	$(PY) bench/summary.py
 
 lint: $(STAMP)

@@ -34,6 +34,7 @@ ORDER = [
     "reshard",
     "flush",
     "planner",
+    "coordinator",
 ]
 
 # figure key (regular expression) → how the row reads, and how its value is written
@@ -44,6 +45,16 @@ LABELS: list[tuple[str, str, str]] = [
     (r"speedup_vs_dcp_(\w+)", "recovery of one rank, {0}: DCP restart time / peerckpt", "times"),
     (r"peerckpt_s_(\w+)", "recovery of one rank, {0}: kill → every rank stepping", "seconds"),
     (r"overhead_ratio", "host memory / 2·(1+k)·S per rank", "ratio"),
+    (
+        r"coordinator_commit_p99_(\d+)x(\d+)",
+        "one coordinator, {0} nodes × {1} ranks, a step a second: last report → commit seen, p99",
+        "seconds",
+    ),
+    (
+        r"coordinator_cpu_(\d+)x(\d+)",
+        "one coordinator, {0} nodes × {1} ranks, a step a second: its CPU (cores)",
+        "ratio",
+    ),
 ]
 
 

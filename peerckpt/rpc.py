@@ -15,8 +15,10 @@ class name and message and are raised again, as the same class, in the caller.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine, Iterator
 from concurrent import futures
 from typing import Any, TypeVar
 
@@ -33,11 +35,20 @@ R = TypeVar("R")  # the reply class of a request (``Request[R]``)
 SERVICE = "peerckpt.Coordinator"
 log = logging.getLogger("peerckpt.rpc")
 
-Stream = Callable[[Any, grpc.ServicerContext], Iterator[Event]]
+# A server stream: an async generator of events, or of events already packed (``bytes``).
+Stream = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Event | bytes]]
 
 
 class RpcServer:
-    """A gRPC server exposing msgpack handlers under ``/peerckpt.Coordinator/<name>``."""
+    """A gRPC server exposing msgpack handlers under ``/peerckpt.Coordinator/<name>``.
+
+    It is an asyncio server (``grpc.aio``) on its own event-loop thread, so that a server
+    stream costs a coroutine, not a thread: one coordinator holds the event streams of
+    thousands of agents. Unary handlers are plain functions: those in ``inline`` (fast, no
+    I/O) run on the loop, the others on a small thread pool so that a slow one (a recovery
+    plan, a storage read) does not stall the streams. Stream handlers are async generators
+    of events or of already packed bytes (an event packed once for many streams).
+    """
 
     def __init__(
         self,
@@ -47,9 +58,12 @@ class RpcServer:
         streams: dict[type[Any], Stream],
         host: str = "127.0.0.1",
         port: int = 0,
-        max_workers: int = 64,
+        max_workers: int = 4,
+        inline: Collection[type[Any]] = (),
     ) -> None:
+        self._secret = secret
         self.verifier = CallVerifier(secret, job)
+        self._inline = frozenset(inline)
         # Requests arrive as bytes: the MAC covers them, and they are decoded only once it holds.
         handlers: dict[str, grpc.RpcMethodHandler] = {}
         for cls in unary.table:
@@ -58,76 +72,125 @@ class RpcServer:
             )
         for cls, gen in streams.items():
             handlers[type_name(cls)] = grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(cls, gen), response_serializer=pack
+                self._wrap_stream(cls, gen)
             )
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="peerckpt-rpc"),
+        self._pool = futures.ThreadPoolExecutor(max_workers, thread_name_prefix="peerckpt-rpc")
+        self._loop = asyncio.new_event_loop()
+        self._loop.set_default_executor(self._pool)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="peerckpt-rpc-loop", daemon=True
+        )
+        self._thread.start()
+        try:
+            self._server, self.port = self._run(self._create(handlers, host, port))
+        except Exception as exc:
+            self._close_loop()
+            raise errors.ConfigurationError(
+                f"cannot listen on {host}:{port} for the coordinator: {exc}"
+            ) from exc
+        self.address = f"{host}:{self.port}"
+
+    async def _create(
+        self, handlers: dict[str, grpc.RpcMethodHandler], host: str, port: int
+    ) -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server(
             handlers=(grpc.method_handlers_generic_handler(SERVICE, handlers),),
             options=[("grpc.so_reuseport", 0)],
         )
         if tls.wanted(host):
-            creds = tls.credentials(secret)
+            creds = tls.credentials(self._secret)
             server_creds = grpc.ssl_server_credentials(
                 [(creds.key, creds.cert)], root_certificates=creds.ca, require_client_auth=True
             )
-            self.port = self._server.add_secure_port(f"{host}:{port}", server_creds)
+            port = server.add_secure_port(f"{host}:{port}", server_creds)
         else:
-            self.port = self._server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise errors.ConfigurationError(f"cannot listen on {host}:{port} for the coordinator")
-        self.address = f"{host}:{self.port}"
+            port = server.add_insecure_port(f"{host}:{port}")
+        if port == 0:
+            raise OSError("the port is taken")
+        return server, port
 
-    def _authenticate(self, name: str, body: bytes, context: grpc.ServicerContext) -> Any:
+    def _run(self, coro: Coroutine[Any, Any, R], timeout: float | None = 10.0) -> R:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _authenticate(self, name: str, body: bytes, context: grpc.aio.ServicerContext) -> Any:
         """Check the call's MAC, time and nonce; return its decoded body."""
         try:
             self.verifier.verify(name, context.invocation_metadata(), body)
         except errors.AuthenticationError as exc:
             log.warning("%s from %s", exc, context.peer())
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"AuthenticationError: {exc}")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"AuthenticationError: {exc}")
         try:
             return unpack(body) or {}
         except Exception:  # any bytes: msgpack raises many types
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "ProtocolError: body not msgpack")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "ProtocolError: body not msgpack"
+            )
 
     def _wrap_unary(
         self, cls: type[Any], table: Dispatch[Any]
-    ) -> Callable[[Any, grpc.ServicerContext], Any]:
+    ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
         name = type_name(cls)
 
-        def handler(body: bytes, context: grpc.ServicerContext) -> Any:
-            request = self._authenticate(name, body, context)
+        def call(request: Any, where: str) -> tuple[grpc.StatusCode | None, Any]:
             try:
-                msg = decode({**_fields(request), "type": name}, cls, where=_caller(context))
-                return encode(table.handle(msg))
+                msg = decode({**_fields(request), "type": name}, cls, where=where)
+                return None, encode(table.handle(msg))
             except errors.PeerckptError as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{type(exc).__name__}: {exc}")
+                return grpc.StatusCode.FAILED_PRECONDITION, f"{type(exc).__name__}: {exc}"
             except Exception:
                 log.exception("handler %s failed", name)
-                context.abort(grpc.StatusCode.INTERNAL, f"coordinator error in {name}; see its log")
+                return grpc.StatusCode.INTERNAL, f"coordinator error in {name}; see its log"
+
+        async def handler(body: bytes, context: grpc.aio.ServicerContext) -> Any:
+            request = await self._authenticate(name, body, context)
+            if cls in self._inline:
+                code, out = call(request, _caller(context))
+            else:
+                loop = asyncio.get_running_loop()
+                code, out = await loop.run_in_executor(self._pool, call, request, _caller(context))
+            if code is not None:
+                await context.abort(code, out)
+            return out
 
         return handler
 
     def _wrap_stream(
         self, cls: type[Any], gen: Stream
-    ) -> Callable[[Any, grpc.ServicerContext], Any]:
+    ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[bytes]]:
         name = type_name(cls)
 
-        def handler(body: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
-            request = self._authenticate(name, body, context)
+        async def handler(body: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            request = await self._authenticate(name, body, context)
             try:
                 msg = decode({**_fields(request), "type": name}, cls, where=_caller(context))
             except errors.ProtocolError as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ProtocolError: {exc}")
-            for event in gen(msg, context):
-                yield encode(event)
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ProtocolError: {exc}")
+            try:
+                async for event in gen(msg, context):
+                    yield event if isinstance(event, bytes) else pack(encode(event))
+            except errors.PeerckptError as exc:
+                detail = f"{type(exc).__name__}: {exc}"
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, detail)
 
         return handler
 
     def start(self) -> None:
-        self._server.start()
+        self._run(self._server.start())
 
     def stop(self, grace: float = 0.5) -> None:
-        self._server.stop(grace).wait(grace + 1.0)
+        """Stop serving (streams still open are cancelled after ``grace``), end the loop."""
+        try:
+            self._run(self._server.stop(grace), timeout=grace + 2.0)
+        except (TimeoutError, futures.TimeoutError, RuntimeError) as exc:
+            log.warning("the RPC server did not stop within %.1f s: %s", grace + 2.0, exc)
+        self._close_loop()
+
+    def _close_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5.0)
+        if not self._thread.is_alive():
+            self._loop.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class RpcClient:
@@ -176,6 +239,55 @@ class RpcClient:
         self._channel.close()
 
 
+class AsyncRpcClient:
+    """``RpcClient`` for asyncio code: the same messages, metadata and errors on a
+    ``grpc.aio`` channel (many simulated agents in one process: ``bench/coordinator.py``)."""
+
+    def __init__(self, address: str, secret: bytes, job: str) -> None:
+        self.address = address
+        self._signer = CallSigner(secret, job)  # the agents' client's own authentication
+        # Its own connection, as an agent on its own host has (channels of one process to
+        # one address would otherwise share one).
+        options: list[tuple[str, Any]] = [("grpc.use_local_subchannel_pool", 1)]
+        host = address.rpartition(":")[0]
+        if tls.wanted(host):
+            creds = tls.credentials(secret)
+            if creds.derived:
+                options.append(("grpc.ssl_target_name_override", tls.DERIVED_NAME))
+            channel_creds = grpc.ssl_channel_credentials(creds.ca, creds.key, creds.cert)
+            self._channel = grpc.aio.secure_channel(address, channel_creds, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(address, options=options)
+
+    async def call(self, msg: Request[R], timeout: float = 10.0) -> R:
+        """Call the coordinator; its typed reply, or the handler's PeerckptError raised again."""
+        method = type_name(type(msg))
+        stub = self._channel.unary_unary(f"/{SERVICE}/{method}", response_deserializer=unpack)
+        body = pack(_body(msg))
+        try:
+            raw = await stub(body, timeout=timeout, metadata=self._signer.metadata(method, body))
+        except grpc.RpcError as exc:
+            raise _translate(exc, self.address, method) from None
+        return decode(raw, reply_class(type(msg)), where=f"the coordinator at {self.address}")
+
+    async def stream(
+        self, msg: Request[Event], decoder: Callable[[Any], Event] | None = None
+    ) -> AsyncIterator[Event]:
+        """A server stream's events, decoded as they arrive (cancel the task to stop).
+
+        ``decoder`` replaces ``decode`` (many simulated agents in one process decode the
+        same large membership once, not once each)."""
+        method = type_name(type(msg))
+        stub = self._channel.unary_stream(f"/{SERVICE}/{method}", response_deserializer=unpack)
+        where = f"the coordinator at {self.address}"
+        body = pack(_body(msg))
+        async for raw in stub(body, metadata=self._signer.metadata(method, body)):
+            yield decoder(raw) if decoder is not None else decode(raw, Event, where=where)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
 class EventStream:
     """A server stream's events, decoded as they arrive."""
 
@@ -204,7 +316,7 @@ def _fields(request: Any) -> dict[str, Any]:
     return request
 
 
-def _caller(context: grpc.ServicerContext) -> str:
+def _caller(context: grpc.ServicerContext | grpc.aio.ServicerContext) -> str:
     return f"caller {context.peer()}"
 
 

@@ -7,7 +7,6 @@ a complete copy of the last committed step (the holders a recovery plan reads fr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from peerckpt.errors import StaleEpoch
@@ -26,29 +25,73 @@ def _with_meta_size(layout: list[Any], nbytes: int | None) -> list[Any]:
     return out
 
 
-@dataclass
 class CommitTracker:
     """Counts replicated snapshots per step and commits a step once every rank has it.
 
     It also keeps what a recovery needs about the committed step: which nodes hold each
     rank's copy, each rank's chunk layout, and the layout generation it belongs to.
+
+    A report costs O(1) however many ranks the epoch has, and so does a commit: the
+    committed layouts (each rank's, its blob resized to that step's) are made only when a
+    recovery or a flush reads them (``committed_layouts``).
     """
 
-    epoch: int
-    ranks: frozenset[int]
-    gen: int = 0
-    committed_step: int | None = None
-    committed_gen: int = 0
-    committed_holders: dict[int, set[int]] = field(default_factory=dict)
-    committed_layouts: dict[int, list[Any]] = field(default_factory=dict)
-    _pending: dict[int, dict[int, set[int]]] = field(default_factory=dict)
-    _layouts: dict[int, list[Any]] = field(default_factory=dict)
-    _meta: dict[int, dict[int, int]] = field(default_factory=dict)  # step → rank → blob size
-    last_replicated: dict[int, int] = field(default_factory=dict)
+    def __init__(
+        self,
+        epoch: int,
+        ranks: frozenset[int],
+        gen: int = 0,
+        committed_step: int | None = None,
+        committed_gen: int = 0,
+        committed_holders: dict[int, set[int]] | None = None,
+        committed_layouts: dict[int, list[Any]] | None = None,
+    ) -> None:
+        self.epoch = epoch
+        self.ranks = ranks
+        self.gen = gen
+        self.committed_step = committed_step
+        self.committed_gen = committed_gen
+        self.committed_holders: dict[int, set[int]] = committed_holders or {}
+        self._committed_layouts: dict[int, list[Any]] | None = committed_layouts or {}
+        # The committed step's layouts, before they are made: each rank's, its blob's size.
+        self._committed_base: dict[int, list[Any]] = {}
+        self._committed_sizes: dict[int, int] = {}
+        self._pending: dict[int, dict[int, set[int]]] = {}
+        self._layouts: dict[int, list[Any]] = {}
+        self._layouts_shared = False  # ``_layouts`` is also the committed step's: copy on write
+        self._all_layouts = False  # every rank's layout is known (they are never removed)
+        self._meta: dict[int, dict[int, int]] = {}  # step → rank → blob size
+        self.last_replicated: dict[int, int] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"CommitTracker(epoch={self.epoch}, ranks={len(self.ranks)}, gen={self.gen}, "
+            f"committed_step={self.committed_step}, committed_gen={self.committed_gen})"
+        )
+
+    @property
+    def committed_layouts(self) -> dict[int, list[Any]]:
+        """Each rank's chunk layout of the committed step (its blob resized to that step's)."""
+        if self._committed_layouts is None:
+            base, sizes = self._committed_base, self._committed_sizes
+            self._committed_layouts = {
+                r: _with_meta_size(base[r], sizes.get(r)) for r in self.ranks
+            }
+        return self._committed_layouts
+
+    @committed_layouts.setter
+    def committed_layouts(self, layouts: dict[int, list[Any]]) -> None:
+        self._committed_layouts = layouts
 
     def set_layout(self, rank: int, layout: list[Any]) -> None:
         """A rank's chunk layout, known from elsewhere (a restarted coordinator's rebuild)."""
-        self._layouts.setdefault(rank, layout)
+        if rank not in self._layouts:
+            self._set_layout(rank, layout)
+
+    def _set_layout(self, rank: int, layout: list[Any]) -> None:
+        if self._layouts_shared:  # the committed step keeps the layouts it had
+            self._layouts, self._layouts_shared = dict(self._layouts), False
+        self._layouts[rank] = layout
 
     def record(
         self,
@@ -75,23 +118,24 @@ class CommitTracker:
             return None
         self.last_replicated[rank] = max(step, self.last_replicated.get(rank, -1))
         if layout is not None:
-            self._layouts[rank] = layout
+            self._set_layout(rank, layout)
         by_rank = self._pending.setdefault(step, {})
         by_rank[rank] = set(holders)
         if meta_nbytes is not None:
             self._meta.setdefault(step, {})[rank] = meta_nbytes
-        if set(by_rank) != self.ranks:
+        if len(by_rank) != len(self.ranks):  # only members are counted: every one has it
             return None
-        missing = sorted(r for r in self.ranks if r not in self._layouts)
-        if missing:
-            raise StaleEpoch(f"no chunk layout was reported for rank(s) {missing}")
+        if not self._all_layouts:
+            missing = sorted(r for r in self.ranks if r not in self._layouts)
+            if missing:
+                raise StaleEpoch(f"no chunk layout was reported for rank(s) {missing}")
+            self._all_layouts = True
         self.committed_step = step
         self.committed_gen = self.gen
         self.committed_holders = by_rank
-        sizes = self._meta.get(step, {})
-        self.committed_layouts = {
-            r: _with_meta_size(self._layouts[r], sizes.get(r)) for r in self.ranks
-        }
+        self._committed_base, self._layouts_shared = self._layouts, True
+        self._committed_sizes = self._meta.get(step, {})
+        self._committed_layouts = None
         for older in [s for s in self._pending if s <= step]:
             del self._pending[older]
             self._meta.pop(older, None)

@@ -28,13 +28,12 @@ at once by its agent.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Any
-
-import grpc
 
 from peerckpt.errors import CheckpointError, ConfigurationError, RecoveryFailed, StaleEpoch
 from peerckpt.messages import Dispatch
@@ -44,7 +43,6 @@ from peerckpt.messages.control import (
     Commit,
     Done,
     EpochOpened,
-    Event,
     Flushed,
     Heartbeat,
     HeartbeatReply,
@@ -57,6 +55,7 @@ from peerckpt.messages.control import (
     Reads,
     RegisterAgent,
     Replicated,
+    ReplicatedMany,
     ReplicatedReply,
     ReplicationFailed,
     Resumed,
@@ -85,6 +84,28 @@ log = logging.getLogger("peerckpt.coordinator")
 
 class Coordinator:
     """The job's single source of truth. All handlers hold ``_lock`` while they decide."""
+
+    # Handlers that run on the RPC server's event loop: all but those that may plan a
+    # recovery, read storage or build the whole job's status (those run on a thread).
+    # Handing the frequent ones to threads cost more than it saved: every handler takes
+    # ``_lock``, and a thread holding it made the loop wait for the lock and the GIL in turn
+    # (with 1,000 nodes joining at once, calls ran past their deadlines). A process joining
+    # is cheap but for the last rank's, which opens epoch 0 once (a plan; with a durable
+    # tier, a read of its latest manifest): the loop waits for it, as every handler would.
+    INLINE = frozenset(
+        {
+            RegisterAgent,
+            Heartbeat,
+            AllocateNode,
+            SparesStarting,
+            ProcJoined,
+            Replicated,
+            ReplicatedMany,
+            Resumed,
+            Done,
+            Flushed,
+        }
+    )
 
     def __init__(
         self,
@@ -144,15 +165,14 @@ class Coordinator:
             known = self.registry.agents.get(msg.node)
             if msg.rejoin is not None and known is not None and not known.alive:
                 return AgentConfig(s.replicas, s.heartbeat_timeout, lost=True)
-            self.registry.agents[msg.node] = AgentInfo(
-                msg.node, msg.data_addr, msg.spare_node, msg.joining
-            )
+            self.registry.add_agent(AgentInfo(msg.node, msg.data_addr, msg.spare_node, msg.joining))
             log.info("agent of node %d registered (data %s)", msg.node, msg.data_addr)
             if msg.rejoin is not None:
                 rebuild.adopt(self, msg.node, msg.rejoin)
             return AgentConfig(s.replicas, s.heartbeat_timeout)
 
-    def watch(self, msg: Watch, context: grpc.ServicerContext) -> Iterator[Event]:
+    async def watch(self, msg: Watch, context: Any) -> AsyncIterator[bytes]:
+        """Node ``msg.node``'s events, packed, as they come (the RPC server's event loop)."""
         with self._lock:
             agent = self.registry.agents.get(msg.node)
             if agent is None:
@@ -160,12 +180,17 @@ class Coordinator:
             events = agent.events
             if self.epochs.membership is not None:
                 events.put(EpochOpened(self.epochs.membership))
-        context.add_callback(lambda: self._watch_closed(msg.node, agent))
-        while True:
-            event = events.get()
-            if event is None:
-                return
-            yield event
+        try:
+            async for data in events.stream():
+                yield data
+        finally:  # it ended, or its agent went away: decide off the loop (a recovery may plan)
+            try:
+                closed = asyncio.get_running_loop().run_in_executor(
+                    None, self._watch_closed, msg.node, agent
+                )
+                closed.add_done_callback(_log_failure)
+            except RuntimeError:  # the server is stopping: its thread pool is shut down
+                self._watch_closed(msg.node, agent)
 
     def _watch_closed(self, node: int, agent: AgentInfo) -> None:
         agent.events.put(None)
@@ -195,6 +220,12 @@ class Coordinator:
         with self._lock:
             m = self.epochs.membership
             return HeartbeatReply(m.epoch if m else -1)
+
+    def _heard_from(self, node: int) -> None:
+        """Node ``node``'s agent is alive: a heart-beat, or a report that stands for one."""
+        agent = self.registry.agents.get(node)
+        if agent is not None and agent.alive:
+            agent.last_heartbeat = time.monotonic()
 
     def proc_joined(self, msg: ProcJoined) -> Ok:
         with self._lock:
@@ -319,6 +350,7 @@ class Coordinator:
             tracker = self.epochs.tracker
             if tracker is None:
                 raise StaleEpoch("no epoch is open yet")
+            self._heard_from(msg.node)  # the agent skips heart-beats while it reports
             self.epochs.snapshot_bytes[msg.rank] = msg.nbytes
             committed = tracker.record(
                 msg.epoch, msg.rank, msg.step, msg.holders, msg.layout, msg.meta_nbytes
@@ -331,6 +363,21 @@ class Coordinator:
                 self.registry.broadcast(Commit(msg.epoch, committed))
                 self._maybe_flush(committed)
             return ReplicatedReply(tracker.committed_step)
+
+    def replicated_many(self, msg: ReplicatedMany) -> ReplicatedReply:
+        """Reports that were ready together on one node, each as ``replicated``; a stale one
+        is refused (after the others count), as it would have been alone."""
+        refused: StaleEpoch | None = None
+        reply = ReplicatedReply(None)
+        with self._lock:
+            for report in msg.reports:
+                try:
+                    reply = self.replicated(report)
+                except StaleEpoch as exc:
+                    refused = refused or exc
+        if refused is not None:
+            raise refused
+        return reply
 
     def _maybe_flush(self, step: int) -> None:
         tracker = self.epochs.tracker
@@ -476,6 +523,7 @@ class Coordinator:
                 ProcJoined: self.proc_joined,
                 ProcLost: self.proc_lost,
                 Replicated: self.replicated,
+                ReplicatedMany: self.replicated_many,
                 Resumed: self.resumed_rank,
                 Done: self.rank_done,
                 RankFailed: self.rank_failed,
@@ -489,3 +537,8 @@ class Coordinator:
             "the coordinator",
         )
         return unary, {Watch: self.watch}
+
+
+def _log_failure(done: asyncio.Future[None]) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        log.error("handling a closed event stream failed", exc_info=done.exception())

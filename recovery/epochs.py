@@ -111,6 +111,8 @@ class Epochs:
     # -- changes -------------------------------------------------------------------------------
     def open_first(self) -> None:
         """Every rank of the job has joined: open epoch 0 (or restore from storage)."""
+        if len(self.registry.procs) < self.settings.world_size:
+            return  # not every rank yet (and no O(ranks) look at them per join)
         ranks = {
             p.rank: p
             for p in self.registry.procs.values()
@@ -197,8 +199,10 @@ class Epochs:
         if self.life.state is not JobState.RUNNING or self.membership is None:
             return
         for agent in sorted(self.registry.agents.values(), key=lambda a: a.node):
-            joiners = self.registry.joiners(agent.node)
-            if not agent.alive or not agent.joining or len(joiners) < agent.joining:
+            if not agent.alive or not agent.joining:
+                continue
+            joiners = self.registry.joiners(agent.node)  # O(processes): joining nodes only
+            if len(joiners) < agent.joining:
                 continue
             agent.joining = 0
             event = self._record("grow", frozenset(), {agent.node}, f"node {agent.node} joined")

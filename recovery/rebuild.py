@@ -37,7 +37,7 @@ def adopt(c: Coordinator, node: int, state: RejoinState) -> None:
         epochs.tracker = CommitTracker(m.epoch, frozenset(m.ranks), gen=m.gen)
         for n, addr in m.node_addrs.items():
             if n not in registry.agents:  # not back yet: alive until its heartbeats say not
-                registry.agents[n] = AgentInfo(n, addr, spare_node=False)
+                registry.add_agent(AgentInfo(n, addr, spare_node=False))
         for rank, a in m.ranks.items():
             if (a.node, a.pid) not in registry.procs:
                 registry.add_proc(a.node, a.pid, ProcRole.RANK, rank)

@@ -3,18 +3,18 @@
 The coordinator owns one ``Registry`` and changes it under its lock. An agent registers
 with its node index and data address; processes join (ranks, spares, joiners) and are lost
 one by one (their agent saw them exit) or with their node. A node's agent also carries the
-queue of events streamed to it (``Watch``).
+mailbox of events streamed to it (``Watch``, ``mailboxes.py``).
 """
 
 from __future__ import annotations
 
-import queue
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from peerckpt.membership import Membership
 from peerckpt.messages.control import NodeStats
+from peerckpt.recovery.mailboxes import EventHub, Mailbox
 from peerckpt.states import ROLE, ProcRole
 
 
@@ -26,7 +26,8 @@ class AgentInfo:
     data_addr: str
     spare_node: bool
     joining: int = 0  # ranks this node brings to a running job (``peerckpt join``)
-    events: queue.Queue[Any] = field(default_factory=queue.Queue)  # Event | None (the end)
+    # Its ``Watch`` stream's events; ``Registry.add_agent`` gives it one fed by broadcasts.
+    events: Mailbox = field(default_factory=lambda: EventHub().mailbox())
     alive: bool = True
     last_heartbeat: float = field(default_factory=time.monotonic)
     stats: NodeStats | None = None  # its last heartbeat's report, for observers only
@@ -52,9 +53,20 @@ class Registry:
     """Agents by node, processes by (node, pid)."""
 
     def __init__(self) -> None:
+        self.hub = EventHub()  # what the agents' event streams read
         self.agents: dict[int, AgentInfo] = {}
         self.procs: dict[tuple[int, int], ProcInfo] = {}
         self._reserved: set[int] = set()  # node indexes handed out to joining nodes
+
+    def add_agent(self, agent: AgentInfo) -> AgentInfo:
+        """Register ``agent`` (replacing an earlier registration of its node, whose stream
+        receives nothing more) with a mailbox that every broadcast from now on reaches."""
+        old = self.agents.get(agent.node)
+        if old is not None:
+            old.events.detach()
+        agent.events = self.hub.mailbox()
+        self.agents[agent.node] = agent
+        return agent
 
     def allocate_node(self) -> int:
         """A node index no agent has and none was handed out before."""
@@ -121,9 +133,8 @@ class Registry:
         return {n: a.data_addr for n, a in self.agents.items() if a.alive}
 
     def broadcast(self, event: Any) -> None:
-        for agent in self.agents.values():
-            if agent.alive:
-                agent.events.put(event)
+        """Send ``event`` to every live agent (a lost one's stream has ended): O(1)."""
+        self.hub.broadcast(event)
 
     def send(self, node: int, event: Any) -> None:
         agent = self.agents.get(node)

@@ -66,7 +66,15 @@ def main(argv: list[str] | None = None) -> int:
         restart_based=args.restart_based,
     )
     unary, streams = coordinator.handlers()
-    server = RpcServer(secret, args.job, unary, streams, host=args.host, port=args.port)
+    server = RpcServer(
+        secret,
+        args.job,
+        unary,
+        streams,
+        host=args.host,
+        port=args.port,
+        inline=Coordinator.INLINE,
+    )
     server.start()
     parent = os.getppid()
 

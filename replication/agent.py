@@ -300,10 +300,18 @@ class Agent:
         return RejoinState(members, committed, held, layouts, procs)
 
     def _heartbeat(self) -> None:
+        last_beat = 0.0
         while not self.stopping.wait(self.heartbeat_interval):
             self._fence_silent()
             if self.net is not None and self.net.partitioned():
                 continue  # cut off: the coordinator hears nothing from this node
+            now = time.monotonic()
+            if (
+                now - self.coordinator.reported_at < self.heartbeat_timeout / 5
+                and now - last_beat < self.heartbeat_timeout / 2
+            ):
+                continue  # a report has just told the coordinator that this node is alive
+            last_beat = now  # (still one every timeout/2: it carries the node's stats)
             members = self.membership
             ranks = members.local_ranks(self.node) if members is not None else []
             stats = node_stats(self.store, self.mirroring.counters, ranks)

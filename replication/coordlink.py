@@ -16,7 +16,15 @@ from typing import Any, TypeVar
 
 from peerckpt.errors import PeerckptError
 from peerckpt.faults import NetHooks
-from peerckpt.messages.control import AgentConfig, RegisterAgent, RejoinState, Request, Watch
+from peerckpt.messages.control import (
+    AgentConfig,
+    RegisterAgent,
+    RejoinState,
+    Replicated,
+    ReplicatedMany,
+    Request,
+    Watch,
+)
 from peerckpt.rpc import EventStream, RpcClient
 
 log = logging.getLogger("peerckpt.agent")
@@ -42,6 +50,11 @@ class CoordinatorLink:
         # The last report of each kind per local rank, sent again to a restarted coordinator.
         self._resend: dict[tuple[str, int], Request[Any]] = {}
         self._lock = threading.Lock()
+        self._ready: list[Replicated] = []  # reports waiting for the one on its way
+        self._reporting = False  # a thread is sending reports
+        # When the coordinator last took a replicated-snapshot report from this node: it
+        # counts as a heart-beat, so a training node sends few others.
+        self.reported_at = float("-inf")
 
     def call(self, msg: Request[R], timeout: float = 10.0) -> R:
         return self.rpc.call(msg, timeout=timeout)
@@ -54,16 +67,44 @@ class CoordinatorLink:
         with self._lock:
             self._resend[key] = msg
 
-    def report(self, msg: Request[Any]) -> None:
-        """Send a report; a refusal is logged, not raised (the coordinator decides)."""
+    def report(self, msg: Request[Any]) -> bool:
+        """Send a report; a refusal is logged, not raised (the coordinator decides). True if
+        the coordinator took it."""
         if self._net is not None:
             self._net.wait_healed(self._stopping)
         try:
             self.rpc.call(msg)
+            return True
         except PeerckptError as exc:
             log.warning("coordinator refused %s: %s", type(msg).__name__, exc)
         except ValueError as exc:  # grpc: the channel was closed because the agent is exiting
             log.debug("could not report %s: %s", type(msg).__name__, exc)
+        return False
+
+    def report_replicated(self, msg: Replicated) -> None:
+        """Report a replicated snapshot. Reports that become ready while one is on its way
+        go together in the next call (one ``ReplicatedMany``): a node's ranks, which finish
+        a step together, cost the coordinator one or two calls a step instead of one each,
+        and no report waits for more than the call before it. Never blocks a caller while
+        another thread is sending; that thread sends what queued up."""
+        with self._lock:
+            self._ready.append(msg)
+            if self._reporting:
+                return
+            self._reporting = True
+        try:
+            while True:
+                with self._lock:
+                    ready, self._ready = self._ready, []
+                    if not ready:
+                        self._reporting = False
+                        return
+                if self.report(ready[0] if len(ready) == 1 else ReplicatedMany(self.node, ready)):
+                    self.reported_at = time.monotonic()  # it counts as a heart-beat
+        except BaseException:
+            with self._lock:
+                self._reporting = False
+            raise
 
     def rejoin(
         self,

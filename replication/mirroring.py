@@ -166,5 +166,5 @@ class Mirroring:
         # Sent again, layout and all, to a restarted coordinator (it may have missed it).
         self.coordinator.remember(("Replicated", job.slot.rank), full)
         same = self._reported_layouts.get(key) == signature
-        self.coordinator.report(replace(full, layout=None) if same else full)
+        self.coordinator.report_replicated(replace(full, layout=None) if same else full)
         self._reported_layouts[key] = signature

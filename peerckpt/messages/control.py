@@ -12,6 +12,7 @@ Sequences (one agent; every call carries the agent's ``node``)::
     agent ── Heartbeat (every ~heartbeat_timeout/5)
     agent ── ProcJoined / ProcLost ─▶                  (its local processes)
     agent ── Replicated ────────────▶                  (a snapshot has all its buddies' acks)
+    agent ── ReplicatedMany ────────▶                  (several at once, ready together)
     agent ── Resumed / Done / RankFailed / Wants ▶     (relayed for its ranks)
     agent ── ReplicationFailed / Flushed ▶
 
@@ -201,6 +202,16 @@ class Replicated(Request["ReplicatedReply"]):
     meta_nbytes: int
     digest: str = ""
     layout: list[Any] | None = None
+
+
+@message("ReplicatedMany")
+@dataclass(frozen=True)
+class ReplicatedMany(Request["ReplicatedReply"]):
+    """Several of node ``node``'s ``Replicated`` reports in one call: those that became ready
+    while its previous report was on its way (``CoordinatorLink.report_replicated``)."""
+
+    node: int
+    reports: list[Replicated]
 
 
 @message("replicated_reply")
@@ -451,6 +462,7 @@ UNARY: tuple[type[Any], ...] = (
     ProcJoined,
     ProcLost,
     Replicated,
+    ReplicatedMany,
     Resumed,
     Done,
     RankFailed,

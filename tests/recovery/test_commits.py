@@ -81,3 +81,13 @@ def test_layouts_come_once_and_the_blob_size_with_every_report() -> None:
     meta = ChunkRecord.from_msg(tracker.committed_layouts[0][1])
     assert (meta.nbytes, meta.lengths, meta.global_shape) == (137, (137,), (137,))
     assert ChunkRecord.from_msg(tracker.committed_layouts[0][0]).nbytes == 16
+
+
+def test_the_committed_layouts_are_those_of_the_committed_step_even_if_one_changes_later() -> None:
+    tracker = CommitTracker(epoch=0, ranks=frozenset({0, 1}))
+    tracker.record(0, 0, 1, [0, 1], ["old 0"])
+    tracker.record(0, 1, 1, [1, 0], ["old 1"])
+    tracker.record(0, 0, 2, [0, 1], ["new 0"])  # step 2 is not committed: 1's layouts stand
+    assert tracker.committed_layouts == {0: ["old 0"], 1: ["old 1"]}
+    assert tracker.record(0, 1, 2, [1, 0]) == 2
+    assert tracker.committed_layouts == {0: ["new 0"], 1: ["old 1"]}

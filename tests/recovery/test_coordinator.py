@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from peerckpt.errors import AuthenticationError
+from peerckpt.errors import AuthenticationError, StaleEpoch
 from peerckpt.manifest import ChunkRecord
 from peerckpt.messages.control import (
     Commit,
@@ -20,6 +20,7 @@ from peerckpt.messages.control import (
     ProcReport,
     RegisterAgent,
     Replicated,
+    ReplicatedMany,
     Shutdown,
     Status,
 )
@@ -231,3 +232,25 @@ def test_the_coordinator_places_buddies_with_the_strategy_it_was_given(name, exp
         c.register_agent(RegisterAgent(node, f"127.0.0.1:{1000 + node}"))
         c.proc_joined(_rank(node, 100 + node, node))
     assert _events(c, 0)[-1].membership.placement == expected
+
+
+def test_reports_sent_together_commit_and_a_stale_one_is_refused_after_the_others_count() -> None:
+    c = _job()
+    _events(c, 0)
+    reports = [_replicated(0, rank, 3, [rank // 2, 1 - rank // 2]) for rank in range(4)]
+    stale = _replicated(7, 0, 3, [0, 1])
+    with pytest.raises(StaleEpoch, match="epoch 7"):
+        c.replicated_many(ReplicatedMany(0, [stale, *reports]))
+    assert c.epochs.tracker is not None and c.epochs.tracker.committed_step == 3
+    assert _events(c, 0) == [Commit(0, 3)]
+
+
+def test_a_report_stands_for_a_heartbeat_and_a_silent_node_is_still_lost() -> None:
+    c = _job(spares=2)
+    c.settings.heartbeat_timeout = c.clocks.heartbeat_timeout = 1.0
+    for node in (0, 1, 2):
+        c.registry.agents[node].last_heartbeat -= 5.0  # no heart-beat for 5 s
+    c.replicated(_replicated(0, 0, 3, [0, 1]))  # node 0 reports: the agent skipped its beats
+    c.check_heartbeats()
+    assert c.registry.agents[0].alive
+    assert not c.registry.agents[1].alive and not c.registry.agents[2].alive
