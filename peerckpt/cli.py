@@ -14,6 +14,7 @@ import math
 import os
 import sys
 from fractions import Fraction
+from typing import Any
 
 from peerckpt import logs
 from peerckpt.errors import PeerckptError
@@ -45,9 +46,31 @@ def _run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr,
     )
-    result = LocalLauncher(spec).run()
+    if args.rdzv_endpoint is None:
+        result = LocalLauncher(spec).run()
+    else:
+        result = _host_launcher(args, spec).run()
     print(format_report(result), file=sys.stderr)
     return result.exit_code
+
+
+def _host_launcher(args: argparse.Namespace, spec: Any) -> Any:
+    """This host's launcher of a multi-host job (``peerckpt/launch/host.py``)."""
+    from peerckpt.launch.host import HostLauncher, HostSpec
+    from peerckpt.launch.torchrun import node_address
+    from peerckpt.secret import job_secret
+
+    if args.nnodes is None or args.node_rank is None:
+        raise PeerckptError("--rdzv-endpoint needs --nnodes and --node-rank on every host")
+    rdzv_host = args.rdzv_endpoint.rpartition(":")[0]
+    host = HostSpec(
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+        node_addr=args.node_addr or node_address(rdzv_host),
+        spare_host=args.spare_host,
+    )
+    return HostLauncher(spec, host, job_secret(args.secret_file))
 
 
 def _chaos(args: argparse.Namespace) -> int:
@@ -360,6 +383,38 @@ def main(argv: list[str] | None = None) -> int:
             f"--tls-{name}", default=None, help=f"TLS {name} (PEM; default: derived per job)"
         )
     run.add_argument("--job", default=None, help="the job's name (default: random)")
+    hosts = run.add_argument_group(
+        "several hosts",
+        "run the same command on every host (as with torchrun): host 0 runs the coordinator at "
+        "--rdzv-endpoint; the secret comes from PEERCKPT_SECRET or --secret-file",
+    )
+    hosts.add_argument("--nnodes", type=int, default=None, help="hosts that hold the job's ranks")
+    hosts.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        help="this host's index: 0 … NNODES-1 hold ranks; NNODES or more: a spare host "
+        "(--spare-host) or a host that grows the job",
+    )
+    hosts.add_argument(
+        "--rdzv-endpoint", default=None, metavar="HOST:PORT", help="the coordinator, on host 0"
+    )
+    hosts.add_argument(
+        "--node-addr",
+        default=None,
+        metavar="ADDR",
+        help="the address this host's agent binds and announces (env PEERCKPT_NODE_ADDR; "
+        "default: the address of the interface that reaches the rendezvous endpoint)",
+    )
+    hosts.add_argument(
+        "--spare-host", action="store_true", help="hold --nproc-per-node hot spares for the job"
+    )
+    hosts.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="PATH",
+        help="the job's secret in hex, a file only you can read (default: PEERCKPT_SECRET)",
+    )
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     join = sub.add_parser(

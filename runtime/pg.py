@@ -64,6 +64,13 @@ def normalize_host(host: str) -> str:
     return str(address)
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _shutdown_socket(fd: int, inode: str, hosts: set[str]) -> bool:
     try:
         if os.readlink(f"/proc/self/fd/{fd}") != inode:
@@ -113,6 +120,10 @@ class ProcessGroupLifecycle:
             self._baseline = set(_socket_inodes())
             self._owned = None
             self._hosts = {normalize_host(h) for h in hosts | {store_addr.rpartition(":")[0]}}
+            if any(_is_loopback(h) for h in self._hosts):
+                # Hosts simulated on one machine (127.0.0.2, …): gloo's pairs connect through
+                # the address the machine's name resolves to, 127.0.0.1, not the node's.
+                self._hosts |= {"127.0.0.1", "::1"}
             self._aborted = False
             self.epoch = epoch
 

@@ -57,7 +57,9 @@ MAX_COORDINATOR_RESTARTS = 10
 class LocalLauncher(Launcher):
     """Runs one job of ``JobSpec`` on this machine. ``run`` always cleans up."""
 
-    def __init__(self, spec: JobSpec) -> None:
+    def __init__(self, spec: JobSpec, secret: bytes | None = None, claim: bool = True) -> None:
+        """``secret``: the job's (a multi-host job shares one; default: a new random one).
+        ``claim``: hold the job's name on this machine, and publish it for ``peerckpt join``."""
         if spec.nodes < 1 or spec.nproc_per_node < 1 or spec.spares < 0:
             raise ConfigurationError("--nodes and --nproc-per-node must be ≥ 1, --spares ≥ 0")
         if not os.path.exists(spec.script):
@@ -66,9 +68,9 @@ class LocalLauncher(Launcher):
         self.chaos = _chaos(spec.chaos)  # parsed now: a bad spec fails before anything starts
         self.job = check_job_name(spec.job) if spec.job is not None else secrets.token_hex(4)
         # Held until stop(): a second launcher of this name is refused while this one runs.
-        self._claim = JobClaim(self.job)
+        self._claim = JobClaim(self.job) if claim else None
         self.run_id = new_run_id()
-        self._secret = secrets.token_bytes(32)
+        self._secret = secret if secret is not None else secrets.token_bytes(32)
         self.rundir = tempfile.mkdtemp(prefix=f"peerckpt-{self.job}-")
         self.procs = ProcessSet(
             self.job, self._secret, [spec.script, *spec.args], self.rundir, spec.env, self.run_id
@@ -101,6 +103,34 @@ class LocalLauncher(Launcher):
     def start(self) -> None:
         spec, procs = self.spec, self.procs
         world = spec.world
+        self._start_coordinator([])
+        for n in range(spec.nodes + (1 if spec.spares else 0)):
+            procs.start_agent(n, self.address, ["--spare-node"] if n >= spec.nodes else [])
+        for node in procs.nodes.values():
+            procs.await_ready(node.agent, f"agent of node {node.index}")
+        for n in range(spec.nodes):
+            for local in range(spec.nproc_per_node):
+                rank = n * spec.nproc_per_node + local
+                self._ranks[rank] = procs.start_proc(
+                    n, "rank", RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world)
+                )
+        for _ in range(spec.spares):
+            self._spares.append(procs.start_proc(spec.nodes, "spare", WORLD_SIZE=str(world)))
+        self._spare_node = spec.nodes
+        self._write_job_file()
+        log.info(
+            "job %s: %d node(s) × %d rank(s), %d spare(s); coordinator %s",
+            self.job,
+            spec.nodes,
+            spec.nproc_per_node,
+            spec.spares,
+            self.address,
+        )
+
+    def _start_coordinator(self, where: list[str]) -> None:
+        """Start the job's coordinator (``where``: its --host/--port flags, if any)."""
+        spec, procs = self.spec, self.procs
+        world = spec.world
         argv = [
             sys.executable,
             "-m",
@@ -125,6 +155,7 @@ class LocalLauncher(Launcher):
             argv += ["--persist", json.dumps(spec.persist)]
         if spec.record_digests:
             argv += ["--digests-file", os.path.join(self.rundir, "digests.txt")]
+        argv += where
         self._coordinator_argv = argv
         self.coordinator = procs.spawn(argv, procs.env(), ready=True)
         procs.others.append(self.coordinator)
@@ -132,31 +163,19 @@ class LocalLauncher(Launcher):
         self.address = ready["address"]
         self._store_port = int(ready["store_port"])
         self.rpc = RpcClient(self.address, self._secret, self.job)
-        for n in range(spec.nodes + (1 if spec.spares else 0)):
-            procs.start_agent(n, self.address, ["--spare-node"] if n >= spec.nodes else [])
-        for node in procs.nodes.values():
-            procs.await_ready(node.agent, f"agent of node {node.index}")
-        for n in range(spec.nodes):
-            for local in range(spec.nproc_per_node):
-                rank = n * spec.nproc_per_node + local
-                self._ranks[rank] = procs.start_proc(
-                    n, "rank", RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world)
-                )
-        for _ in range(spec.spares):
-            self._spares.append(procs.start_proc(spec.nodes, "spare", WORLD_SIZE=str(world)))
-        self._spare_node = spec.nodes
-        self._write_job_file()
-        log.info(
-            "job %s: %d node(s) × %d rank(s), %d spare(s); coordinator %s",
-            self.job,
-            spec.nodes,
-            spec.nproc_per_node,
-            spec.spares,
-            self.address,
+
+    def _start_coordinator_at(self, endpoint: str) -> None:
+        """Start the coordinator listening at ``endpoint`` (HOST:PORT), its process groups'
+        store on PORT + 1 (two fixed ports to open in a firewall)."""
+        host, _, port = endpoint.rpartition(":")
+        self._start_coordinator(
+            ["--host", host, "--port", port, "--store-port", str(int(port) + 1)]
         )
 
     def _write_job_file(self) -> None:
         """What ``peerckpt join`` needs to find and join this job (``launch/jobfile.py``)."""
+        if self._claim is None:
+            return
         self._claim.publish(
             {
                 "coordinator": self.address,
@@ -255,11 +274,11 @@ class LocalLauncher(Launcher):
         return result
 
     def _watch(self) -> tuple[str, str, list[dict[str, Any]]]:
-        assert self.rpc is not None and self.coordinator is not None
+        assert self.rpc is not None
         state, events = JobState.STARTING, list[RecoveryEvent]()
         started = time.monotonic()
         while not self._interrupted.wait(0.05):
-            if self.coordinator.poll() is not None:
+            if self.coordinator is not None and self.coordinator.poll() is not None:
                 if state is not JobState.RUNNING or self._restarts >= MAX_COORDINATOR_RESTARTS:
                     return "failed", "the coordinator exited unexpectedly", self._all_events(events)
                 self._earlier_events = self._all_events(events)
@@ -270,6 +289,12 @@ class LocalLauncher(Launcher):
                 status = self.rpc.call(Status(), timeout=5.0)
             except PeerckptError as exc:
                 log.warning("coordinator status: %s", exc)
+                if self._coordinator_gone(state):
+                    return (
+                        "failed",
+                        f"the job's coordinator is gone: {exc}",
+                        self._all_events(events),
+                    )
                 continue
             state, events = status.state, status.events
             self._flushes = [encode(f) for f in status.flushes]
@@ -286,6 +311,11 @@ class LocalLauncher(Launcher):
                 if problem:
                     return "failed", problem, []
         return "interrupted", "stopped by a signal", self._all_events(events)
+
+    def _coordinator_gone(self, state: JobState) -> bool:
+        """Whether to give up on a coordinator that does not answer (never, when this
+        launcher runs it: it restarts it instead)."""
+        return False
 
     def _observe(self, status: JobStatus) -> None:
         """Hand a status to the monitor (metrics, status page, timeline) and the watchers
@@ -395,7 +425,8 @@ class LocalLauncher(Launcher):
         if removed:
             log.info("removed %d shared-memory file(s) left by killed processes", len(removed))
         shutil.rmtree(self.rundir, ignore_errors=True)
-        self._claim.release()
+        if self._claim is not None:
+            self._claim.release()
 
 
 def _chaos(spec: str) -> Chaos | None:

@@ -1,0 +1,166 @@
+"""One host of a multi-host job: ``peerckpt run --nnodes N --node-rank I --rdzv-endpoint H:P``.
+
+Every host runs the same command, as with torchrun (``srun peerckpt run …``, one pod per
+host). Host ``--node-rank 0`` runs the job's coordinator, listening at the rendezvous endpoint
+(``HOST:PORT`` must be an address of that host); every host runs its own agent, bound to its
+``--node-addr``, and its ``--nproc-per-node`` processes:
+
+- node ranks ``0 … N-1`` hold the job's ranks (rank = node rank × P + local rank);
+- a host with ``--spare-host`` and a node rank ``≥ N`` holds P hot spares for the job;
+- a host with a node rank ``≥ N`` and no ``--spare-host`` grows the job by P ranks, as
+  ``peerckpt join`` does on one machine.
+
+Nothing is shared between hosts but the network: each host has its own run directory, its
+own shared-memory names (a run id of its own) and its own sockets. The job's secret reaches
+every host from ``PEERCKPT_SECRET`` or a 0600 ``--secret-file``, never from a command line.
+
+Every host's launcher watches the job through the coordinator and stops its own processes
+when the job ends; host 0's report is the job's. Not built yet: moving the coordinator when
+host 0 dies (the other hosts then end with a clear reason), and the chaos actions that need
+the launcher of another host (``kill node``, ``add node``); ``kill rank`` works on the host
+that holds the rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+
+from peerckpt.errors import ConfigurationError, PeerckptError
+from peerckpt.launch.base import JobSpec
+from peerckpt.launch.local import LocalLauncher
+from peerckpt.messages.control import JobStatus, SparesStarting, Status
+from peerckpt.rpc import RpcClient
+from peerckpt.states import JobState
+
+log = logging.getLogger("peerckpt.launcher")
+COORDINATOR_LOST_S = 30.0  # how long a host waits for a silent coordinator before it gives up
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """Where this host stands in a multi-host job."""
+
+    nnodes: int
+    node_rank: int
+    rdzv_endpoint: str  # HOST:PORT, the coordinator's address (on node rank 0)
+    node_addr: str  # the address this host's agent binds and announces
+    spare_host: bool = False
+
+    def __post_init__(self) -> None:
+        host, _, port = self.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigurationError(
+                f"--rdzv-endpoint {self.rdzv_endpoint!r} must be HOST:PORT, an address of the "
+                "host started with --node-rank 0 and a free port there"
+            )
+        if self.nnodes < 1 or self.node_rank < 0:
+            raise ConfigurationError("--nnodes must be ≥ 1 and --node-rank ≥ 0")
+        if self.spare_host and self.node_rank < self.nnodes:
+            raise ConfigurationError(
+                f"a --spare-host needs a node rank of its own beyond the job's nodes: "
+                f"--node-rank {self.nnodes} or more (got {self.node_rank})"
+            )
+
+    @property
+    def runs_coordinator(self) -> bool:
+        return self.node_rank == 0
+
+    @property
+    def grows(self) -> bool:
+        """A host beyond the job's nodes that brings ranks (not spares)."""
+        return self.node_rank >= self.nnodes and not self.spare_host
+
+
+class HostLauncher(LocalLauncher):
+    """Runs this host's share of a multi-host job. ``run`` always cleans up this host."""
+
+    def __init__(self, spec: JobSpec, host: HostSpec, secret: bytes) -> None:
+        if spec.job is None:
+            raise ConfigurationError(
+                "a multi-host job needs --job NAME, the same on every host (it names the job "
+                "in every message and authenticates with its secret)"
+            )
+        super().__init__(
+            replace(spec, nodes=host.nnodes, spares=0),  # spares come from --spare-host hosts
+            secret=secret,
+            claim=host.runs_coordinator,
+        )
+        self.host = host
+        self._silent_since: float | None = None
+
+    def start(self) -> None:
+        spec, procs, host = self.spec, self.procs, self.host
+        if host.runs_coordinator:
+            self._start_coordinator_at(host.rdzv_endpoint)
+        else:
+            self.address = host.rdzv_endpoint
+            self.rpc = RpcClient(self.address, self._secret, self.job)
+            self._await_coordinator()
+        assert self.rpc is not None
+        n = host.node_rank
+        flags = ["--host", host.node_addr]
+        if host.spare_host:
+            flags.append("--spare-node")
+        elif host.grows:
+            flags += ["--joining", str(spec.nproc_per_node)]
+        if host.spare_host:
+            self.rpc.call(SparesStarting(spec.nproc_per_node, n))
+        node = procs.start_agent(n, self.address, flags)
+        procs.await_ready(node.agent, f"agent of node {n}")
+        world = spec.world
+        for local in range(spec.nproc_per_node):
+            if host.spare_host:
+                self._spares.append(procs.start_proc(n, "spare", WORLD_SIZE=str(world)))
+            elif host.grows:
+                procs.start_proc(n, "joiner")
+            else:
+                rank = n * spec.nproc_per_node + local
+                self._ranks[rank] = procs.start_proc(
+                    n, "rank", RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world)
+                )
+        self._spare_node = n if host.spare_host else -1
+        self._write_job_file()
+        role = "spares" if host.spare_host else "joining ranks" if host.grows else "ranks"
+        log.info(
+            "job %s: host %d (%s) holds %d %s; coordinator %s",
+            self.job,
+            n,
+            host.node_addr,
+            spec.nproc_per_node,
+            role,
+            self.address,
+        )
+
+    def _await_coordinator(self) -> None:
+        """Wait (up to the start timeout) until the coordinator on host 0 answers."""
+        assert self.rpc is not None
+        deadline = time.monotonic() + self.spec.start_timeout
+        while True:
+            try:
+                self.rpc.call(Status(), timeout=2.0)
+                return
+            except PeerckptError as exc:
+                if time.monotonic() > deadline or self._interrupted.is_set():
+                    raise ConfigurationError(
+                        f"no coordinator answered at --rdzv-endpoint {self.address} within "
+                        f"{self.spec.start_timeout:.0f} s ({exc}); start the host with "
+                        "--node-rank 0 there, with the same --job and secret"
+                    ) from None
+            time.sleep(0.2)
+
+    def _coordinator_gone(self, state: JobState) -> bool:
+        if self.host.runs_coordinator:
+            return False
+        now = time.monotonic()
+        if self._silent_since is None:
+            self._silent_since = now
+        return now - self._silent_since > COORDINATOR_LOST_S
+
+    def _observe(self, status: JobStatus) -> None:
+        self._silent_since = None
+        super()._observe(status)
+
+    def _replenish(self, status: JobStatus) -> None:
+        """Spares are replenished by starting spare hosts, not by this host."""
