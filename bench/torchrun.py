@@ -27,6 +27,7 @@ Results: ``bench/results/torchrun.json``.
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 import sys
 import time
@@ -108,6 +109,10 @@ def one_run(mode: str, mib: int, base: Path, steps: int) -> dict[str, Any]:
 
 
 def main() -> None:
+    # A SIGTERM (a timeout around the bench) unwinds like an error, so every job's
+    # ``finally: job.stop()`` kills its torchruns and their workers (they run in sessions of
+    # their own and would outlive this process).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     parser = bench_parser(__doc__)
     parser.add_argument("--sizes", default="64,256", help="MiB of state per rank")
     args = parser.parse_args()

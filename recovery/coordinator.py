@@ -213,16 +213,17 @@ class Coordinator:
         # Recorded before taking the lock: a heartbeat counts when it arrives, also while the
         # lock is held by a long step (a cold start reading a slow object store), which would
         # otherwise make every node look silent to the liveness check that runs after it.
+        self._heard_from(msg.node)
         agent = self.registry.agents.get(msg.node)
-        if agent is not None and agent.alive:
-            agent.last_heartbeat = time.monotonic()
-            agent.stats = msg.stats or agent.stats
+        if agent is not None and agent.alive and msg.stats is not None:
+            agent.stats = msg.stats
         with self._lock:
             m = self.epochs.membership
             return HeartbeatReply(m.epoch if m else -1)
 
     def _heard_from(self, node: int) -> None:
-        """Node ``node``'s agent is alive: a heart-beat, or a report that stands for one."""
+        """Node ``node``'s agent is alive: a heart-beat, or a report that stands for one.
+        Needs no lock (one attribute written), so a heartbeat counts while the lock is held."""
         agent = self.registry.agents.get(node)
         if agent is not None and agent.alive:
             agent.last_heartbeat = time.monotonic()
