@@ -120,6 +120,7 @@ class Coordinator:
         placement: Placement | None = None,
         digests_file: str | None = None,
         restart_based: bool = False,
+        moved_from: str | None = None,
     ) -> None:
         self._lock = threading.RLock()
         self.settings = Settings(
@@ -147,6 +148,10 @@ class Coordinator:
         self.clocks = Clocks(heartbeat_timeout)
         self.rebuilt = False  # restarted: state rebuilt from the agents' reports
         self.rebuild_lost: set[int] = set()  # ranks found gone while rebuilding
+        # Moved here because the coordinator's host died (``peerckpt/succession.py``): the
+        # nodes on that host are not waited for, the rebuild ends once all others are back.
+        self.moved_from = moved_from
+        self.rebuild_back: set[int] = set()  # nodes that registered again since the restart
         self.stopped = threading.Event()
         # Every distinct tensor digest of every rank's snapshot of every step, appended as
         # "rank step digest" lines (the chaos campaign compares them with a fault-free run).
@@ -168,6 +173,7 @@ class Coordinator:
             self.registry.add_agent(AgentInfo(msg.node, msg.data_addr, msg.spare_node, msg.joining))
             log.info("agent of node %d registered (data %s)", msg.node, msg.data_addr)
             if msg.rejoin is not None:
+                self.rebuild_back.add(msg.node)
                 rebuild.adopt(self, msg.node, msg.rejoin)
             return AgentConfig(s.replicas, s.heartbeat_timeout)
 
@@ -341,6 +347,13 @@ class Coordinator:
     def _end_rebuild(self) -> None:
         """The agents had their time to come back: recover what was lost while we were away."""
         lost, self.rebuild_lost = self.rebuild_lost, set()
+        m = self.epochs.membership
+        if self.moved_from is not None and m is not None:
+            for node in sorted(rebuild.on_host(m.node_addrs, self.moved_from) - self.rebuild_back):
+                if self.registry.agents[node].alive:
+                    self.lose_node(
+                        node, f"its host {self.moved_from} died with the job's coordinator"
+                    )
         if lost:
             reason = "its process exited while the coordinator was down"
             self.epochs.recover(Loss("rank", frozenset(lost), frozenset(), reason, time.time()))

@@ -56,8 +56,12 @@ class Clocks:
     def replication_stuck(
         self, now: float, epoch: int, step: int, buddy: int, message: str
     ) -> None:
+        # A restarted coordinator learns which nodes are gone only once its agents had their
+        # time to come back (a moved one: the dead host's never do): until then, and one
+        # heart-beat timeout more, a buddy that does not answer may be one of those.
+        since = max(now, self.rebuild_deadline or now)
         self.stuck.append(
-            StuckReplication(now + self.heartbeat_timeout, epoch, step, buddy, message)
+            StuckReplication(since + self.heartbeat_timeout, epoch, step, buddy, message)
         )
 
     def start_rebuild(self, now: float) -> None:

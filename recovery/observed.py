@@ -28,4 +28,5 @@ def observed(c: Coordinator) -> dict[str, Any]:
         "spare_nodes": sorted(n for n, a in agents.items() if a.spare_node),
         "node_stats": {n: a.stats for n, a in agents.items() if a.stats is not None},
         "replicas": c.settings.replicas,
+        "node_addrs": c.registry.node_addrs(),
     }

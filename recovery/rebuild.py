@@ -7,6 +7,12 @@ back brings the membership; every agent adds its processes and copies. Nodes of 
 membership whose agent has not come back yet count as alive until their heartbeats say
 otherwise; ranks whose process is gone are recovered together once every agent had
 ``REBUILD_WAIT_FACTOR`` heartbeat timeouts to come back (``Coordinator._end_rebuild``).
+
+A coordinator that moved to another host because its own died (``peerckpt/succession.py``,
+``--moved-from HOST``) waits for no node of that host: they are silent from the start, and
+the wait ends as soon as every other node of the membership is back, and the dead host's nodes
+that did not come back are then declared lost (``Coordinator._end_rebuild``), all within the
+ranks' suspect window.
 """
 
 from __future__ import annotations
@@ -46,6 +52,12 @@ def adopt(c: Coordinator, node: int, state: RejoinState) -> None:
         c.rebuilt = True
     tracker = epochs.tracker
     committed = state.committed_step
+    log.info(
+        "node %d is back: committed step %s, copies of %s",
+        node,
+        committed,
+        sorted({(h.rank, h.step) for h in state.held}),
+    )
     if tracker is not None and committed is not None:
         if tracker.committed_step is None or committed > tracker.committed_step:
             tracker.committed_step = committed
@@ -80,3 +92,13 @@ def adopt(c: Coordinator, node: int, state: RejoinState) -> None:
     # by heartbeat meanwhile, and losses found are recovered together once the others had
     # their time to return.
     c.clocks.start_rebuild(time.monotonic())
+    members = epochs.membership
+    if c.moved_from is not None and members is not None:
+        expected = set(members.node_addrs) - on_host(members.node_addrs, c.moved_from)
+        if expected <= c.rebuild_back:  # every node that can come back did: end the wait
+            c.clocks.rebuild_deadline = time.monotonic()
+
+
+def on_host(node_addrs: dict[int, str], host: str) -> set[int]:
+    """The nodes whose agent is on ``host``."""
+    return {n for n, addr in node_addrs.items() if addr.rpartition(":")[0].strip("[]") == host}

@@ -42,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0, help="the RPC port (0: any free one)")
     parser.add_argument("--store-port", type=int, default=0, help="the TCPStore's port")
     parser.add_argument(
+        "--moved-from",
+        default=None,
+        help="the host of the coordinator this one replaces, which died (its nodes are lost)",
+    )
+    parser.add_argument(
         "--restart-based",
         action="store_true",
         help="every worker restarts after any failure (torchrun): wait for them",
@@ -64,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         persist=PersistConfig.from_msg(json.loads(args.persist)) if args.persist else None,
         digests_file=args.digests_file,
         restart_based=args.restart_based,
+        moved_from=args.moved_from,
     )
     unary, streams = coordinator.handlers()
     server = RpcServer(

@@ -88,6 +88,7 @@ from peerckpt.rpc import is_stream_closed
 from peerckpt.service import service_process, stop_on_signals
 from peerckpt.states import JobState, SlotKind
 from peerckpt.storegate import Relays
+from peerckpt.succession import succession
 
 log = logging.getLogger("peerckpt.agent")
 COORDINATOR_GRACE_S = 30.0  # how long an agent waits for a restarted coordinator
@@ -126,7 +127,9 @@ class Agent:
         self.store = SlotStore(self.arena)
         self.stopping = threading.Event()
         self._ending = threading.Event()  # the job ended: process exits are expected now
-        self.coordinator = CoordinatorLink(coordinator, secret, job, node, self.stopping, self.net)
+        self.coordinator = CoordinatorLink(
+            coordinator, secret, job, node, self.stopping, self.net, self._succession
+        )
         self.epoch: int = -1
         self.gen = 0  # the layout generation of this epoch's snapshots
         self.membership: Membership | None = None
@@ -281,6 +284,13 @@ class Agent:
             log.exception("the coordinator's event stream failed")
             self._exit_reason = f"node {self.node}'s agent failed: {exc}"
         return False
+
+    def _succession(self, current: str) -> list[str]:
+        """Where the coordinator may answer if the one at ``current`` is gone: the job's hosts
+        as this node last saw them (``peerckpt/succession.py``)."""
+        with self._lock:
+            members = self.membership
+        return succession(current, members.node_addrs if members is not None else {})
 
     def _rejoin_state(self) -> RejoinState:
         """What a restarted coordinator rebuilds its state from: this node's view of the

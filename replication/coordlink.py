@@ -1,5 +1,9 @@
 """The agent's link to the coordinator: reports, heartbeats, and rejoining a restarted one.
 
+A coordinator restarted in place answers where the last one did; one that moved to another
+host because its own died answers at the next endpoint of the job's succession
+(``peerckpt/succession.py``): ``rejoin`` tries them in that order.
+
 Every report is a typed request (``peerckpt/messages/control.py``). While the chaos harness
 partitions the node, reports wait until it heals (a partitioned node's coordinator hears
 nothing). The last report of each kind per rank is kept, and sent again when the agent
@@ -42,8 +46,13 @@ class CoordinatorLink:
         node: int,
         stopping: threading.Event,
         net: NetHooks | None = None,
+        succession: Callable[[str], list[str]] | None = None,
     ) -> None:
+        self.address = address
         self.rpc = RpcClient(address, secret, job)
+        self._secret, self._job = secret, job
+        # current endpoint → where a coordinator may answer, in order (it first)
+        self._succession = succession or (lambda current: [current])
         self.node = node
         self._stopping = stopping
         self._net = net
@@ -122,7 +131,7 @@ class CoordinatorLink:
                 log.error("the coordinator did not come back within %.0f s", grace_s)
                 return None
             try:
-                config = self.rpc.call(register(state()), timeout=2.0)
+                config = self._register_anywhere(register(state()))
             except PeerckptError as exc:
                 log.debug("coordinator not back yet: %s", exc)
                 continue
@@ -136,6 +145,28 @@ class CoordinatorLink:
                 self.report(msg)
             return config
         return None
+
+    def _register_anywhere(self, msg: RegisterAgent) -> AgentConfig:
+        """Register at the first endpoint of the succession that answers, and keep calling
+        that one. Raises the last endpoint's error if none answers."""
+        error: PeerckptError | None = None
+        for address in self._succession(self.address):
+            moved = address != self.address
+            rpc = RpcClient(address, self._secret, self._job) if moved else self.rpc
+            try:
+                config = rpc.call(msg, timeout=2.0)
+            except PeerckptError as exc:
+                if moved:
+                    rpc.close()
+                error = exc
+                continue
+            if moved:
+                old, self.rpc, self.address = self.rpc, rpc, address
+                old.close()
+                log.warning("the coordinator moved: it answers at %s now", address)
+            return config
+        assert error is not None
+        raise error
 
     def close(self) -> None:
         self.rpc.close()

@@ -26,7 +26,7 @@ class ResilientConfig:
     persist_mode: int | None = None
     pg_timeout_s: float = 1800.0
     backend: str | None = None
-    suspect_s: float = 15.0
+    suspect_s: float = 30.0
     abort_grace_s: float = 10.0
     abort_timeout_s: float = 30.0
 

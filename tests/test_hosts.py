@@ -106,6 +106,9 @@ class Hosts:
             shutil.rmtree(path, ignore_errors=True)
         for path in glob.glob(os.path.join(SHM_DIR, segment_prefix(self.job) + "*")):
             os.unlink(path)
+        claims = os.path.join(tempfile.gettempdir(), f"peerckpt-{os.getuid()}", self.job + ".*")
+        for path in glob.glob(claims):  # host 0's claim on the job name (launch/jobfile.py)
+            os.unlink(path)
 
     def wait(self) -> dict[int, tuple[int, str]]:
         """Every host's exit status and log, bounded in time (a straggler is interrupted)."""
@@ -118,12 +121,23 @@ class Hosts:
                 os.killpg(proc.pid, signal.SIGINT)
                 log, _ = proc.communicate(timeout=60)
             done[rank] = (proc.returncode, log)
+            (self.out / f"host{rank}.log").write_text(log)
         return done
 
     def run(self, report_of: int = 0) -> JobRun:
         path = self.out / f"report{report_of}.json"
         report = json.loads(path.read_text()) if path.exists() else {}
         return JobRun(self.procs[report_of].returncode, report, self.out, "")
+
+
+def _await_step(progress: Path, step: int) -> None:
+    """Wait (bounded) until a rank's progress file records ``step`` steps."""
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        if progress.exists() and len(progress.read_text().splitlines()) >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{progress.name} never reached step {step}")
 
 
 def _assert_bit_exact(run: JobRun, reference: JobRun, ranks: int = 4, steps: int = 30) -> None:
@@ -147,7 +161,9 @@ def test_a_rank_killed_on_one_host_is_replaced_from_a_spare_host(tmp_path, refer
         assert code == 0, f"host {rank} failed:\n{log[-4000:]}"
     run = hosts.run()
     _assert_bit_exact(run, reference_run)
-    (event,) = run.report["events"]
+    events = run.report["events"]
+    assert len(events) == 1, json.dumps(events, indent=1)[:4000]
+    (event,) = events
     assert event["ranks"] == [2] and event["resumed_at"] is not None
     pulls = {p["rank"]: p for p in event["pulls"]}
     assert pulls[2]["node"] == 2 and pulls[2]["source"] not in (1, 2) and pulls[2]["bytes"] > 0
@@ -163,12 +179,7 @@ def test_a_host_killed_whole_is_replaced_by_a_spare_host(tmp_path, reference_run
     hosts.start(0)
     hosts.start(2, "--spare-host")
     hosts.start(1)
-    deadline = time.monotonic() + DEADLINE_S
-    progress = tmp_path / "rank2.jsonl"
-    while time.monotonic() < deadline:
-        if progress.exists() and len(progress.read_text().splitlines()) >= 12:
-            break
-        time.sleep(0.05)
+    _await_step(tmp_path / "rank2.jsonl", 12)
     hosts.kill_host(1)
     done = hosts.wait()
     hosts.forget_dead_machine()
@@ -177,3 +188,27 @@ def test_a_host_killed_whole_is_replaced_by_a_spare_host(tmp_path, reference_run
     _assert_bit_exact(run, reference_run)
     kinds = [e["kind"] for e in run.report["events"]]
     assert "node" in kinds
+
+
+@pytest.mark.slow
+def test_the_coordinators_host_killed_moves_the_coordinator(tmp_path, reference_run) -> None:
+    """SIGKILL to host 0 — the rendezvous host, running the coordinator, an agent and ranks 0
+    and 1 — at step 12: host 1, next in the succession, starts a coordinator at its own
+    address, which rebuilds the job from the agents on hosts 1 and 2; host 0's node is then
+    lost and host 2's spares take ranks 0 and 1 from their buddies' memory on host 1."""
+    hosts = Hosts(tmp_path, steps=30)
+    hosts.start(0)
+    hosts.start(2, "--spare-host")
+    hosts.start(1)
+    _await_step(tmp_path / "rank0.jsonl", 12)
+    hosts.kill_host(0)
+    done = hosts.wait()
+    hosts.forget_dead_machine()
+    for rank in (1, 2):
+        assert done[rank][0] == 0, f"host {rank} failed:\n{done[rank][1][-4000:]}"
+    assert f"starting one at 127.0.0.3:{hosts.endpoint.rpartition(':')[2]}" in done[1][1]
+    assert "the job's coordinator moved to 127.0.0.3" in done[2][1]
+    run = hosts.run(report_of=1)
+    _assert_bit_exact(run, reference_run)
+    lost = [e for e in run.report["events"] if e["kind"] == "node"]
+    assert lost and set(lost[-1]["ranks"]) == {0, 1}

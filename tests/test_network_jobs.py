@@ -3,6 +3,7 @@ TCP link is TLS (forced on loopback) replicates and recovers bit for bit."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
@@ -59,7 +60,9 @@ def test_a_job_with_tls_forced_replicates_and_recovers_bit_exact(
     run = run_job(tmp_path, script_args=["--steps", "30"], spares=1, chaos="kill rank=2 at=10")
     assert run.returncode == 0, run.log[-4000:]
     assert_same_digests(run, reference_run)
-    [event] = run.report["events"]
+    events = run.report["events"]
+    assert len(events) == 1, json.dumps(events, indent=1)[:4000]
+    [event] = events
     pulls = {p["rank"]: p for p in event["pulls"]}
     assert pulls[2]["source"] == 0 and pulls[2]["bytes"] > 0  # over the (TLS) data plane
     assert "store relay on 127.0.0.1:" in run.log  # ranks met through the authenticated gate

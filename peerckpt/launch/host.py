@@ -15,15 +15,19 @@ own shared-memory names (a run id of its own) and its own sockets. The job's sec
 every host from ``PEERCKPT_SECRET`` or a 0600 ``--secret-file``, never from a command line.
 
 Every host's launcher watches the job through the coordinator and stops its own processes
-when the job ends; host 0's report is the job's. Not built yet: moving the coordinator when
-host 0 dies (the other hosts then end with a clear reason), and the chaos actions that need
-the launcher of another host (``kill node``, ``add node``); ``kill rank`` works on the host
-that holds the rank.
+when the job ends; each writes the job's report. If the coordinator's host dies, the next
+host of the job's succession (``peerckpt/succession.py``) starts a coordinator at its own
+address and the same port, which rebuilds the job from the agents' reports; the dead host's
+nodes are then lost nodes, recovered as any others. Not built yet: the chaos actions that
+need the launcher of another host (``kill node``, ``add node``); ``kill rank`` works on the
+host that holds the rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import subprocess
 import time
 from dataclasses import dataclass, replace
 
@@ -33,9 +37,11 @@ from peerckpt.launch.local import LocalLauncher
 from peerckpt.messages.control import JobStatus, SparesStarting, Status
 from peerckpt.rpc import RpcClient
 from peerckpt.states import JobState
+from peerckpt.succession import STEP_DOWN_WINDOW_S, join, split, succession, takeover_after
 
 log = logging.getLogger("peerckpt.launcher")
 COORDINATOR_LOST_S = 30.0  # how long a host waits for a silent coordinator before it gives up
+PROBE_EVERY_S = 0.5  # how often a host asks the succession's endpoints while it is silent
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,12 @@ class HostLauncher(LocalLauncher):
         )
         self.host = host
         self._silent_since: float | None = None
+        self._next_probe = 0.0
+        self._last_status: JobStatus | None = None
+        # After taking the coordinator over: the endpoints before this host's in the
+        # succession, and until when to look for one of them answering (then step down).
+        self._earlier: list[str] = []
+        self._step_down_until = 0.0
 
     def start(self) -> None:
         spec, procs, host = self.spec, self.procs, self.host
@@ -151,16 +163,98 @@ class HostLauncher(LocalLauncher):
             time.sleep(0.2)
 
     def _coordinator_gone(self, state: JobState) -> bool:
-        if self.host.runs_coordinator:
-            return False
+        """Follow the coordinator where it moves, or move it here (``peerckpt/succession.py``);
+        give up only when no host of the succession took the role."""
+        if self.coordinator is not None:
+            return False  # it runs here: a crashed one is restarted in place
         now = time.monotonic()
         if self._silent_since is None:
             self._silent_since = now
-        return now - self._silent_since > COORDINATOR_LOST_S
+        silent = now - self._silent_since
+        if now < self._next_probe:
+            return False
+        self._next_probe = now + PROBE_EVERY_S
+        last = self._last_status
+        order = succession(self.address, last.node_addrs if last is not None else {})
+        mine = join(self.host.node_addr, split(self.host.rdzv_endpoint)[1])
+        position = order.index(mine) if mine in order else len(order)
+        earlier = self._first_answering(order[1:position])
+        if earlier is not None:
+            self._follow(earlier)
+            return False
+        # A host whose agent is gone (the job ended, or the host is failing) holds no part
+        # of the job to rebuild from: it takes nothing over.
+        agent = self.procs.nodes[self.host.node_rank].agent
+        if position < len(order) and agent.poll() is None and silent > takeover_after(position):
+            self._take_over(mine, order[1:position])
+            return False
+        return silent > COORDINATOR_LOST_S + takeover_after(len(order))
+
+    def _first_answering(self, addresses: list[str]) -> str | None:
+        """The first of ``addresses`` where a coordinator of this job answers."""
+        for address in addresses:
+            rpc = RpcClient(address, self._secret, self.job)
+            try:
+                rpc.call(Status(), timeout=1.0)
+                return address
+            except PeerckptError:
+                continue
+            finally:
+                rpc.close()
+        return None
+
+    def _follow(self, address: str) -> None:
+        log.warning("the job's coordinator moved to %s", address)
+        assert self.rpc is not None
+        self.rpc.close()
+        self.address = address
+        self.rpc = RpcClient(address, self._secret, self.job)
+        self._silent_since = None
+
+    def _take_over(self, endpoint: str, earlier: list[str]) -> None:
+        """Start the job's coordinator here: the agents register with it (it is next in the
+        succession) and it rebuilds the job from what they report."""
+        host, port = split(endpoint)
+        log.warning(
+            "the job's coordinator at %s has been silent for %.1f s: starting one at %s",
+            self.address,
+            time.monotonic() - (self._silent_since or time.monotonic()),
+            endpoint,
+        )
+        if self._last_status is not None:
+            self._earlier_events = self._all_events(self._last_status.events)
+        self._restarts += 1
+        assert self.rpc is not None
+        self.rpc.close()
+        self.rpc = None
+        where = ["--host", host, "--port", str(port), "--store-port", str(port + 1)]
+        self._start_coordinator([*where, "--moved-from", split(self.address)[0]], restart=True)
+        self._silent_since = None
+        self._earlier, self._step_down_until = earlier, time.monotonic() + STEP_DOWN_WINDOW_S
+
+    def _step_down_if_earlier(self) -> None:
+        """Two hosts took the coordinator over (the earlier one was slow to answer): the
+        agents register with the earlier, so the later one stops its own and follows."""
+        now = time.monotonic()
+        if not self._earlier or now > self._step_down_until or now < self._next_probe:
+            return
+        self._next_probe = now + PROBE_EVERY_S
+        earlier = self._first_answering(self._earlier)
+        if earlier is None or self.coordinator is None:
+            return
+        log.warning("an earlier host of the succession runs the coordinator: stopping ours")
+        self.coordinator.terminate()  # still among the processes that stop() reaps
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.coordinator.wait(timeout=5.0)
+        self.coordinator, self._earlier = None, []
+        self._restarts -= 1
+        self._follow(earlier)
 
     def _observe(self, status: JobStatus) -> None:
         self._silent_since = None
+        self._last_status = status
         super()._observe(status)
+        self._step_down_if_earlier()
 
     def _replenish(self, status: JobStatus) -> None:
         """Spares are replenished by starting spare hosts, not by this host."""

@@ -83,7 +83,7 @@ class LocalLauncher(Launcher):
         self._flushes: list[dict[str, Any]] = []
         self._restarts = 0  # coordinator restarts
         self._earlier_events: list[dict[str, Any]] = []  # failures seen by the coordinators before
-        self._coordinator_argv: list[str] = []
+        self._coordinator_where: list[str] = []  # where the coordinator listens (its flags)
         self._store_port = 0
         self._spares: list[subprocess.Popen[bytes]] = []  # every spare process started
         self._spare_node = -1
@@ -127,10 +127,10 @@ class LocalLauncher(Launcher):
             self.address,
         )
 
-    def _start_coordinator(self, where: list[str]) -> None:
-        """Start the job's coordinator (``where``: its --host/--port flags, if any)."""
-        spec, procs = self.spec, self.procs
-        world = spec.world
+    def _start_coordinator(self, where: list[str], restart: bool = False) -> None:
+        """Start the job's coordinator (``where``: its --host/--port flags, if any);
+        ``restart``: a coordinator that rebuilds a running job from its agents' reports."""
+        spec = self.spec
         argv = [
             sys.executable,
             "-m",
@@ -138,7 +138,7 @@ class LocalLauncher(Launcher):
             "--job",
             self.job,
             "--world-size",
-            str(world),
+            str(spec.world),
             "--heartbeat-timeout",
             str(spec.heartbeat_timeout),
         ]
@@ -146,7 +146,7 @@ class LocalLauncher(Launcher):
             argv += ["--replicas", str(spec.replicas)]
         if spec.min_nodes is not None:
             argv += ["--min-nodes", str(spec.min_nodes)]
-        if spec.spares:
+        if spec.spares and not restart:  # a restarted one counts the spares the agents report
             argv += ["--spares", str(spec.spares)]
         argv += ["--placement", spec.placement]
         if spec.racks:
@@ -155,14 +155,15 @@ class LocalLauncher(Launcher):
             argv += ["--persist", json.dumps(spec.persist)]
         if spec.record_digests:
             argv += ["--digests-file", os.path.join(self.rundir, "digests.txt")]
-        argv += where
-        self._coordinator_argv = argv
-        self.coordinator = procs.spawn(argv, procs.env(), ready=True)
-        procs.others.append(self.coordinator)
-        ready = procs.await_ready(self.coordinator, "coordinator")
+        self._coordinator_where = where
+        self.coordinator = self.procs.spawn([*argv, *where], self.procs.env(), ready=True)
+        self.procs.others.append(self.coordinator)
+        what = "restarted coordinator" if restart else "coordinator"
+        ready = self.procs.await_ready(self.coordinator, what)
         self.address = ready["address"]
         self._store_port = int(ready["store_port"])
-        self.rpc = RpcClient(self.address, self._secret, self.job)
+        if self.rpc is None:
+            self.rpc = RpcClient(self.address, self._secret, self.job)
 
     def _start_coordinator_at(self, endpoint: str) -> None:
         """Start the coordinator listening at ``endpoint`` (HOST:PORT), its process groups'
@@ -361,14 +362,11 @@ class LocalLauncher(Launcher):
         what they report; the ranks go on training meanwhile."""
         self._restarts += 1
         port = self.address.rpartition(":")[2]
-        argv = [*self._coordinator_argv, "--port", port, "--store-port", str(self._store_port)]
-        if "--spares" in argv:  # the spares it will count are those the agents report
-            i = argv.index("--spares")
-            del argv[i : i + 2]
         log.warning("the coordinator exited; restarting it (restart %d)", self._restarts)
-        self.coordinator = self.procs.spawn(argv, self.procs.env(), ready=True)
-        self.procs.others.append(self.coordinator)
-        self.procs.await_ready(self.coordinator, "restarted coordinator")
+        self._start_coordinator(
+            [*self._coordinator_where, "--port", port, "--store-port", str(self._store_port)],
+            restart=True,
+        )
 
     def _replenish(self, status: JobStatus) -> None:
         """Keep ``--spares`` spares in reserve, as a cluster's pool of hot spares does: one

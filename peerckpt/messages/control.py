@@ -446,6 +446,9 @@ class JobStatus(Message):
     spare_nodes: list[int] = field(default_factory=list)
     node_stats: dict[int, NodeStats] = field(default_factory=dict)
     replicas: int | None = None
+    # Every live node's agent (data address): where the coordinator moves if its host dies
+    # (``peerckpt/succession.py``); the hosts' launchers read it.
+    node_addrs: dict[int, str] = field(default_factory=dict)
 
 
 @message("Status")

@@ -15,10 +15,12 @@ from peerckpt.messages.control import (
     Done,
     EpochOpened,
     Heartbeat,
+    HeldCopy,
     ProcJoined,
     ProcLost,
     ProcReport,
     RegisterAgent,
+    RejoinState,
     Replicated,
     ReplicatedMany,
     Shutdown,
@@ -254,3 +256,42 @@ def test_a_report_stands_for_a_heartbeat_and_a_silent_node_is_still_lost() -> No
     c.check_heartbeats()
     assert c.registry.agents[0].alive
     assert not c.registry.agents[1].alive and not c.registry.agents[2].alive
+
+
+def test_a_coordinator_moved_off_a_dead_host_loses_its_nodes_once_the_others_are_back() -> None:
+    """Host 127.0.0.2 (node 0, ranks 0 and 1) died with the coordinator; the one started on
+    another host with moved_from rebuilds from nodes 1 and 2 and, as soon as both are back,
+    declares node 0 lost — not after the usual rebuild wait — and recovers its ranks on the
+    spares from node 1's copies."""
+    first = Coordinator("j", world_size=4, replicas=1, store_addr="127.0.0.2:1", spares=2)
+    for node in (0, 1):
+        first.register_agent(RegisterAgent(node, f"127.0.0.{node + 2}:1000"))
+    first.register_agent(RegisterAgent(2, "127.0.0.4:1000", spare_node=True))
+    for rank in range(4):
+        first.proc_joined(_rank(rank // 2, 100 + rank, rank))
+    for i in range(2):
+        first.proc_joined(_spare(2, 200 + i))
+    _commit(first, 0, 3)
+    members = first.epochs.membership
+    assert members is not None
+    moved = Coordinator(
+        "j", world_size=4, replicas=1, store_addr="127.0.0.3:1", moved_from="127.0.0.2"
+    )
+    held = [HeldCopy(rank, 3, 0, 10) for rank in range(4)]  # its own ranks and their buddies'
+    ranks = [ProcReport(100 + r, ProcRole.RANK, r) for r in (2, 3)]
+    moved.register_agent(
+        RegisterAgent(1, "127.0.0.3:1000", rejoin=RejoinState(members, 3, held, {}, ranks))
+    )
+    moved.check_heartbeats()
+    assert moved.registry.agents[0].alive, "node 2 is not back yet: keep waiting"
+    spares = [ProcReport(200 + i, ProcRole.SPARE, None) for i in range(2)]
+    moved.register_agent(
+        RegisterAgent(2, "127.0.0.4:1000", True, rejoin=RejoinState(members, 3, [], {}, spares))
+    )
+    moved.check_heartbeats()
+    assert not moved.registry.agents[0].alive
+    (event,) = moved.epochs.events
+    assert event.kind == "node" and "127.0.0.2 died with the job's coordinator" in event.reason
+    m = moved.epochs.membership
+    assert m is not None and m.epoch == 1 and m.restore_step == 3
+    assert {m.ranks[r].node for r in (0, 1)} == {2} and m.sources[0][0] == 1
