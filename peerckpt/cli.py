@@ -56,8 +56,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def _host_launcher(args: argparse.Namespace, spec: Any) -> Any:
     """This host's launcher of a multi-host job (``peerckpt/launch/host.py``)."""
+    from peerckpt.launch.addr import node_address
     from peerckpt.launch.host import HostLauncher, HostSpec
-    from peerckpt.launch.torchrun import node_address
     from peerckpt.secret import job_secret
 
     if args.nnodes is None or args.node_rank is None:

@@ -8,136 +8,24 @@ launcher's fault-free run of the same job (same ranks, same steps).
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import json
-import os
-import secrets
-import shutil
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
+from typing import Any
 
-import psutil
 import pytest
 
-from peerckpt.shm import SHM_DIR, segment_prefix
-
-from .conftest import JOBS, REPO, JobRun, job_name
-
-DEADLINE_S = 240.0
+from .conftest import JobRun, job_name
+from .hosts import Hosts, await_step
+from .test_reshard_jobs import _assert_ddp_restores_match
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def _hosts(out: Path, **kwargs: Any) -> Hosts:
+    return Hosts(out, job_name(), **kwargs)
 
 
-class Hosts:
-    """The launchers of one multi-host job, started one per simulated host."""
-
-    def __init__(self, out: Path, nnodes: int = 2, nproc: int = 2, steps: int = 30) -> None:
-        self.out = out
-        self.nnodes, self.nproc, self.steps = nnodes, nproc, steps
-        self.job = job_name()
-        self.endpoint = f"127.0.0.2:{_free_port('127.0.0.2')}"
-        self.env = dict(os.environ, PEERCKPT_SECRET=secrets.token_hex(32))
-        self.procs: dict[int, subprocess.Popen[str]] = {}
-        out.mkdir(parents=True, exist_ok=True)
-
-    def start(self, node_rank: int, *flags: str) -> subprocess.Popen[str]:
-        """Start host ``node_rank`` (address 127.0.0.<node_rank + 2>)."""
-        argv = [
-            sys.executable,
-            "-m",
-            "peerckpt",
-            "run",
-            "--nnodes",
-            str(self.nnodes),
-            "--node-rank",
-            str(node_rank),
-            "--rdzv-endpoint",
-            self.endpoint,
-            "--node-addr",
-            f"127.0.0.{node_rank + 2}",
-            "--nproc-per-node",
-            str(self.nproc),
-            "--job",
-            self.job,
-            "--report",
-            str(self.out / f"report{node_rank}.json"),
-            *flags,
-            str(JOBS / "ddp_job.py"),
-            str(self.out),
-            "--steps",
-            str(self.steps),
-        ]
-        proc = subprocess.Popen(
-            argv,
-            cwd=REPO,
-            env=self.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        self.procs[node_rank] = proc
-        return proc
-
-    def kill_host(self, node_rank: int) -> None:
-        """SIGKILL the host's launcher and everything it started, as a machine failure does."""
-        root = psutil.Process(self.procs[node_rank].pid)
-        tree = [root, *root.children(recursive=True)]
-        for proc in tree:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.kill()
-        psutil.wait_procs(tree, timeout=10)
-
-    def forget_dead_machine(self) -> None:
-        """Remove what a killed host left on its own disk and memory (its run directory and
-        shared-memory files), once the survivors have ended: on real machines they went with
-        the machine; here they share this one's /tmp and /dev/shm."""
-        for path in glob.glob(os.path.join(tempfile.gettempdir(), f"peerckpt-{self.job}-*")):
-            shutil.rmtree(path, ignore_errors=True)
-        for path in glob.glob(os.path.join(SHM_DIR, segment_prefix(self.job) + "*")):
-            os.unlink(path)
-        claims = os.path.join(tempfile.gettempdir(), f"peerckpt-{os.getuid()}", self.job + ".*")
-        for path in glob.glob(claims):  # host 0's claim on the job name (launch/jobfile.py)
-            os.unlink(path)
-
-    def wait(self) -> dict[int, tuple[int, str]]:
-        """Every host's exit status and log, bounded in time (a straggler is interrupted)."""
-        deadline = time.monotonic() + DEADLINE_S
-        done = {}
-        for rank, proc in self.procs.items():
-            try:
-                log, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGINT)
-                log, _ = proc.communicate(timeout=60)
-            done[rank] = (proc.returncode, log)
-            (self.out / f"host{rank}.log").write_text(log)
-        return done
-
-    def run(self, report_of: int = 0) -> JobRun:
-        path = self.out / f"report{report_of}.json"
-        report = json.loads(path.read_text()) if path.exists() else {}
-        return JobRun(self.procs[report_of].returncode, report, self.out, "")
-
-
-def _await_step(progress: Path, step: int) -> None:
-    """Wait (bounded) until a rank's progress file records ``step`` steps."""
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
-        if progress.exists() and len(progress.read_text().splitlines()) >= step:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{progress.name} never reached step {step}")
+def _run(hosts: Hosts, report_of: int = 0) -> JobRun:
+    return JobRun(hosts.procs[report_of].returncode, hosts.report(report_of), hosts.out, "")
 
 
 def _assert_bit_exact(run: JobRun, reference: JobRun, ranks: int = 4, steps: int = 30) -> None:
@@ -152,14 +40,14 @@ def test_a_rank_killed_on_one_host_is_replaced_from_a_spare_host(tmp_path, refer
     """Hosts 0 and 1 hold 2 ranks each, host 2 (--spare-host) 2 spares. Rank 2, on host 1,
     is killed at step 10: a spare on host 2 takes it, pulling its state from its buddy on
     another host; hosts 0 and 1 restore from their own memory."""
-    hosts = Hosts(tmp_path)
+    hosts = _hosts(tmp_path)
     hosts.start(0)
     hosts.start(2, "--spare-host")
     hosts.start(1, "--chaos", "kill rank=2 at=10")
     done = hosts.wait()
     for rank, (code, log) in done.items():
         assert code == 0, f"host {rank} failed:\n{log[-4000:]}"
-    run = hosts.run()
+    run = _run(hosts)
     _assert_bit_exact(run, reference_run)
     events = run.report["events"]
     assert len(events) == 1, json.dumps(events, indent=1)[:4000]
@@ -172,19 +60,25 @@ def test_a_rank_killed_on_one_host_is_replaced_from_a_spare_host(tmp_path, refer
 
 
 @pytest.mark.slow
-def test_a_host_killed_whole_is_replaced_by_a_spare_host(tmp_path, reference_run) -> None:
-    """SIGKILL to host 1's launcher and every process under it (agent, ranks) at step 12:
+@pytest.mark.parametrize("how", ["from outside", "by chaos"])
+def test_a_host_killed_whole_is_replaced_by_a_spare_host(tmp_path, reference_run, how) -> None:
+    """SIGKILL to host 1's launcher and every process under it (agent, ranks) at step 12 —
+    from outside, as a machine failure, or by ``--chaos 'kill node=1'`` given to host 1:
     host 2's spares take ranks 2 and 3 from their buddies' memory on host 0."""
-    hosts = Hosts(tmp_path, steps=30)
+    hosts = _hosts(tmp_path, steps=30)
     hosts.start(0)
     hosts.start(2, "--spare-host")
-    hosts.start(1)
-    _await_step(tmp_path / "rank2.jsonl", 12)
-    hosts.kill_host(1)
+    if how == "by chaos":
+        hosts.start(1, "--chaos", "kill node=1 at=12")
+    else:
+        hosts.start(1)
+        await_step(tmp_path / "rank2.jsonl", 12)
+        hosts.kill_host(1)
     done = hosts.wait()
     hosts.forget_dead_machine()
     assert done[0][0] == 0, done[0][1][-4000:]
-    run = hosts.run()
+    assert done[1][0] == -signal.SIGKILL
+    run = _run(hosts)
     _assert_bit_exact(run, reference_run)
     kinds = [e["kind"] for e in run.report["events"]]
     assert "node" in kinds
@@ -196,11 +90,11 @@ def test_the_coordinators_host_killed_moves_the_coordinator(tmp_path, reference_
     and 1 — at step 12: host 1, next in the succession, starts a coordinator at its own
     address, which rebuilds the job from the agents on hosts 1 and 2; host 0's node is then
     lost and host 2's spares take ranks 0 and 1 from their buddies' memory on host 1."""
-    hosts = Hosts(tmp_path, steps=30)
+    hosts = _hosts(tmp_path, steps=30)
     hosts.start(0)
     hosts.start(2, "--spare-host")
     hosts.start(1)
-    _await_step(tmp_path / "rank0.jsonl", 12)
+    await_step(tmp_path / "rank0.jsonl", 12)
     hosts.kill_host(0)
     done = hosts.wait()
     hosts.forget_dead_machine()
@@ -208,7 +102,54 @@ def test_the_coordinators_host_killed_moves_the_coordinator(tmp_path, reference_
         assert done[rank][0] == 0, f"host {rank} failed:\n{done[rank][1][-4000:]}"
     assert f"starting one at 127.0.0.3:{hosts.endpoint.rpartition(':')[2]}" in done[1][1]
     assert "the job's coordinator moved to 127.0.0.3" in done[2][1]
-    run = hosts.run(report_of=1)
+    run = _run(hosts, 1)
     _assert_bit_exact(run, reference_run)
     lost = [e for e in run.report["events"] if e["kind"] == "node"]
     assert lost and set(lost[-1]["ranks"]) == {0, 1}
+
+
+@pytest.mark.slow
+def test_a_host_killed_without_a_spare_shrinks_the_job(tmp_path) -> None:
+    """Two hosts of 2 ranks, --min-nodes 1, no spare host: host 1 SIGKILLed at step 6. The
+    job reshards its 4 ranks' committed state into 2 ranks on host 0, from host 0's own copies
+    of host 1's ranks, and every rank of the new world restores the committed step exactly."""
+    hosts = _hosts(tmp_path, steps=20)
+    hosts.start(0, "--min-nodes", "1")
+    hosts.start(1, "--min-nodes", "1")
+    await_step(tmp_path / "rank2.jsonl", 6)
+    hosts.kill_host(1)
+    done = hosts.wait()
+    hosts.forget_dead_machine()
+    assert done[0][0] == 0, done[0][1][-4000:]
+    _assert_ddp_restores_match(tmp_path, world=2, log=done[0][1])
+    run = _run(hosts)
+    [event] = run.report["events"]
+    assert event["kind"] == "node" and event["mode"] == "reshard" and event["shrunk_to"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["a host started", "chaos add node"])
+def test_a_host_started_later_grows_the_job(tmp_path, how) -> None:
+    """A one-host job of 2 ranks grows to 4: a second host started with --node-rank 1 (beyond
+    --nnodes 1, no --spare-host) joins with 2 ranks, or ``--chaos 'add node'`` on host 0
+    starts one more node there; the newcomers pull their share of the committed state from
+    node 0."""
+    hosts = _hosts(
+        tmp_path,
+        nnodes=1,
+        script_args=("--steps", "2000", "--sleep", "0.02", "--until-world", "4"),
+    )
+    if how == "a host started":
+        hosts.start(0)
+        await_step(tmp_path / "rank0.jsonl", 5)
+        hosts.start(1)
+    else:
+        hosts.start(0, "--chaos", "add node at=5")
+    done = hosts.wait()
+    for rank, (code, log) in done.items():
+        assert code == 0, f"host {rank} failed:\n{log[-4000:]}"
+    _assert_ddp_restores_match(tmp_path, world=4, log=done[0][1])
+    [event] = _run(hosts).report["events"]
+    assert event["kind"] == "grow" and event["grown_to"] == 4
+    newcomers = [p for p in event["pulls"] if p["rank"] >= 2]
+    assert newcomers and all(p["source"] == 0 and p["bytes"] > 0 for p in newcomers)

@@ -18,24 +18,33 @@ Every host's launcher watches the job through the coordinator and stops its own 
 when the job ends; each writes the job's report. If the coordinator's host dies, the next
 host of the job's succession (``peerckpt/succession.py``) starts a coordinator at its own
 address and the same port, which rebuilds the job from the agents' reports; the dead host's
-nodes are then lost nodes, recovered as any others. Not built yet: the chaos actions that
-need the launcher of another host (``kill node``, ``add node``); ``kill rank`` works on the
-host that holds the rank.
+nodes are then lost nodes, recovered as any others.
+
+Chaos: each host causes its own faults. ``kill node=I`` given to host I's launcher fails that
+host whole (every process of it, the launcher too, SIGKILL); ``add node`` starts one more
+node on the host that runs the action; ``kill rank=R`` works on the host that holds rank R;
+``kill coordinator`` on host 0.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import shutil
+import signal
 import subprocess
 import time
 from dataclasses import dataclass, replace
+
+import psutil
 
 from peerckpt.errors import ConfigurationError, PeerckptError
 from peerckpt.launch.base import JobSpec
 from peerckpt.launch.local import LocalLauncher
 from peerckpt.messages.control import JobStatus, SparesStarting, Status
 from peerckpt.rpc import RpcClient
+from peerckpt.shm import sweep
 from peerckpt.states import JobState
 from peerckpt.succession import STEP_DOWN_WINDOW_S, join, split, succession, takeover_after
 
@@ -94,6 +103,7 @@ class HostLauncher(LocalLauncher):
             claim=host.runs_coordinator,
         )
         self.host = host
+        self._check_chaos()
         self._silent_since: float | None = None
         self._next_probe = 0.0
         self._last_status: JobStatus | None = None
@@ -112,7 +122,7 @@ class HostLauncher(LocalLauncher):
             self._await_coordinator()
         assert self.rpc is not None
         n = host.node_rank
-        flags = ["--host", host.node_addr]
+        flags = self._agent_flags()
         if host.spare_host:
             flags.append("--spare-node")
         elif host.grows:
@@ -144,6 +154,46 @@ class HostLauncher(LocalLauncher):
             role,
             self.address,
         )
+
+    def _agent_flags(self) -> list[str]:
+        return ["--host", self.host.node_addr]
+
+    def _check_chaos(self) -> None:
+        """A host's launcher causes only its own host's machine-level faults: say so before
+        anything starts, not when the action comes due."""
+        me = self.host.node_rank
+        for action in self.chaos.actions if self.chaos is not None else []:
+            mine = action.of_rank is not None or action.target == me
+            if action.kind in ("kill_node", "kill_agent") and not mine:
+                raise ConfigurationError(
+                    f"--chaos '{action.text}': this is host {me}; give it to the "
+                    f"peerckpt run of host {action.target} (each host causes its own faults)"
+                )
+            if action.kind == "kill_coordinator" and not self.host.runs_coordinator:
+                raise ConfigurationError(
+                    f"--chaos '{action.text}': the coordinator runs on host 0; give it there"
+                )
+
+    # -- machine-level faults of this host (``Launcher``) ----------------------------------
+    def kill_node(self, node: int) -> None:
+        """``kill node=N`` on host N: the host fails whole, as a machine does. Every process
+        this launcher started (the coordinator too, if it runs here) and the launcher itself
+        are SIGKILLed; its shared memory and run directory go first, as they would with the
+        machine. The other hosts recover the job."""
+        if node != self.host.node_rank:
+            log.error("chaos: node %d is not on this host; action skipped", node)
+            return
+        log.warning("chaos: host %d (%s) fails whole: SIGKILL", node, self.host.node_addr)
+        tree = psutil.Process().children(recursive=True)
+        for proc in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        psutil.wait_procs(tree, timeout=10.0)
+        sweep(self.job, self.run_id)
+        shutil.rmtree(self.rundir, ignore_errors=True)
+        if self._claim is not None:
+            self._claim.release()
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def _await_coordinator(self) -> None:
         """Wait (up to the start timeout) until the coordinator on host 0 answers."""

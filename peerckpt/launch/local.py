@@ -18,7 +18,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -30,7 +29,7 @@ from peerckpt.faults import ENV as FAULTS_ENV
 from peerckpt.launch.base import JobResult, JobSpec, Launcher
 from peerckpt.launch.jobfile import JobClaim
 from peerckpt.launch.monitor import JobMonitor, MonitorServer
-from peerckpt.launch.processes import ProcessSet
+from peerckpt.launch.processes import ProcessSet, coordinator_argv
 from peerckpt.launch.progress import RecoveryProgress
 from peerckpt.launch.view import JobView
 from peerckpt.messages import encode
@@ -131,30 +130,19 @@ class LocalLauncher(Launcher):
         """Start the job's coordinator (``where``: its --host/--port flags, if any);
         ``restart``: a coordinator that rebuilds a running job from its agents' reports."""
         spec = self.spec
-        argv = [
-            sys.executable,
-            "-m",
-            "peerckpt.recovery.server",
-            "--job",
+        argv = coordinator_argv(
             self.job,
-            "--world-size",
-            str(spec.world),
-            "--heartbeat-timeout",
-            str(spec.heartbeat_timeout),
-        ]
-        if spec.replicas is not None:
-            argv += ["--replicas", str(spec.replicas)]
-        if spec.min_nodes is not None:
-            argv += ["--min-nodes", str(spec.min_nodes)]
-        if spec.spares and not restart:  # a restarted one counts the spares the agents report
-            argv += ["--spares", str(spec.spares)]
-        argv += ["--placement", spec.placement]
-        if spec.racks:
-            argv += ["--racks", json.dumps(spec.racks)]
-        if spec.persist:
-            argv += ["--persist", json.dumps(spec.persist)]
-        if spec.record_digests:
-            argv += ["--digests-file", os.path.join(self.rundir, "digests.txt")]
+            spec.world,
+            heartbeat_timeout=spec.heartbeat_timeout,
+            replicas=spec.replicas,
+            min_nodes=spec.min_nodes,
+            # a restarted one counts the spares the agents report
+            spares=spec.spares if spec.spares and not restart else None,
+            placement=spec.placement,
+            racks=json.dumps(spec.racks) if spec.racks else None,
+            persist=json.dumps(spec.persist) if spec.persist else None,
+            digests_file=os.path.join(self.rundir, "digests.txt") if spec.record_digests else None,
+        )
         self._coordinator_where = where
         self.coordinator = self.procs.spawn([*argv, *where], self.procs.env(), ready=True)
         self.procs.others.append(self.coordinator)
@@ -208,12 +196,18 @@ class LocalLauncher(Launcher):
         assert self.rpc is not None
         n = self.rpc.call(AllocateNode()).node
         count = self.spec.nproc_per_node
-        node = self.procs.start_agent(n, self.address, ["--joining", str(count)])
+        node = self.procs.start_agent(
+            n, self.address, [*self._agent_flags(), "--joining", str(count)]
+        )
         self.procs.await_ready(node.agent, f"agent of node {n}")
         for _ in range(count):
             self.procs.start_proc(n, "joiner")
         log.info("node %d is joining the job with %d rank(s)", n, count)
         return n
+
+    def _agent_flags(self) -> list[str]:
+        """Flags every agent this launcher starts gets (where it binds, on several hosts)."""
+        return []
 
     # -- running --------------------------------------------------------------------------
     def run(self) -> JobResult:

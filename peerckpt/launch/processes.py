@@ -221,3 +221,17 @@ def wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
     for proc in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def coordinator_argv(job: str, world_size: int, **flags: object) -> list[str]:
+    """The coordinator's command line (``recovery/server.py``): ``flags`` as ``--name value``
+    (underscores become dashes; None is left out, True is a bare flag)."""
+    argv = [sys.executable, "-m", "peerckpt.recovery.server", "--job", job]
+    argv += ["--world-size", str(world_size)]
+    for name, value in flags.items():
+        if value is None or value is False:
+            continue
+        argv.append("--" + name.replace("_", "-"))
+        if value is not True:
+            argv.append(str(value))
+    return argv

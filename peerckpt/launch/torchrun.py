@@ -29,15 +29,15 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 from datetime import timedelta
 from typing import Any
 
-from peerckpt.errors import ConfigurationError, PeerckptError
-from peerckpt.launch.processes import ProcessSet
+from peerckpt.errors import PeerckptError
+from peerckpt.launch.addr import node_address
+from peerckpt.launch.processes import ProcessSet, coordinator_argv
 from peerckpt.messages import encode
 from peerckpt.messages.control import AllocateNode, JobStatus, Status, Stop
 from peerckpt.names import new_run_id
@@ -54,23 +54,6 @@ STORE_TIMEOUT_S = 300.0  # how long a host waits for the coordinator's address
 def coordinator_key(job: str) -> str:
     """Where the coordinator's address is published in torchrun's store."""
     return f"peerckpt/{job}/coordinator"
-
-
-def node_address(store_host: str) -> str:
-    """This host's address for peer agents: ``PEERCKPT_NODE_ADDR`` if set, else the source
-    address of a route to torchrun's store (the interface that reaches the other hosts)."""
-    given = os.environ.get("PEERCKPT_NODE_ADDR")
-    if given:
-        return given
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((store_host, 9))  # UDP: no packet is sent, only a route chosen
-        except OSError as exc:
-            raise ConfigurationError(
-                f"cannot find this host's address towards {store_host} ({exc}); set "
-                "PEERCKPT_NODE_ADDR to the address other hosts reach this one on"
-            ) from None
-        return str(s.getsockname()[0])
 
 
 def min_nodes_of(launcher_pid: int) -> int | None:
@@ -150,24 +133,15 @@ class HostSupervisor:
         log.info("node %d (%s) of job %s is up; coordinator %s", self.node, addr, self.job, address)
 
     def _start_coordinator(self, addr: str) -> str:
-        argv = [
-            sys.executable,
-            "-m",
-            "peerckpt.recovery.server",
-            "--job",
+        argv = coordinator_argv(
             self.job,
-            "--world-size",
-            str(self.args.world_size),
-            "--host",
-            addr,
-            "--restart-based",
-        ]
-        timeout = os.environ.get("PEERCKPT_HEARTBEAT_TIMEOUT")
-        if timeout:  # how long a silent host is given before it is declared lost
-            argv += ["--heartbeat-timeout", timeout]
-        low = min_nodes_of(self.args.launcher_pid)
-        if low is not None:
-            argv += ["--min-nodes", str(low)]
+            self.args.world_size,
+            host=addr,
+            restart_based=True,
+            # how long a silent host is given before it is declared lost
+            heartbeat_timeout=os.environ.get("PEERCKPT_HEARTBEAT_TIMEOUT") or None,
+            min_nodes=min_nodes_of(self.args.launcher_pid),
+        )
         self.coordinator = self.procs.spawn(argv, self.procs.env(), ready=True)
         ready = self.procs.await_ready(self.coordinator, "coordinator")
         return str(ready["address"])

@@ -38,3 +38,40 @@ def test_a_multi_host_job_needs_its_name(tmp_path) -> None:
     host = HostSpec(2, 1, "10.0.0.1:29400", "10.0.0.3")
     with pytest.raises(ConfigurationError, match="needs --job NAME"):
         HostLauncher(JobSpec(script=str(script)), host, b"s" * 32)
+
+
+@pytest.mark.parametrize(
+    ("chaos", "node_rank", "message"),
+    [
+        ("kill node=0 at=5", 1, "this is host 1; give it to the peerckpt run of host 0"),
+        ("kill agent node=2 at=5", 1, "give it to the peerckpt run of host 2"),
+        ("kill coordinator at=5", 1, "the coordinator runs on host 0"),
+    ],
+)
+def test_a_host_refuses_chaos_for_another_host_before_starting(
+    tmp_path, chaos: str, node_rank: int, message: str
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    host = HostSpec(2, node_rank, "10.0.0.1:29400", "10.0.0.3")
+    with pytest.raises(ConfigurationError, match=message):
+        HostLauncher(JobSpec(script=str(script), job="j", chaos=chaos), host, b"s" * 32)
+
+
+def test_a_host_takes_its_own_node_faults_and_ranks_anywhere(tmp_path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    host = HostSpec(2, 1, "10.0.0.1:29400", "10.0.0.3")
+    chaos = "kill node=1 at=5; kill rank=0 at=6; add node at=7; kill node=@3 at=8"
+    launcher = HostLauncher(JobSpec(script=str(script), job="j", chaos=chaos), host, b"s" * 32)
+    assert launcher.chaos is not None and len(launcher.chaos.actions) == 4
+    launcher.stop()
+
+
+def test_the_coordinators_command_line_leaves_out_what_is_unset() -> None:
+    from peerckpt.launch.processes import coordinator_argv
+
+    argv = coordinator_argv("j", 4, min_nodes=None, restart_based=True, moved_from="10.0.0.1")
+    assert argv[argv.index("--job") + 1] == "j" and argv[argv.index("--world-size") + 1] == "4"
+    assert "--min-nodes" not in argv and "--restart-based" in argv
+    assert argv[argv.index("--moved-from") + 1] == "10.0.0.1"
