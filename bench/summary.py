@@ -35,6 +35,7 @@ ORDER = [
     "flush",
     "planner",
     "coordinator",
+    "hosts",
 ]
 
 # figure key (regular expression) → how the row reads, and how its value is written
@@ -45,6 +46,8 @@ LABELS: list[tuple[str, str, str]] = [
     (r"speedup_vs_dcp_(\w+)", "recovery of one rank, {0}: DCP restart time / peerckpt", "times"),
     (r"peerckpt_s_(\w+)", "recovery of one rank, {0}: kill → every rank stepping", "seconds"),
     (r"overhead_ratio", "host memory / 2·(1+k)·S per rank", "ratio"),
+    (r"hosts_vs_local", "a rank killed, 3 hosts: kill → stepping / the local launcher's", "ratio"),
+    (r"moved_s", "the coordinator's host killed: kill → every rank stepping", "seconds"),
     (
         r"coordinator_commit_p99_(\d+)x(\d+)",
         "one coordinator, {0} nodes × {1} ranks, a step a second: last report → commit seen, p99",
