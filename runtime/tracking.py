@@ -29,6 +29,7 @@ from peerckpt.manifest import META_KEY, ChunkRecord
 from peerckpt.messages.local import RankResumed, ReleaseStaging, WantChunks
 from peerckpt.runtime import capture
 from peerckpt.runtime.audit import FirstStepWatch
+from peerckpt.runtime.live import LiveState
 from peerckpt.runtime.restore import (
     ChunkSource,
     OldLayout,
@@ -94,6 +95,7 @@ class EpochTracking:
         check: Callable[[], None],
         staging: Callable[[int, int], tuple[str, list[ChunkRecord]]],
         audit: AuditOnce,
+        live: LiveState,
         started_job: bool,
     ) -> None:
         self.assignment = assignment
@@ -101,6 +103,7 @@ class EpochTracking:
         self.check = check  # raises MembershipChanged once the epoch has ended
         self._staging = staging  # (epoch, round) → the gathered segment's path and chunks
         self._audit = audit
+        self.live = live  # the process's live tensors: a survivor restores from them
         self._started_job = started_job  # a rank of the first epoch, not a spare
         self.tracked: dict[str, Any] = {}
         self.step: int | None = None  # the step the loop is in (for log records)
@@ -137,7 +140,7 @@ class EpochTracking:
         slot = self.engine.slot_tensor(a.restore_slot)
         source = ChunkSource(a.chunks, slot=slot)
         meta = read_meta(slot, next(c for c in a.chunks if c.key == META_KEY))
-        restore_objects(
+        adopted = restore_objects(
             state,
             self.tracked,
             source,
@@ -146,10 +149,17 @@ class EpochTracking:
             rank=a.rank,
             world_size=a.world_size,
             resharded=False,
+            alive=self.live.usable(a.rank, a.world_size, a.restore_step),
         )
         self._watching().ddp.restore(meta.get("ddp", {}))
         self._restored = meta
-        log.info("restored %s from step %d in %s", sorted(state), meta["step"], cost.summary())
+        log.info(
+            "restored %s from step %d in %s; %d bytes were still live (not copied)",
+            sorted(state),
+            meta["step"],
+            cost.summary(),
+            adopted,
+        )
 
     def _restore_resharded(self, state: dict[str, Any]) -> None:
         """Restore ``state`` into this epoch's new layout: say which boxes this rank needs,
@@ -206,6 +216,7 @@ class EpochTracking:
 
     def _before_optimizer_step(self, *args: Any) -> None:
         self.engine.guard_step()
+        self.live.dirty()  # the step runs now: the live tensors leave the captured step
 
     def steps(self, total: int) -> Iterator[int]:
         a = self.assignment
@@ -226,7 +237,9 @@ class EpochTracking:
             yield step
             self.check()
             extra = {"ddp": watch.ddp.layouts() if watch is not None else {}}
-            self.engine.take(step, capture.capture(self.tracked, step, extra))
+            captured = capture.capture(self.tracked, step, extra)
+            self.live.captured(a.rank, a.world_size, step, captured)
+            self.engine.take(step, captured)
             if step == start and watch is not None:
                 self._audit.pending = self._audit.pending and not watch.audit
                 watch.finish()  # the first snapshot: the hooks go, the audit speaks
