@@ -85,6 +85,7 @@ class RankRuntime:
         self._staging: dict[tuple[int, int], tuple[str, list[ChunkRecord]]] = {}
         self._initial_rng = capture.capture_rng()
         self.live = LiveState()  # what the live tensors hold: a survivor restores from them
+        self.policy = config.snapshot_policy()  # when to snapshot (runtime/policy.py)
         RankFilter.runtime = self
         if self.state is RankState.SPARE:
             self._warm_up()  # before saying hello: a spare is chosen only once it is ready
@@ -308,6 +309,7 @@ class RankRuntime:
                 self._wait_staging,
                 self._audit,
                 self.live,
+                self.policy,
                 started_job=self.env.role is ProcRole.RANK,
             )
             # Under the lock: an abort notice is either seen above or cuts what this opens.

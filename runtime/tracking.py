@@ -1,4 +1,4 @@
-"""What ``Context.track`` and ``Context.steps`` do in a rank: restore, then snapshot each step.
+"""What ``Context.track`` and ``Context.steps`` do in a rank: restore, then snapshot the steps.
 
 One :class:`EpochTracking` per epoch a process joins (``RankRuntime._join`` makes it, its
 ``close`` removes its hooks when the epoch is left). ``track`` registers the objects and, when
@@ -30,6 +30,7 @@ from peerckpt.messages.local import RankResumed, ReleaseStaging, WantChunks
 from peerckpt.runtime import capture
 from peerckpt.runtime.audit import FirstStepWatch
 from peerckpt.runtime.live import LiveState
+from peerckpt.runtime.policy import SnapshotPolicy
 from peerckpt.runtime.restore import (
     ChunkSource,
     OldLayout,
@@ -96,6 +97,7 @@ class EpochTracking:
         staging: Callable[[int, int], tuple[str, list[ChunkRecord]]],
         audit: AuditOnce,
         live: LiveState,
+        policy: SnapshotPolicy,
         started_job: bool,
     ) -> None:
         self.assignment = assignment
@@ -104,6 +106,7 @@ class EpochTracking:
         self._staging = staging  # (epoch, round) → the gathered segment's path and chunks
         self._audit = audit
         self.live = live  # the process's live tensors: a survivor restores from them
+        self.policy = policy  # when to snapshot, agreed once per job (runtime/policy.py)
         self._started_job = started_job  # a rank of the first epoch, not a spare
         self.tracked: dict[str, Any] = {}
         self.step: int | None = None  # the step the loop is in (for log records)
@@ -231,20 +234,38 @@ class EpochTracking:
             start = a.restore_step + 1
         self._resumed(start)
         watch = self._watch  # None when nothing was tracked in this epoch
+        policy = self.policy
+        policy.begin_epoch(start, (self._restored or {}).get("every"))
         for step in range(start, total):
             self.check()
+            if policy.ready(step):
+                self._agree_interval()
             self.step = step
+            began = time.perf_counter()
             yield step
             self.check()
-            extra = {"ddp": watch.ddp.layouts() if watch is not None else {}}
-            captured = capture.capture(self.tracked, step, extra)
-            self.live.captured(a.rank, a.world_size, step, captured)
-            self.engine.take(step, captured)
+            if policy.due(step):
+                extra: dict[str, Any] = {"ddp": watch.ddp.layouts() if watch is not None else {}}
+                if policy.every is not None:
+                    extra["every"] = policy.every
+                captured = capture.capture(self.tracked, step, extra)
+                self.live.captured(a.rank, a.world_size, step, captured)
+                self.engine.take(step, captured)
+            policy.record(step, time.perf_counter() - began)
             if step == start and watch is not None:
                 self._audit.pending = self._audit.pending and not watch.audit
-                watch.finish()  # the first snapshot: the hooks go, the audit speaks
+                watch.finish()  # the first step is done: the hooks go, the audit speaks
             if self.engine.committed_step is not None and self.engine.committed_step >= start:
                 self.pg.release_retired()  # this epoch committed: the old groups are idle
+
+    def _agree_interval(self) -> None:
+        """Choose the snapshot interval from this rank's measurements, and agree with every
+        rank on the largest choice (a collective at the same step on every rank)."""
+        mine = self.policy.local_choice()
+        every = torch.tensor([mine.every], dtype=torch.int64)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(every, op=torch.distributed.ReduceOp.MAX)
+        self.policy.agree(int(every.item()), mine)
 
     def _resumed(self, start: int) -> None:
         if self._resumed_sent:

@@ -83,4 +83,4 @@ if __name__ == "__main__":
     parser.add_argument("--every", type=int, default=None, help="resilient(every=N)")
     parser.add_argument("--overhead", type=float, default=None, help="resilient(overhead=F)")
     args = parser.parse_args()
-    peerckpt.resilient()(run)(args)
+    peerckpt.resilient(every=args.every, overhead=args.overhead or 0.05)(run)(args)
