@@ -13,10 +13,15 @@ runtime's own step counter, never by comparing bytes:
   step s;
 * ``dirty`` (the optimizer step pre-hook, once the step is going to run) says they no longer
   do — an optimizer step that starts may stop half way;
-* ``usable`` (the next epoch, restoring step s in the same topology, as the same rank)
-  hands them to the restore, which makes the new objects use them (``restore.adopt``) instead
-  of copying. Anything else forgets them, so that their memory is free before the new model is
-  built.
+* ``usable`` (the next epoch, restoring in the same topology as the same rank) hands them to
+  the restore. If they hold the restored step, the new objects use them (``adopt``) and no
+  byte is copied; if not (an optimizer step ran since), the restore copies the slot into them
+  — memory that is already touched, where the new objects' is not — and the new objects use
+  them all the same. A restore into another topology, or none, forgets them, so that their
+  memory is free before new objects are built.
+
+The price: a survivor holds its old tensors while the function builds its new objects (until
+``ctx.track``), twice the state for that moment.
 
 This module owns that bookkeeping only; it never copies, and never decides what is restored.
 """
@@ -49,26 +54,21 @@ class LiveState:
             self._tensors = {t.key: t.tensor for t in captured.tensors if t.live}
 
     def dirty(self) -> None:
-        """The live tensors are about to change (an optimizer step runs)."""
+        """The live tensors are about to change (an optimizer step runs); they are still the
+        live ones, holding no known step."""
         with self._lock:
             self.step = None
-            self._tensors = {}
 
-    def usable(self, rank: int, world_size: int, step: int | None) -> dict[str, torch.Tensor]:
-        """The live tensors by chunk key if they hold ``step`` of ``rank`` in a world of
-        ``world_size`` (a restore in the same topology); otherwise forget them and return
-        nothing. Either way they are kept no longer than the caller holds the result."""
+    def usable(
+        self, rank: int, world_size: int, step: int | None
+    ) -> tuple[dict[str, torch.Tensor], bool]:
+        """The live tensors by chunk key, and whether they hold ``step``, for a restore of
+        ``rank`` in a world of ``world_size`` in the same topology (``step`` None: none);
+        for anything else, nothing: they are forgotten."""
         with self._lock:
-            ok = (
-                step is not None
-                and self.step == step
-                and self.rank == rank
-                and self.world_size == world_size
-            )
-            tensors = self._tensors if ok else {}
-            if not ok:
+            if step is None or self.rank != rank or self.world_size != world_size:
                 self.step, self._tensors = None, {}
-            return dict(tensors)
+            return dict(self._tensors), step is not None and self.step == step
 
     def keep_for(self, rank: int, world_size: int, step: int | None) -> None:
         """A new epoch begins: keep the references only if its restore can use them (step
@@ -79,7 +79,8 @@ class LiveState:
 
     def forget(self) -> None:
         """Drop the references (their memory goes with the old objects)."""
-        self.dirty()
+        with self._lock:
+            self.step, self._tensors = None, {}
 
 
 def _whole(t: torch.Tensor) -> bool:
@@ -92,23 +93,33 @@ def _whole(t: torch.Tensor) -> bool:
     )
 
 
+def _target(owner: Any) -> Any:
+    # a DTensor's shard itself (its to_local() is another tensor object)
+    return owner._local_tensor if is_dtensor(owner) else owner
+
+
+def adoptable(owner: Any, live: torch.Tensor | None) -> bool:
+    """Whether ``owner`` (a parameter or buffer object, or a DTensor parameter) can use
+    ``live``'s memory instead of its own: not with another shape, dtype, device or layout,
+    nor where either is a view into a larger buffer."""
+    dst = _target(owner)
+    return (
+        live is not None
+        and isinstance(dst, torch.Tensor)
+        and dst.shape == live.shape
+        and dst.dtype == live.dtype
+        and dst.device == live.device
+        and _whole(dst)
+        and _whole(live)
+    )
+
+
 def adopt(owner: Any, live: torch.Tensor) -> bool:
-    """Make ``owner`` (a parameter or buffer object, or a DTensor parameter's local shard) use
-    ``live``'s memory instead of its own, without copying; False (nothing changed) where that
-    is not safe: another shape, dtype, device or layout, or either is a view into a larger
-    buffer. The caller copies then, as before."""
-    dst: Any = owner
-    if is_dtensor(owner):
-        dst = owner._local_tensor  # the shard itself (to_local() is another tensor object)
-    if (
-        not isinstance(dst, torch.Tensor)
-        or dst.shape != live.shape
-        or dst.dtype != live.dtype
-        or dst.device != live.device
-        or not _whole(dst)
-        or not _whole(live)
-    ):
+    """Make ``owner`` use ``live``'s memory instead of its own, without copying; False
+    (nothing changed) where that is not safe (``adoptable``): the caller copies then."""
+    if not adoptable(owner, live):
         return False
+    dst = _target(owner)
     if dst.data_ptr() != live.data_ptr():
         with torch.no_grad():
             dst.set_(live.untyped_storage(), 0, live.shape, live.stride())

@@ -303,6 +303,7 @@ def restore_objects(
     world_size: int,
     resharded: bool,
     alive: dict[str, torch.Tensor] | None = None,
+    clean: bool = False,
 ) -> int:
     """Load the objects of ``tracked`` from ``source``; return how many bytes were taken
     from ``alive`` instead of copied.
@@ -310,9 +311,10 @@ def restore_objects(
     ``metas``: every old rank's decoded blob (only this rank's own, in the same topology);
     ``primary``: the old rank whose copy of replicated non-tensor state (optimizer settings,
     schedulers, RNG) this rank takes — itself when it survived, else ``rank % old world``.
-    ``alive``: tensors of this process that hold exactly the restored step, by chunk key
-    (``runtime/live.py``): parameters and buffers are re-pointed at them and optimizer state
-    is them, with no copy.
+    ``alive``: this process's live tensors by chunk key (``runtime/live.py``): parameters
+    and buffers are re-pointed at them and optimizer state is them. ``clean``: they hold the
+    restored step, nothing is copied; otherwise the slot is copied into them first (memory
+    already touched, where the new objects' is not).
     """
     meta, step = metas[primary], metas[primary]["step"]
     alive = alive or {}
@@ -324,21 +326,21 @@ def restore_objects(
             return None
         if tensor.dtype != dtype_of(record.dtype):
             return None
+        if clean:
+            adopted[0] += record.nbytes
+        else:
+            source.copy_into(tensor, key, primary, key)
         return tensor, record
 
     def adopt(owner: torch.Tensor | None, key: str) -> bool:
-        found = held(key) if owner is not None else None
-        if found is None or owner is None or not live.adopt(owner, found[0]):
+        if owner is None or not live.adoptable(owner, alive.get(key)):
             return False
-        adopted[0] += found[1].nbytes
-        return True
+        found = held(key)
+        return found is not None and live.adopt(owner, found[0])
 
     def chunk(key: str) -> tuple[torch.Tensor, ChunkRecord]:
-        found = held(key)
-        if found is not None:  # the live tensor itself: the new optimizer takes it over
-            adopted[0] += found[1].nbytes
-            return found
-        return source.read(key, primary)
+        # The live tensor itself, if any: the new optimizer takes it over.
+        return held(key) or source.read(key, primary)
 
     def tensor(key: str) -> torch.Tensor:
         return source.read(key, primary)[0]

@@ -143,6 +143,7 @@ class EpochTracking:
         slot = self.engine.slot_tensor(a.restore_slot)
         source = ChunkSource(a.chunks, slot=slot)
         meta = read_meta(slot, next(c for c in a.chunks if c.key == META_KEY))
+        alive, clean = self.live.usable(a.rank, a.world_size, a.restore_step)
         adopted = restore_objects(
             state,
             self.tracked,
@@ -152,16 +153,19 @@ class EpochTracking:
             rank=a.rank,
             world_size=a.world_size,
             resharded=False,
-            alive=self.live.usable(a.rank, a.world_size, a.restore_step),
+            alive=alive,
+            clean=clean,
         )
         self._watching().ddp.restore(meta.get("ddp", {}))
         self._restored = meta
         log.info(
-            "restored %s from step %d in %s; %d bytes were still live (not copied)",
+            "restored %s from step %d in %s; %d bytes were still live (not copied), %d "
+            "tensors of the old objects reused",
             sorted(state),
             meta["step"],
             cost.summary(),
             adopted,
+            len(alive),
         )
 
     def _restore_resharded(self, state: dict[str, Any]) -> None:

@@ -24,11 +24,12 @@ def _objects(seed: int = 0) -> dict:
     return {"model": model, "optim": optim, "ema": torch.full((5,), float(seed))}
 
 
-def _restore(objs: dict, slot: torch.Tensor, chunks: list, alive: dict) -> int:
+def _restore(objs: dict, slot: torch.Tensor, chunks: list, usable: tuple[dict, bool]) -> int:
     meta = restore.read_meta(slot, chunks[-1])
     source = restore.ChunkSource(chunks, slot=slot)
+    alive, clean = usable
     return restore.restore_objects(
-        objs, objs, source, {0: meta}, 0, 0, 1, resharded=False, alive=alive
+        objs, objs, source, {0: meta}, 0, 0, 1, resharded=False, alive=alive, clean=clean
     )
 
 
@@ -63,35 +64,36 @@ def test_a_survivor_adopts_its_live_tensors_and_copies_nothing() -> None:
     assert new["model"][1].running_mean.data_ptr() != old["model"][1].running_mean.data_ptr()
 
 
-def test_an_optimizer_step_after_the_snapshot_makes_the_live_tensors_unusable() -> None:
+def test_after_an_optimizer_step_the_slot_is_copied_into_the_old_tensors() -> None:
     old = _objects()
     _step(old)
     state, slot, chunks = _captured_state(old, step=1)
     expected = _state(old)
     state.dirty()  # what the optimizer pre-hook says before the step runs
     _step(old)
-    alive = state.usable(0, 1, 1)
-    assert alive == {}
+    assert any(not torch.equal(v, expected[k]) for k, v in _state(old).items())
+    alive, clean = state.usable(0, 1, 1)
+    assert alive and not clean
+    pointers = [p.data_ptr() for p in old["model"].parameters()]
     new = _objects(seed=1)
-    assert _restore(new, slot, chunks, alive) == 0
+    assert _restore(new, slot, chunks, (alive, clean)) == 0  # every byte copied
     _assert_same(_state(new), expected)
+    assert [p.data_ptr() for p in new["model"].parameters()] == pointers  # into touched memory
 
 
-def test_live_tensors_serve_only_the_step_rank_and_world_they_hold() -> None:
+def test_live_tensors_serve_only_the_rank_and_world_they_belong_to() -> None:
     old = _objects()
     _step(old)
     state, _, _ = _captured_state(old, step=1)
-    assert state.usable(0, 1, 2) == {}  # another step is restored: forgotten at once
-    assert state.usable(0, 1, 1) == {}
+    assert state.usable(0, 1, 2)[1] is False  # another step: kept, to be copied into
+    assert state.usable(0, 1, 1)[1] is True
+    assert state.usable(1, 1, 1) == ({}, False)  # another rank: forgotten
+    assert state.usable(0, 1, 1) == ({}, False)
     state, _, _ = _captured_state(old, step=1)
-    assert state.usable(1, 1, 1) == {} and state.usable(0, 1, 1) == {}
-    state, _, _ = _captured_state(old, step=1)
-    assert state.usable(0, 2, 1) == {}
+    assert state.usable(0, 2, 1) == ({}, False)
     state, _, _ = _captured_state(old, step=1)
     state.keep_for(0, 1, None)  # the next epoch restores nothing in the same topology
-    assert state.usable(0, 1, 1) == {}
-    state, _, _ = _captured_state(old, step=1)
-    assert len(state.usable(0, 1, 1)) > 0 and len(state.usable(0, 1, 1)) > 0
+    assert state.usable(0, 1, 1) == ({}, False)
 
 
 def test_a_view_into_a_larger_buffer_is_copied_into_never_re_pointed() -> None:
