@@ -41,7 +41,11 @@ def _steps(out: Path, world: int) -> dict[int, list[dict[str, Any]]]:
 
 
 def cost_run(
-    mib: int, base: Path, kill_at: int = 5, steps: int = 9, extra: list[str] | None = None
+    mib: int,
+    base: Path,
+    kill: str = "at=10 after=2",
+    steps: int = 18,
+    extra: list[str] | None = None,
 ) -> dict[str, Any]:
     """One job with one rank killed; the figures of the module docstring."""
     world, victim = 4, 2
@@ -50,7 +54,7 @@ def cost_run(
     job = job_name("benchcost")
     argv = ["--nodes", "2", "--nproc-per-node", "2", "--spares", "1", "--replicas", "1"]
     argv += ["--heartbeat-timeout", HEARTBEAT_TIMEOUT_S, "--job", job]
-    argv += ["--chaos", f"kill rank={victim} at={kill_at}", "--report", str(out / "report.json")]
+    argv += ["--chaos", f"kill rank={victim} {kill}", "--report", str(out / "report.json")]
     argv += [str(JOBS / "cost_job.py"), str(out), "--mib", str(mib), "--steps", str(steps)]
     try:
         run_peerckpt(argv + (extra or []))

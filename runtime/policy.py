@@ -18,7 +18,8 @@ never more than it allows). The ranks agree on the largest n (an all-reduce), an
 in every snapshot, so that a restored or replacement rank uses the same n without measuring.
 ``resilient(every=n)`` fixes the interval and measures nothing.
 
-Snapshots are taken after the steps ``step % n == 0``. This module decides when; it never
+Snapshots are taken after the steps ``step % n == 0``, and after the step the ranks
+agreed on n before. This module decides when; it never
 copies and never talks to the agent.
 """
 
@@ -35,13 +36,15 @@ log = logging.getLogger("peerckpt.policy")
 
 MAX_EVERY = 1000  # a bound on n whatever the measurement (a noisy step time near zero)
 # Offsets from the first step of the calibration: snapshots after 0 and 1 (both slots are
-# allocated: first touches), none after 2..5 (2 absorbs the last one's background work; 3..5
-# are the plain steps measured), one after each of 6..9 (7..9 measured: each runs while the
-# previous snapshot is replicated, and ends by handing its own to the copy thread).
-SNAPSHOT_AT = frozenset({0, 1, 6, 7, 8, 9})
-PLAIN = (3, 4, 5)
-WITH_SNAPSHOT = (7, 8, 9)
-DECIDE_AT = 10
+# allocated: first touches); before 2 the loop waits once for the commit of 1, so that no
+# snapshot work is left when 2..4 run without one (the plain steps measured); then one after
+# each of 5..8 (6..8 measured: each runs while the previous snapshot is replicated, and ends
+# by handing its own to the copy thread).
+SNAPSHOT_AT = frozenset({0, 1, 5, 6, 7, 8})
+QUIET_AT = 2
+PLAIN = (2, 3, 4)
+WITH_SNAPSHOT = (6, 7, 8)
+DECIDE_AT = 9
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,10 @@ class Calibration:
     def record(self, step: int, seconds: float) -> None:
         self.durations[step - self.start] = seconds
 
+    def quiet_before(self, step: int) -> bool:
+        """Should the loop wait for the last snapshot's commit before ``step`` runs?"""
+        return step - self.start == QUIET_AT
+
     def ready(self, step: int) -> bool:
         """All measured: the interval can be chosen before ``step`` runs."""
         return step - self.start >= DECIDE_AT and all(
@@ -142,15 +149,19 @@ class SnapshotPolicy:
             raise ConfigurationError(
                 f"resilient(mtbf={mtbf_s}): give the mean time between failures in seconds (> 0)"
             )
-        choose_interval(0.0, 1.0, overhead)  # checks the budget now, not after 10 steps
+        choose_interval(0.0, 1.0, overhead)  # checks the budget now, not after 9 steps
         self.fixed = every
         self.overhead, self.mtbf_s = overhead, mtbf_s
         self.every: int | None = every
         self.interval: Interval | None = None
         self._calibration: Calibration | None = None
+        # the step the interval was agreed before: its snapshot carries it, so that a
+        # restore in this epoch does not measure again
+        self._decided_at: int | None = None
 
     def begin_epoch(self, start: int, restored_every: int | None) -> None:
         """An epoch resumes at ``start``; ``restored_every`` is the n its snapshot carried."""
+        self._decided_at = None
         if self.fixed is None:
             self.every = restored_every
             self._calibration = None if restored_every else Calibration(start)
@@ -158,7 +169,7 @@ class SnapshotPolicy:
     def due(self, step: int) -> bool:
         """Snapshot after ``step``?"""
         if self.every is not None:
-            return step % self.every == 0
+            return step % self.every == 0 or step == self._decided_at
         assert self._calibration is not None
         return self._calibration.snapshot_due(step)
 
@@ -169,14 +180,17 @@ class SnapshotPolicy:
     def ready(self, step: int) -> bool:
         return self._calibration is not None and self._calibration.ready(step)
 
+    def quiet_before(self, step: int) -> bool:
+        return self._calibration is not None and self._calibration.quiet_before(step)
+
     def local_choice(self) -> Interval:
         assert self._calibration is not None
         cost, step = self._calibration.costs()
         return choose_interval(cost, step, self.overhead, self.mtbf_s)
 
-    def agree(self, every: int, mine: Interval) -> None:
-        """The ranks agreed on ``every`` (the largest of their choices)."""
-        self.every, self._calibration = every, None
+    def agree(self, every: int, mine: Interval, step: int) -> None:
+        """The ranks agreed on ``every`` (the largest of their choices) before ``step``."""
+        self.every, self._calibration, self._decided_at = every, None, step
         self.interval = mine
         log.info(
             "%s; the ranks agreed on every %d step(s) (expected work lost per failure %.2f s)",

@@ -243,7 +243,11 @@ class EpochTracking:
         for step in range(start, total):
             self.check()
             if policy.ready(step):
-                self._agree_interval()
+                self._agree_interval(step)
+            elif policy.quiet_before(step) and self.engine.last_taken is not None:
+                # the plain steps about to be measured must not share the cores with the
+                # replication of the last one
+                self.engine.wait_committed(self.engine.last_taken, self.engine.commit_timeout_s)
             self.step = step
             began = time.perf_counter()
             yield step
@@ -262,14 +266,14 @@ class EpochTracking:
             if self.engine.committed_step is not None and self.engine.committed_step >= start:
                 self.pg.release_retired()  # this epoch committed: the old groups are idle
 
-    def _agree_interval(self) -> None:
+    def _agree_interval(self, step: int) -> None:
         """Choose the snapshot interval from this rank's measurements, and agree with every
         rank on the largest choice (a collective at the same step on every rank)."""
         mine = self.policy.local_choice()
         every = torch.tensor([mine.every], dtype=torch.int64)
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(every, op=torch.distributed.ReduceOp.MAX)
-        self.policy.agree(int(every.item()), mine)
+        self.policy.agree(int(every.item()), mine, step)
 
     def _resumed(self, start: int) -> None:
         if self._resumed_sent:

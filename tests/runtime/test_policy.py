@@ -73,21 +73,25 @@ def test_calibration_measures_plain_and_snapshot_steps_then_decides() -> None:
     policy = SnapshotPolicy(overhead=0.05)
     policy.begin_epoch(start=5, restored_every=None)
     durations = {o: 0.20 for o in PLAIN} | {o: 0.40 for o in WITH_SNAPSHOT}
-    due = []
-    for step in range(5, 15):
+    due, quiet = [], []
+    for step in range(5, 14):
         assert not policy.ready(step)
         due.append(policy.due(step))
+        quiet.append(policy.quiet_before(step))
         policy.record(step, durations.get(step - 5, 0.3))
-    assert [s for s, d in zip(range(5, 15), due, strict=True) if d] == [
+    assert [s for s, d in zip(range(5, 14), due, strict=True) if d] == [
         5 + o for o in sorted(SNAPSHOT_AT)
     ]
-    assert policy.ready(15)
+    assert [s for s, q in zip(range(5, 14), quiet, strict=True) if q] == [5 + PLAIN[0]]
+    assert not set(PLAIN) & SNAPSHOT_AT and {o - 1 for o in WITH_SNAPSHOT} <= SNAPSHOT_AT
+    assert policy.ready(14)
     mine = policy.local_choice()
     assert (mine.snapshot_cost_s, mine.step_s) == pytest.approx((0.20, 0.20))
     assert mine.every == 20
-    policy.agree(25, mine)  # another rank measured more
-    assert not policy.ready(16)
-    assert [s for s in range(15, 80) if policy.due(s)] == [25, 50, 75]
+    policy.agree(25, mine, 14)  # another rank measured more
+    assert not policy.ready(15) and not policy.quiet_before(7)
+    # after the step it was agreed before (its snapshot carries n), then every 25th
+    assert [s for s in range(14, 80) if policy.due(s)] == [14, 25, 50, 75]
 
 
 def test_noise_in_the_plain_steps_does_not_make_a_free_snapshot_cost() -> None:
