@@ -55,6 +55,15 @@ LABELS: list[tuple[str, str, str]] = [
         "one coordinator, {0} nodes × {1} ranks, a step a second: its CPU (cores)",
         "ratio",
     ),
+    (
+        r"failure_cost_s_(\w+)",
+        "time a failure costs, {0} × 4 ranks: kill → first step after it, less a step",
+        "seconds",
+    ),
+    (r"failure_cost_vs_torchft_(\w+)", "time a failure costs, {0}: torchft / peerckpt", "times"),
+    (r"transfer_ratio_to_socket_(\w+)", "recovery transfer, {0}: / loopback socket", "ratio"),
+    (r"transfer_ratio_in_training_(\w+)", "recovery transfer, {0}, the DDP job: / socket", "ratio"),
+    (r"budget_stall_(\w+)", "training stall, {0} per rank, overhead=0.05 (n chosen)", "percent"),
 ]
 
 
