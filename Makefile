@@ -33,6 +33,7 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 bench: $(BENCH_STAMP)
 	$(PY) bench/ceilings.py
 	$(PY) bench/replication.py
+	$(PY) bench/cpu.py
 	$(PY) bench/tls.py
 	$(PY) bench/stall.py
 	$(PY) bench/recovery.py

@@ -28,6 +28,7 @@ ORDER = [
     "ceilings",
     "stall",
     "replication",
+    "cpu",
     "tls",
     "recovery",
     "memory",
@@ -41,6 +42,11 @@ ORDER = [
 LABELS: list[tuple[str, str, str]] = [
     (r"stall_fraction_(\w+)", "training stall, {0} per rank, snapshot every step", "percent"),
     (r"ratio_to_socket", "replication between agents, checksums on / loopback socket", "ratio"),
+    (
+        r"cpu_ratio_to_floor",
+        "replication CPU per GB (rank's copy + both agents) / memcpy + socket + crc32c",
+        "ratio",
+    ),
     (r"ratio_tls_to_clear", "replication over TLS / the same push in the clear", "ratio"),
     (r"speedup_vs_dcp_(\w+)", "recovery of one rank, {0}: DCP restart time / peerckpt", "times"),
     (r"peerckpt_s_(\w+)", "recovery of one rank, {0}: kill → every rank stepping", "seconds"),
