@@ -36,6 +36,7 @@ ORDER = [
     "flush",
     "planner",
     "coordinator",
+    "goodput",
 ]
 
 # figure key (regular expression) → how the row reads, and how its value is written
@@ -69,6 +70,11 @@ LABELS: list[tuple[str, str, str]] = [
     (r"failure_cost_vs_torchft_(\w+)", "time a failure costs, {0}: torchft / peerckpt", "times"),
     (r"transfer_ratio_to_socket_(\w+)", "recovery transfer, {0}: / loopback socket", "ratio"),
     (r"transfer_ratio_in_training_(\w+)", "recovery transfer, {0}, the DDP job: / socket", "ratio"),
+    (
+        r"ettr_peerckpt",
+        "ETTR under a fault every 20 s, 64 MiB × 4 ranks: fault-free / faulty time (make bench-goodput)",
+        "ratio",
+    ),
     (r"budget_stall_(\w+)", "training stall, {0} per rank, overhead=0.05 (n chosen)", "percent"),
 ]
 

@@ -1,6 +1,7 @@
 """An ordinary DDP training script, for the time a failure costs (``bench/recovery.py``).
 
 usage: cost_job.py OUT_DIR [--mib M] [--steps N] [--batch B] [--every N] [--overhead F]
+                   [--mtbf S]
 
 Each rank trains an MLP under DistributedDataParallel with fused AdamW; its parameters and
 both moments hold about M MiB per rank (``train_job.build``). The script is what a user
@@ -11,11 +12,14 @@ parameters would be overwritten at once).
 
 Every step's wall-clock span goes to OUT_DIR/steps-rank<r>.jsonl (``epoch``, ``step``, ``t0``,
 ``t1``); after a restore each rank appends ``{"epoch", "rank", "restored", "entered_at",
-"tracked_at"}`` to OUT_DIR/restored.jsonl, and at the end rank 0 writes the digest of its
-model and optimizer to OUT_DIR/final-e<epoch>.json (a fault-free run's must equal it).
+"tracked_at"}`` to OUT_DIR/restored.jsonl; at the end every rank appends the snapshot interval
+it used (and what it was chosen from, where this process measured it) to OUT_DIR/policy.jsonl,
+and rank 0 writes the digest of its model and optimizer to OUT_DIR/final-e<epoch>.json (a
+fault-free run's must equal it).
 """
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -69,6 +73,12 @@ def run(ctx: peerckpt.Context, args: argparse.Namespace) -> None:
         }
         with open(os.path.join(args.out, "restored.jsonl"), "a") as f:
             f.write(json.dumps(line) + "\n")
+    policy = ctx._tracking.policy  # the interval the ranks agreed on (runtime/policy.py)
+    chosen = {"epoch": ctx.epoch, "rank": ctx.rank, "every": policy.every}
+    if policy.interval is not None:
+        chosen.update(dataclasses.asdict(policy.interval))
+    with open(os.path.join(args.out, "policy.jsonl"), "a") as f:
+        f.write(json.dumps(chosen) + "\n")
     if ctx.rank == 0:
         with open(os.path.join(args.out, f"final-e{ctx.epoch}.json"), "w") as f:
             json.dump({"digest": digest(model.module, optim)}, f)
@@ -82,5 +92,7 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--every", type=int, default=None, help="resilient(every=N)")
     parser.add_argument("--overhead", type=float, default=None, help="resilient(overhead=F)")
+    parser.add_argument("--mtbf", type=float, default=None, help="resilient(mtbf=S)")
     args = parser.parse_args()
-    peerckpt.resilient(every=args.every, overhead=args.overhead or 0.05)(run)(args)
+    resilient = peerckpt.resilient(every=args.every, overhead=args.overhead or 0.05, mtbf=args.mtbf)
+    resilient(run)(args)
