@@ -74,9 +74,12 @@ def run(ctx: peerckpt.Context, args: argparse.Namespace) -> None:
         with open(os.path.join(args.out, "restored.jsonl"), "a") as f:
             f.write(json.dumps(line) + "\n")
     policy = ctx._tracking.policy  # the interval the ranks agreed on (runtime/policy.py)
-    chosen = {"epoch": ctx.epoch, "rank": ctx.rank, "every": policy.every}
-    if policy.interval is not None:
-        chosen.update(dataclasses.asdict(policy.interval))
+    chosen = {
+        "epoch": ctx.epoch,
+        "rank": ctx.rank,
+        "every": policy.every,  # agreed
+        "interval": dataclasses.asdict(policy.interval) if policy.interval else None,  # local
+    }
     with open(os.path.join(args.out, "policy.jsonl"), "a") as f:
         f.write(json.dumps(chosen) + "\n")
     if ctx.rank == 0:
