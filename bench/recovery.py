@@ -55,6 +55,7 @@ from typing import Any
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cost
 from common import (
     HEARTBEAT_TIMEOUT_S,
     background_load,
@@ -467,6 +468,12 @@ def main() -> None:
             sub = Path(scratch) / str(mib)
             sub.mkdir()
             rows[f"{mib}MiB"] = measure(mib, runs, cold_runs, sub, socket)
+        failure = None
+        if 256 in sizes or args.quick:
+            mib = 64 if args.quick else 256
+            print(f"the time a failure costs, {mib} MiB × 4 ranks (bench/cost.py)", flush=True)
+            failure = {"mib": mib, **cost.measure(mib, min(runs, 3), Path(scratch))}
+            result["failure_cost"] = failure
     result["sizes"] = rows
     for key in ("peerckpt_s", "dcp_restart_s", "torchft_s", "speedup_vs_dcp"):
         result[key] = {size: row[key] for size, row in rows.items()}
@@ -476,11 +483,33 @@ def main() -> None:
         if not t["met"]:
             t["reason"] = reason(row)
         result["targets"][f"speedup_vs_dcp_{size}"] = t
+    for size, row in rows.items():
+        t = target(row["transfer_ratio_to_socket"], 0.8, "higher")
+        if not t["met"]:
+            t["reason"] = reason(row)
+        result["targets"][f"transfer_ratio_to_socket_{size}"] = t
     if "256MiB" in rows:
         t = target(rows["256MiB"]["peerckpt_s"], 2, "at most", " s")
         if not t["met"]:
             t["reason"] = reason(rows["256MiB"])
         result["targets"]["peerckpt_s_256MiB"] = t
+    if failure is not None:
+        size = f"{failure['mib']}MiB"
+        ft_s = rows.get(size, {}).get("torchft_s")
+        why = cost.reason(failure, ft_s)
+        targets = {
+            f"failure_cost_s_{size}": target(failure["cost_s"], 0.6, "at most", " s"),
+            f"failure_cost_vs_torchft_{size}": target(
+                ft_s / failure["cost_s"] if ft_s else None, 3, "higher", "×"
+            ),
+            f"transfer_ratio_in_training_{size}": target(
+                failure["transfer_gbps"] / socket, 0.8, "higher"
+            ),
+        }
+        for key, t in targets.items():
+            if not t["met"]:
+                t["reason"] = why
+            result["targets"][key] = t
     path = write_result("recovery", result)
     print()
     print(

@@ -42,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "jobs"))
+from budget import budget_run
 from common import (
     HEARTBEAT_TIMEOUT_S,
     background_load,
@@ -268,6 +269,26 @@ def main() -> None:
         elif not t["met"]:
             t["reason"] = reason(row, result["local"].get(key), ceilings)
         result["targets"][f"stall_fraction_{key}"] = t
+    result["budget"] = {}
+    with scratch_dir("budget") as scratch:
+        for mib in [m for m in sizes if m <= 256]:
+            batch, _ = calibrate(mib, args.step_ms / 1000)
+            print(f"{mib} MiB with resilient(overhead=0.05)", flush=True)
+            row = budget_run(mib, batch, Path(scratch))
+            print(
+                f"  every {row['every']} step(s): {row['step_s_plain'] * 1e3:.0f} ms → "
+                f"{row['step_s_budget'] * 1e3:.0f} ms ({row['stall_fraction']:+.1%})",
+                flush=True,
+            )
+            result["budget"][f"{mib}MiB"] = row
+            t = target(row["stall_fraction"], row["overhead"], "at most")
+            if not t["met"]:
+                t["reason"] = (
+                    f"n = {row['every']} chosen from {row['choices']}; the mean step over "
+                    f"{row['measured_steps']} steps after the choice includes "
+                    f"{row['measured_steps'] // max(row['every'] or 1, 1)} snapshot(s)"
+                )
+            result["targets"][f"budget_stall_{mib}MiB"] = t
     path = write_result("stall", result)
     print()
     print(

@@ -28,6 +28,7 @@ ORDER = [
     "ceilings",
     "stall",
     "replication",
+    "cpu",
     "tls",
     "recovery",
     "memory",
@@ -36,12 +37,18 @@ ORDER = [
     "planner",
     "coordinator",
     "hosts",
+    "goodput",
 ]
 
 # figure key (regular expression) → how the row reads, and how its value is written
 LABELS: list[tuple[str, str, str]] = [
     (r"stall_fraction_(\w+)", "training stall, {0} per rank, snapshot every step", "percent"),
     (r"ratio_to_socket", "replication between agents, checksums on / loopback socket", "ratio"),
+    (
+        r"cpu_ratio_to_floor",
+        "replication CPU per GB (rank's copy + both agents) / memcpy + socket + crc32c",
+        "ratio",
+    ),
     (r"ratio_tls_to_clear", "replication over TLS / the same push in the clear", "ratio"),
     (r"speedup_vs_dcp_(\w+)", "recovery of one rank, {0}: DCP restart time / peerckpt", "times"),
     (r"peerckpt_s_(\w+)", "recovery of one rank, {0}: kill → every rank stepping", "seconds"),
@@ -58,6 +65,20 @@ LABELS: list[tuple[str, str, str]] = [
         "one coordinator, {0} nodes × {1} ranks, a step a second: its CPU (cores)",
         "ratio",
     ),
+    (
+        r"failure_cost_s_(\w+)",
+        "time a failure costs, {0} × 4 ranks: kill → first step after it, less a step",
+        "seconds",
+    ),
+    (r"failure_cost_vs_torchft_(\w+)", "time a failure costs, {0}: torchft / peerckpt", "times"),
+    (r"transfer_ratio_to_socket_(\w+)", "recovery transfer, {0}: / loopback socket", "ratio"),
+    (r"transfer_ratio_in_training_(\w+)", "recovery transfer, {0}, the DDP job: / socket", "ratio"),
+    (
+        r"ettr_peerckpt",
+        "ETTR under a fault every 20 s, 64 MiB × 4 ranks: fault-free / faulty time (make bench-goodput)",
+        "ratio",
+    ),
+    (r"budget_stall_(\w+)", "training stall, {0} per rank, overhead=0.05 (n chosen)", "percent"),
 ]
 
 

@@ -374,7 +374,8 @@ class Coordinator:
                 self._digests_seen.add(key)
                 self._digests_file.write(f"{msg.rank} {msg.step} {msg.digest}\n")
             if committed is not None:
-                self.registry.broadcast(Commit(msg.epoch, committed))
+                largest = max(self.epochs.snapshot_bytes.values(), default=0)
+                self.registry.broadcast(Commit(msg.epoch, committed, largest))
                 self._maybe_flush(committed)
             return ReplicatedReply(tracker.committed_step)
 

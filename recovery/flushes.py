@@ -70,6 +70,7 @@ class FlushScheduler:
         self.skipped: list[int] = []  # due steps not flushed because one was still running
         self._last_started = time.monotonic()
         self._last_step: int | None = None
+        self._last_seen: int | None = None  # the last committed step asked about
         self._threads: list[threading.Thread] = []
         # Called (without the coordinator's lock) when a flush commits or fails.
         self.on_settled: Callable[[], None] | None = None
@@ -84,7 +85,12 @@ class FlushScheduler:
     def due(self, step: int) -> bool:
         """Whether committed ``step`` should be flushed now."""
         c = self.config
-        by_step = c.every is not None and step % c.every == 0
+        # A multiple of ``every``, or the first commit past one: with snapshots every n steps
+        # (runtime/policy.py) the committed steps need not fall on the multiples.
+        seen, self._last_seen = self._last_seen, step
+        by_step = c.every is not None and (
+            step % c.every == 0 or (seen is not None and step // c.every > seen // c.every)
+        )
         by_time = c.interval is not None and time.monotonic() - self._last_started >= c.interval
         if not (by_step or by_time) or step == self._last_step:
             return False

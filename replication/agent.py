@@ -80,13 +80,14 @@ from peerckpt.replication.control import ControlServer, ProcLink
 from peerckpt.replication.coordlink import CoordinatorLink
 from peerckpt.replication.mirroring import Mirroring
 from peerckpt.replication.recovering import Preparer
+from peerckpt.replication.spares import SpareSlots
 from peerckpt.replication.stats import node_stats
 from peerckpt.replication.store import SlotStore
 from peerckpt.replication.transfer import DataServer
 from peerckpt.replication.writer import Flusher
 from peerckpt.rpc import is_stream_closed
 from peerckpt.service import service_process, stop_on_signals
-from peerckpt.states import JobState, SlotKind
+from peerckpt.states import JobState, ProcRole, SlotKind
 from peerckpt.storegate import Relays
 from peerckpt.succession import succession
 
@@ -175,10 +176,12 @@ class Agent:
         self._restarting: set[int] = set()  # pids that announced a restart in place
         self._threads: list[threading.Thread] = []
         self.flusher = Flusher(self.store, node, self.coordinator.report)
+        # a spare's first slot, touched before it is needed
+        self.spare_slots = SpareSlots(self.arena, self._idle_spares)
         self._events = Dispatch[None](
             {
                 EpochOpened: lambda e: self._on_membership(e.membership),
-                Commit: lambda e: self._on_commit(e.epoch, e.step),
+                Commit: self._on_commit_event,
                 Reads: self._on_reads,
                 Flush: self.flusher.start,
                 Shutdown: self._on_shutdown,
@@ -231,6 +234,7 @@ class Agent:
                 self._watch_call.cancel()
             self.control.shutdown_links(Shutdown(JobState.STOPPED, self._exit_reason))
             self.mirroring.stop()
+            self.spare_slots.stop()
             self.control.stop()
             self.data.stop()
             self.relays.stop()
@@ -451,6 +455,18 @@ class Agent:
         members = self.membership
         if members is not None and event.epoch == self.epoch:
             self.preparer.on_reads(members, event)
+
+    def _on_commit_event(self, event: Commit) -> None:
+        self._on_commit(event.epoch, event.step)
+        if self.spare_node:
+            self.spare_slots.ready(event.largest_snapshot)
+
+    def _idle_spares(self) -> int:
+        members = self.membership
+        taken = {m.pid for m in members.ranks.values()} if members is not None else set()
+        return sum(
+            link.role is ProcRole.SPARE and link.pid not in taken for link in self.control.links()
+        )
 
     def _on_commit(self, epoch: int, step: int) -> None:
         if epoch != self.epoch or self.membership is None:

@@ -82,6 +82,7 @@ class Arena:
         self.run = run or new_run_id()
         segment_prefix(job, self.run, node)  # a bad job name or run id fails here, not later
         self._segments: dict[str, Segment] = {}
+        self._pooled: list[Segment] = []  # touched, unused: for a spare's first slot
         self._lock = threading.Lock()
         self._counter = 0
 
@@ -89,13 +90,20 @@ class Arena:
     def prefix(self) -> str:
         return segment_prefix(self.job, self.run, self.node)
 
-    def create(self, tag: str, size: int, what: str, touch: bool = True) -> Segment:
-        """Create, map and touch a new segment of ``size`` bytes named after ``tag``.
+    def create(
+        self, tag: str, size: int, what: str, touch: bool = True, kept: bool = True
+    ) -> Segment:
+        """Create, map and touch a new segment of ``size`` bytes named after ``tag`` — or hand
+        out a segment kept ready for a spare that fits (``kept``; ``pool``).
 
         ``touch=False`` leaves the page faults to the first writes (the pages are reserved
         all the same), for a segment filled at once by several threads.
         """
         size = max(size, 1)
+        ready = self._take_pooled(size) if touch and kept else None
+        if ready is not None:
+            log.debug("%s takes the kept segment %s", what, ready.name)
+            return ready
         check_memory(size, what)
         with self._lock:
             self._counter += 1
@@ -157,10 +165,35 @@ class Arena:
             f"were taken; remove the files there that no job of yours owns"
         )
 
+    def pool(self, size: int) -> Segment:
+        """Create and touch a segment of ``size`` bytes kept for a later ``create``
+        (``replication/spares.py``)."""
+        segment = self.create("pool", size, "a slot kept ready for a spare", kept=False)
+        with self._lock:
+            self._pooled.append(segment)
+        return segment
+
+    def pooled_at_least(self, size: int) -> int:
+        """How many kept segments hold ``size`` bytes or more."""
+        with self._lock:
+            return sum(1 for s in self._pooled if s.size >= size)
+
+    def _take_pooled(self, size: int) -> Segment | None:
+        # At most twice as large: a small rank's slot does not take a large one's memory.
+        with self._lock:
+            fits = [s for s in self._pooled if size <= s.size <= 2 * size]
+            if not fits:
+                return None
+            segment = min(fits, key=lambda s: s.size)
+            self._pooled.remove(segment)
+            return segment
+
     def release(self, segment: Segment) -> None:
         """Unmap and unlink one segment."""
         with self._lock:
             self._segments.pop(segment.name, None)
+            if segment in self._pooled:
+                self._pooled.remove(segment)
         segment.close()
         segment.unlink()
 
@@ -170,6 +203,7 @@ class Arena:
         with self._lock:
             segments = list(self._segments.values())
             self._segments.clear()
+            self._pooled.clear()
         for segment in segments:
             segment.close()
         sweep(self.job, self.run, self.node)

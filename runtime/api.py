@@ -61,7 +61,8 @@ class Context:
     def steps(self, total: int) -> Iterator[int]:
         """Yield step numbers up to ``total - 1``, starting after the restored step.
 
-        After each iteration the runtime snapshots the tracked state (in the background).
+        After an iteration the runtime snapshots the tracked state (in the background): every
+        iteration, every n-th as ``resilient(every=n)`` fixes, or as the overhead budget chooses.
         """
         for step in self._tracking.steps(total):
             self.step = step
@@ -83,6 +84,9 @@ def resilient(
     suspect_s: float = DEFAULTS.suspect_s,
     abort_grace_s: float = DEFAULTS.abort_grace_s,
     abort_timeout_s: float = DEFAULTS.abort_timeout_s,
+    every: int | None = DEFAULTS.every,
+    overhead: float = DEFAULTS.overhead,
+    mtbf: float | None = DEFAULTS.mtbf,
 ) -> Any:
     """Make a training function survive the loss of ranks and nodes.
 
@@ -105,6 +109,13 @@ def resilient(
     fresh process on its node takes its place, restored from the node's memory (three times
     in a row at most; then it is a lost rank). Spares are set on the launcher
     (``peerckpt run --spares S``).
+
+    Snapshots: ``every=n`` takes one after every n-th step. Otherwise the runtime measures
+    over the first 9 steps what a snapshot adds to a step here, and snapshots every n steps
+    with n the smallest that keeps that below ``overhead`` (a fraction of the step time,
+    default 0.05); given ``mtbf`` (the mean time between failures, seconds) it snapshots less
+    often where the Young/Daly interval sqrt(2 · cost · mtbf) is longer. The choice and the
+    expected work lost per failure are logged (``runtime/policy.py``).
     """
 
     config = ResilientConfig(
@@ -120,6 +131,9 @@ def resilient(
         suspect_s=suspect_s,
         abort_grace_s=abort_grace_s,
         abort_timeout_s=abort_timeout_s,
+        every=every,
+        overhead=overhead,
+        mtbf=mtbf,
     )
     config.persist_msg()  # a bad persist setting fails here, at decoration time
 

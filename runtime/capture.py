@@ -42,6 +42,7 @@ class CapturedTensor:
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     scope: str  # "global" or "rank"
+    live: bool = False  # the tensor itself (copied later), not a clone made at capture
 
 
 @dataclass
@@ -65,10 +66,11 @@ class _Flattener:
         if isinstance(obj, (torch.Tensor, Shard)):
             placed = place(obj)
             tensor = placed.local
-            if self.live is not None and tensor.data_ptr() not in self.live:
+            live = self.live is None or tensor.data_ptr() in self.live
+            if not live:
                 tensor = tensor.clone()
             self.tensors.append(
-                CapturedTensor(path, tensor, placed.global_shape, placed.offsets, self.scope)
+                CapturedTensor(path, tensor, placed.global_shape, placed.offsets, self.scope, live)
             )
             return Ext(TENSOR_EXT, path.encode())
         if isinstance(obj, dict):

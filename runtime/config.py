@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from peerckpt.errors import ConfigurationError
+from peerckpt.runtime.policy import SnapshotPolicy
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,9 @@ class ResilientConfig:
     suspect_s: float = 30.0
     abort_grace_s: float = 10.0
     abort_timeout_s: float = 30.0
+    every: int | None = None  # snapshot after every n-th step; None: n chosen for overhead
+    overhead: float = 0.05  # what snapshots may add to the step time, as a fraction of it
+    mtbf: float | None = None  # the mean time between failures, seconds (Young/Daly)
 
     def __post_init__(self) -> None:
         if self.persist is None and (
@@ -42,6 +46,12 @@ class ResilientConfig:
         for name in ("pg_timeout_s", "suspect_s", "abort_grace_s", "abort_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"{name} must be positive, not {getattr(self, name)}")
+        self.snapshot_policy()  # a bad every/overhead/mtbf fails here too
+
+    def snapshot_policy(self) -> SnapshotPolicy:
+        """A new rank process's snapshot policy (``runtime/policy.py``), which checks
+        ``every``, ``overhead`` and ``mtbf``."""
+        return SnapshotPolicy(self.every, self.overhead, self.mtbf)
 
     def persist_msg(self) -> dict[str, Any] | None:
         """The durable tier's settings as the rank announces them to its agent, or None."""

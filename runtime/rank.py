@@ -49,11 +49,12 @@ from peerckpt.runtime.abort import AbortWatchdog, exit_code
 from peerckpt.runtime.channel import AgentChannel
 from peerckpt.runtime.config import DEFAULTS, ResilientConfig
 from peerckpt.runtime.env import LaunchEnv, RankFilter
+from peerckpt.runtime.live import LiveState
 from peerckpt.runtime.pg import ProcessGroupLifecycle
 from peerckpt.runtime.snapshot import SnapshotEngine
 from peerckpt.runtime.state import Assignment, RankState, check_transition
 from peerckpt.runtime.tracking import AuditOnce, EpochTracking
-from peerckpt.states import ExitCode, ProcRole
+from peerckpt.states import EpochMode, ExitCode, ProcRole
 
 log = logging.getLogger("peerckpt.rank")
 
@@ -83,6 +84,8 @@ class RankRuntime:
         self._audit = AuditOnce()
         self._staging: dict[tuple[int, int], tuple[str, list[ChunkRecord]]] = {}
         self._initial_rng = capture.capture_rng()
+        self.live = LiveState()  # what the live tensors hold: a survivor restores from them
+        self.policy = config.snapshot_policy()  # when to snapshot (runtime/policy.py)
         RankFilter.runtime = self
         if self.state is RankState.SPARE:
             self._warm_up()  # before saying hello: a spare is chosen only once it is ready
@@ -305,6 +308,8 @@ class RankRuntime:
                 self.check,
                 self._wait_staging,
                 self._audit,
+                self.live,
+                self.policy,
                 started_job=self.env.role is ProcRole.RANK,
             )
             # Under the lock: an abort notice is either seen above or cuts what this opens.
@@ -320,6 +325,10 @@ class RankRuntime:
             assignment.restore_slot,
             assignment.restore_step,
             assignment.restore_path,
+        )
+        same = assignment.mode is EpochMode.SAME
+        self.live.keep_for(
+            assignment.rank, assignment.world_size, assignment.restore_step if same else None
         )
         if assignment.restore_step is None:
             capture.restore_rng(self._initial_rng)  # a fresh start begins where the first did

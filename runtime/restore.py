@@ -25,6 +25,7 @@ from peerckpt.codec import NDARRAY_EXT, TENSOR_EXT, TUPLE_EXT, unpack
 from peerckpt.dtypes import dtype_name, dtype_of
 from peerckpt.errors import StateMismatch
 from peerckpt.manifest import META_KEY, ChunkRecord
+from peerckpt.runtime import live
 from peerckpt.runtime.capture import param_fqns
 from peerckpt.runtime.layouts import (
     FlatShard,
@@ -215,8 +216,10 @@ def _restore_module(
     tree: dict[str, Any],
     copy_into: Callable[[Any, str, str], None],
     step: int,
+    adopt: Callable[[torch.Tensor | None, str], bool] = lambda owner, key: False,
 ) -> None:
     target = obj.state_dict()
+    objects = live.owners(obj)
     missing, unexpected = sorted(set(target) - set(tree)), sorted(set(tree) - set(target))
     if missing or unexpected:
         raise StateMismatch(
@@ -226,7 +229,8 @@ def _restore_module(
     extras = {}
     for key, value in target.items():
         if isinstance(tree[key], TensorRef):
-            copy_into(value, tree[key].key, f"{name}.{key}")
+            if not adopt(objects.get(key), tree[key].key):
+                copy_into(value, tree[key].key, f"{name}.{key}")
         else:
             extras[key] = tree[key]
     if extras:
@@ -298,17 +302,45 @@ def restore_objects(
     rank: int,
     world_size: int,
     resharded: bool,
-) -> None:
-    """Load the objects of ``tracked`` from ``source``.
+    alive: dict[str, torch.Tensor] | None = None,
+    clean: bool = False,
+) -> int:
+    """Load the objects of ``tracked`` from ``source``; return how many bytes were taken
+    from ``alive`` instead of copied.
 
     ``metas``: every old rank's decoded blob (only this rank's own, in the same topology);
     ``primary``: the old rank whose copy of replicated non-tensor state (optimizer settings,
     schedulers, RNG) this rank takes — itself when it survived, else ``rank % old world``.
+    ``alive``: this process's live tensors by chunk key (``runtime/live.py``): parameters
+    and buffers are re-pointed at them and optimizer state is them. ``clean``: they hold the
+    restored step, nothing is copied; otherwise the slot is copied into them first (memory
+    already touched, where the new objects' is not).
     """
     meta, step = metas[primary], metas[primary]["step"]
+    alive = alive or {}
+    adopted = [0]
+
+    def held(key: str) -> tuple[torch.Tensor, ChunkRecord] | None:
+        tensor, record = alive.get(key), source.record(key, primary)
+        if tensor is None or tuple(tensor.shape) != tuple(record.lengths):
+            return None
+        if tensor.dtype != dtype_of(record.dtype):
+            return None
+        if clean:
+            adopted[0] += record.nbytes
+        else:
+            source.copy_into(tensor, key, primary, key)
+        return tensor, record
+
+    def adopt(owner: torch.Tensor | None, key: str) -> bool:
+        if owner is None or not live.adoptable(owner, alive.get(key)):
+            return False
+        found = held(key)
+        return found is not None and live.adopt(owner, found[0])
 
     def chunk(key: str) -> tuple[torch.Tensor, ChunkRecord]:
-        return source.read(key, primary)
+        # The live tensor itself, if any: the new optimizer takes it over.
+        return held(key) or source.read(key, primary)
 
     def tensor(key: str) -> torch.Tensor:
         return source.read(key, primary)[0]
@@ -319,7 +351,7 @@ def restore_objects(
     for name, obj in tracked.items():
         _, tree = _object(meta, name, step)
         if isinstance(obj, torch.nn.Module):
-            _restore_module(name, obj, tree, copy_into, step)
+            _restore_module(name, obj, tree, copy_into, step, adopt)
         elif isinstance(obj, torch.optim.Optimizer):
             _restore_optimizer(name, obj, tree, chunk, all_tracked)
         elif isinstance(obj, (torch.Tensor, Shard)):
@@ -341,6 +373,7 @@ def restore_objects(
             obj.load_resharded_state(states, rank, world_size)
         else:
             obj.load_state_dict(_resolve(tree, tensor))
+    return adopted[0]
 
 
 @dataclass(frozen=True)

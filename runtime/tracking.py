@@ -1,4 +1,4 @@
-"""What ``Context.track`` and ``Context.steps`` do in a rank: restore, then snapshot each step.
+"""What ``Context.track`` and ``Context.steps`` do in a rank: restore, then snapshot the steps.
 
 One :class:`EpochTracking` per epoch a process joins (``RankRuntime._join`` makes it, its
 ``close`` removes its hooks when the epoch is left). ``track`` registers the objects and, when
@@ -29,6 +29,8 @@ from peerckpt.manifest import META_KEY, ChunkRecord
 from peerckpt.messages.local import RankResumed, ReleaseStaging, WantChunks
 from peerckpt.runtime import capture
 from peerckpt.runtime.audit import FirstStepWatch
+from peerckpt.runtime.live import LiveState
+from peerckpt.runtime.policy import SnapshotPolicy
 from peerckpt.runtime.restore import (
     ChunkSource,
     OldLayout,
@@ -94,6 +96,8 @@ class EpochTracking:
         check: Callable[[], None],
         staging: Callable[[int, int], tuple[str, list[ChunkRecord]]],
         audit: AuditOnce,
+        live: LiveState,
+        policy: SnapshotPolicy,
         started_job: bool,
     ) -> None:
         self.assignment = assignment
@@ -101,6 +105,8 @@ class EpochTracking:
         self.check = check  # raises MembershipChanged once the epoch has ended
         self._staging = staging  # (epoch, round) → the gathered segment's path and chunks
         self._audit = audit
+        self.live = live  # the process's live tensors: a survivor restores from them
+        self.policy = policy  # when to snapshot, agreed once per job (runtime/policy.py)
         self._started_job = started_job  # a rank of the first epoch, not a spare
         self.tracked: dict[str, Any] = {}
         self.step: int | None = None  # the step the loop is in (for log records)
@@ -137,7 +143,8 @@ class EpochTracking:
         slot = self.engine.slot_tensor(a.restore_slot)
         source = ChunkSource(a.chunks, slot=slot)
         meta = read_meta(slot, next(c for c in a.chunks if c.key == META_KEY))
-        restore_objects(
+        alive, clean = self.live.usable(a.rank, a.world_size, a.restore_step)
+        adopted = restore_objects(
             state,
             self.tracked,
             source,
@@ -146,10 +153,20 @@ class EpochTracking:
             rank=a.rank,
             world_size=a.world_size,
             resharded=False,
+            alive=alive,
+            clean=clean,
         )
         self._watching().ddp.restore(meta.get("ddp", {}))
         self._restored = meta
-        log.info("restored %s from step %d in %s", sorted(state), meta["step"], cost.summary())
+        log.info(
+            "restored %s from step %d in %s; %d bytes were still live (not copied), %d "
+            "tensors of the old objects reused",
+            sorted(state),
+            meta["step"],
+            cost.summary(),
+            adopted,
+            len(alive),
+        )
 
     def _restore_resharded(self, state: dict[str, Any]) -> None:
         """Restore ``state`` into this epoch's new layout: say which boxes this rank needs,
@@ -206,6 +223,7 @@ class EpochTracking:
 
     def _before_optimizer_step(self, *args: Any) -> None:
         self.engine.guard_step()
+        self.live.dirty()  # the step runs now: the live tensors leave the captured step
 
     def steps(self, total: int) -> Iterator[int]:
         a = self.assignment
@@ -220,18 +238,42 @@ class EpochTracking:
             start = a.restore_step + 1
         self._resumed(start)
         watch = self._watch  # None when nothing was tracked in this epoch
+        policy = self.policy
+        policy.begin_epoch(start, (self._restored or {}).get("every"))
         for step in range(start, total):
             self.check()
+            if policy.ready(step):
+                self._agree_interval(step)
+            elif policy.quiet_before(step) and self.engine.last_taken is not None:
+                # the plain steps about to be measured must not share the cores with the
+                # replication of the last one
+                self.engine.wait_committed(self.engine.last_taken, self.engine.commit_timeout_s)
             self.step = step
+            began = time.perf_counter()
             yield step
             self.check()
-            extra = {"ddp": watch.ddp.layouts() if watch is not None else {}}
-            self.engine.take(step, capture.capture(self.tracked, step, extra))
+            if policy.due(step):
+                extra: dict[str, Any] = {"ddp": watch.ddp.layouts() if watch is not None else {}}
+                if policy.every is not None:
+                    extra["every"] = policy.every
+                captured = capture.capture(self.tracked, step, extra)
+                self.live.captured(a.rank, a.world_size, step, captured)
+                self.engine.take(step, captured)
+            policy.record(step, time.perf_counter() - began)
             if step == start and watch is not None:
                 self._audit.pending = self._audit.pending and not watch.audit
-                watch.finish()  # the first snapshot: the hooks go, the audit speaks
+                watch.finish()  # the first step is done: the hooks go, the audit speaks
             if self.engine.committed_step is not None and self.engine.committed_step >= start:
                 self.pg.release_retired()  # this epoch committed: the old groups are idle
+
+    def _agree_interval(self, step: int) -> None:
+        """Choose the snapshot interval from this rank's measurements, and agree with every
+        rank on the largest choice (a collective at the same step on every rank)."""
+        mine = self.policy.local_choice()
+        every = torch.tensor([mine.every], dtype=torch.int64)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(every, op=torch.distributed.ReduceOp.MAX)
+        self.policy.agree(int(every.item()), mine, step)
 
     def _resumed(self, start: int) -> None:
         if self._resumed_sent:

@@ -55,11 +55,11 @@ def main() -> None:
     else:
         import peerckpt
 
-        @peerckpt.resilient
+        @peerckpt.resilient(every=1)  # the GPU path snapshots every step
         def train(ctx: peerckpt.Context) -> dict:
             ctx.track(model=model, optim=optim)
             times = loop(model, optim, x, args.steps, ctx.steps(args.steps))
-            engine = ctx._runtime.engine  # the stall the optimizer pre-hook measured
+            engine = ctx._tracking.engine  # the stall the optimizer pre-hook measured
             return {"times": times, "stall_s": engine.stall_s}
 
         result = train()

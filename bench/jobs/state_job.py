@@ -124,5 +124,6 @@ if __name__ == "__main__":
     parser.add_argument(
         "--profile-restore", action="store_true", help="cProfile ctx.track after a restore"
     )
+    parser.add_argument("--every", type=int, default=1, help="snapshot every N steps")
     args = parser.parse_args()
-    peerckpt.resilient()(run)(args)
+    peerckpt.resilient(every=args.every)(run)(args)

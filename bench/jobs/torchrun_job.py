@@ -55,7 +55,7 @@ def record(out: str, step: int) -> None:
 def run_peerckpt(args: argparse.Namespace) -> None:
     import peerckpt
 
-    @peerckpt.resilient()
+    @peerckpt.resilient(every=1)
     def train(ctx: peerckpt.Context) -> None:
         torch.manual_seed(0)
         model = DistributedDataParallel(nn.Linear(64, 64))

@@ -91,6 +91,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--plain-steps", type=int, default=0)
     parser.add_argument("--plain", action="store_true")
+    parser.add_argument(
+        "--overhead", type=float, default=None, help="resilient(overhead=F); default: every step"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = build(args.mib)
@@ -104,9 +107,11 @@ def main() -> None:
     else:
         import peerckpt
 
-        @peerckpt.resilient
+        @peerckpt.resilient(
+            every=None if args.overhead is not None else 1, overhead=args.overhead or 0.05
+        )
         def train(ctx: peerckpt.Context) -> dict:
-            engine = ctx._runtime.engine
+            engine = ctx._tracking.engine
 
             def probe() -> list[float]:
                 # time blocked by the snapshot engine so far; CPU seconds of this process

@@ -330,10 +330,14 @@ class EpochOpened(Event):
 @message("commit")
 @dataclass(frozen=True)
 class Commit(Event):
-    """Step ``step`` of ``epoch`` is committed (also relayed by agents to their ranks)."""
+    """Step ``step`` of ``epoch`` is committed (also relayed by agents to their ranks).
+
+    ``largest_snapshot``: the bytes of the largest rank's snapshot, so that a spare node's
+    agent keeps slots of that size ready (``replication/spares.py``); 0 when not known."""
 
     epoch: int
     step: int
+    largest_snapshot: int = 0
 
 
 @message("reads")

@@ -185,6 +185,8 @@ if __name__ == "__main__":
     parser.add_argument("--pause-s", type=float, default=0.0)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: every rank on cuda:0")
     parser.add_argument("--backend", default=None, help="the process groups' backend")
+    parser.add_argument("--every", type=int, default=1, help="resilient(every=N)")
+    parser.add_argument("--overhead", type=float, default=None, help="resilient(overhead=F)")
     args = parser.parse_args()
     if args.device != "cpu":
         # Bit-exact runs on a GPU: deterministic kernels, and attention through the math path.
@@ -197,6 +199,9 @@ if __name__ == "__main__":
         backend=args.backend,
         abort_grace_s=args.abort_grace,
         abort_timeout_s=args.abort_timeout,
+        # The chaos tests kill at given steps: a snapshot after every step unless asked
+        every=None if args.overhead is not None else args.every,
+        overhead=args.overhead or 0.05,
     )
     final = resilient(train)(args)
     if int(os.environ["RANK"]) == 0:

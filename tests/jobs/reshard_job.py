@@ -147,4 +147,4 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--sleep", type=float, default=0.0)
     args = parser.parse_args()
-    peerckpt.resilient()(run)(args)
+    peerckpt.resilient(every=1)(run)(args)  # the tests kill at given steps

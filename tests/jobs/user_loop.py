@@ -159,7 +159,7 @@ def digest(objects: dict) -> str:
     return h.hexdigest()
 
 
-@peerckpt.resilient()
+@peerckpt.resilient(every=1)  # the tests kill at given steps
 def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
     use = args.patterns
     net = Net(batchnorm="batchnorm" in use)

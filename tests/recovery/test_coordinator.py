@@ -87,7 +87,7 @@ def test_epoch_zero_opens_when_every_rank_joined_and_commits_follow() -> None:
     assert m.epoch == 0 and m.restore_step is None and m.mode is EpochMode.FRESH
     assert m.placement == {0: [1], 1: [1], 2: [0], 3: [0]}
     _commit(c, 0, 0)
-    assert _events(c, 1)[-1] == Commit(0, 0)
+    assert _events(c, 1)[-1] == Commit(0, 0, largest_snapshot=10)  # the ranks reported 10 bytes
 
 
 def test_a_lost_rank_is_replaced_by_a_spare_and_restores_the_committed_step() -> None:
@@ -244,7 +244,7 @@ def test_reports_sent_together_commit_and_a_stale_one_is_refused_after_the_other
     with pytest.raises(StaleEpoch, match="epoch 7"):
         c.replicated_many(ReplicatedMany(0, [stale, *reports]))
     assert c.epochs.tracker is not None and c.epochs.tracker.committed_step == 3
-    assert _events(c, 0) == [Commit(0, 3)]
+    assert _events(c, 0) == [Commit(0, 3, largest_snapshot=10)]
 
 
 def test_a_report_stands_for_a_heartbeat_and_a_silent_node_is_still_lost() -> None:

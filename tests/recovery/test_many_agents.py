@@ -87,7 +87,7 @@ def test_a_hundred_agents_hold_their_streams_and_all_see_the_epoch_and_the_commi
         assert got == NODES, f"only {got} of {NODES} agents saw step 0 commit"
         for f in followers:
             assert isinstance(f.events[0], EpochOpened) and f.events[0].membership == epoch
-            assert f.events[-1] == Commit(0, 0)
+            assert f.events[-1] == Commit(0, 0, largest_snapshot=16)
     finally:
         stopping.set()
         for f in followers:

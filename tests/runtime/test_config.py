@@ -28,6 +28,9 @@ def test_resilient_keywords_are_the_config_fields_with_the_config_defaults() -> 
         ({"replicas": -1}, "replicas must be 0 or more"),
         ({"suspect_s": 0}, "suspect_s must be positive"),
         ({"abort_timeout_s": -5.0}, "abort_timeout_s must be positive"),
+        ({"every": 0}, "every=0"),
+        ({"overhead": 1.5}, "fraction of the step time"),
+        ({"mtbf": 0.0}, "mean time between failures"),
     ],
 )
 def test_a_bad_option_fails_at_decoration_time(options: dict, message: str) -> None:
