@@ -130,8 +130,9 @@ class RayHost:
                 os.kill(self.pid, signal.SIGINT)
 
     def kill_machine(self) -> str:
-        """Lose this Ray node: SIGKILL the host launcher's processes, then the raylet (this
-        actor's parent); this actor dies with it. Returns what was killed, for the log."""
+        """Lose this Ray node: SIGKILL every process of the job on it, then the raylet (this
+        actor's parent), which takes this actor along. The host launcher is spared to see
+        its actor die and remove the job's files, as on a node's removal."""
         import psutil
 
         raylet = psutil.Process().parent()
@@ -142,8 +143,7 @@ class RayHost:
             )
         tree = []
         with contextlib.suppress(psutil.NoSuchProcess):
-            root = psutil.Process(self.pid)
-            tree = [root, *root.children(recursive=True)]
+            tree = psutil.Process(self.pid).children(recursive=True)
         for proc in [*tree, raylet]:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
