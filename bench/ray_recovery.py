@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, background_load, bench_parser, job_name, leftover_segments, write_result
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # a head on 127.0.0.1 stays loopback
-from ray.cluster_utils import Cluster  # noqa: E402
+from ray.cluster_utils import Cluster
 
 JOB = REPO / "tests" / "jobs" / "ddp_job.py"
 NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20}

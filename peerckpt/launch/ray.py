@@ -496,6 +496,7 @@ def split_chaos(spec: str, nproc_per_node: int) -> tuple[str, dict[int, str]]:
     Chaos(spec)  # a bad spec fails here, before anything starts
     driver: list[str] = []
     hosts: dict[int, list[str]] = {}
+    struck: set[int] = set()
     for part in (p.strip() for p in spec.split(";")):
         if not part:
             continue
@@ -509,7 +510,16 @@ def split_chaos(spec: str, nproc_per_node: int) -> tuple[str, dict[int, str]]:
                 )
             driver.append(part)
         elif "rank" in named:
-            hosts.setdefault(int(named["rank"]) // nproc_per_node, []).append(part)
+            rank = int(named["rank"])
+            if rank in struck:
+                # Its host fires it by the pid the coordinator reports for the rank, on its
+                # own machine: after a first fault the rank may live on another host.
+                raise ConfigurationError(
+                    f"{part!r}: under --ray each rank can be struck once (rank {rank} is "
+                    "named twice); strike another rank, or its node with `kill node`"
+                )
+            struck.add(rank)
+            hosts.setdefault(rank // nproc_per_node, []).append(part)
         elif "node" in named:
             hosts.setdefault(int(named["node"]), []).append(part)
         else:  # kill coordinator
