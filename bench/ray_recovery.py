@@ -68,7 +68,11 @@ def _finish(proc: subprocess.Popen[str], out: Path) -> tuple[dict[str, Any], str
     return json.loads((out / "report.json").read_text()), log
 
 
-def _figures(report: dict[str, Any], killed_at: float | None = None) -> dict[str, float]:
+def _figures(report: dict[str, Any], log: str, killed_at: float | None = None) -> dict[str, float]:
+    if len(report["events"]) != 1:
+        raise SystemExit(
+            f"expected one recovery, the report has {report['events']}:\n{log[-4000:]}"
+        )
     (event,) = report["events"]
     if killed_at is None:
         killed_at = next(c["fired_at"] for c in report["chaos"] if c.get("fired_at"))
@@ -158,8 +162,8 @@ def main() -> None:
             out = Path(tmp) / f"local{i}"
             name = job_name("bray")
             flags = ["--nodes", "2", "--spares", "2", "--chaos", f"kill node=1 at={KILL_AT}"]
-            report, _ = _finish(_job(out, name, flags, 30), out)
-            local.append(_figures(report))
+            report, log = _finish(_job(out, name, flags, 30), out)
+            local.append(_figures(report, log))
             leftover_segments(name)
             for mode in ("kill", "remove"):
                 cluster, workers = _cluster()
@@ -177,12 +181,12 @@ def main() -> None:
                         killed_at = time.time()
                         cluster.remove_node(workers[0], allow_graceful=False)
                         report, log = _finish(proc, out)
-                        ray_remove.append(_figures(report, killed_at))
+                        ray_remove.append(_figures(report, log, killed_at))
                         if i == 0:
                             extra["timeline"] = _timeline(report, log, killed_at)
                     else:
-                        report, _ = _finish(proc, out)
-                        ray_kill.append(_figures(report))
+                        report, log = _finish(proc, out)
+                        ray_kill.append(_figures(report, log))
                 finally:
                     cluster.shutdown()
                 leftover_segments(name)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,7 +67,10 @@ class RayCluster:
         self.cluster.remove_node(self.nodes[index], allow_graceful=False)
 
     def shutdown(self) -> None:
+        """Stop every process of the cluster, then remove its session's logs and sockets."""
+        session = self.cluster.head_node.get_session_dir_path()
         self.cluster.shutdown()
+        shutil.rmtree(session, ignore_errors=True)
 
 
 @pytest.fixture
@@ -99,7 +103,13 @@ class RayJob:
     """``peerckpt run --ray`` on the DDP job, its output read as it comes."""
 
     def __init__(
-        self, out: Path, address: str, *flags: str, steps: int = 30, sleep: float = 0.0
+        self,
+        out: Path,
+        address: str,
+        *flags: str,
+        steps: int = 30,
+        sleep: float = 0.0,
+        script_args: tuple[str, ...] = (),
     ) -> None:
         out.mkdir(parents=True, exist_ok=True)
         self.out = out
@@ -123,6 +133,7 @@ class RayJob:
             str(steps),
             "--sleep",
             str(sleep),
+            *script_args,
         ]
         self.proc = subprocess.Popen(
             argv,
@@ -271,3 +282,30 @@ def test_a_ray_node_that_joins_becomes_a_spare_node(tmp_path, ray_cluster, refer
     _assert_bit_exact(run, reference_run)
     _replaced_from_peers(run, spare_node=2)
     assert "joins as spare host 2" in run.log
+
+
+@pytest.mark.slow
+def test_add_node_chaos_grows_the_job_onto_a_free_ray_node(tmp_path, ray_cluster) -> None:
+    """One Ray node holds the job's two ranks; ``--chaos 'add node at=5'`` starts a host on
+    the other Ray node that joins with two more: every rank of the world of four restores
+    the committed step, the newcomers from node 0's memory."""
+    cluster = ray_cluster(1)
+    job = RayJob(
+        tmp_path,
+        cluster.address,
+        "--nodes",
+        "1",
+        "--chaos",
+        "add node at=5",
+        steps=2000,
+        sleep=0.02,
+        script_args=("--until-world", "4"),
+    )
+    run = job.finish()
+    assert run.returncode == 0, run.log[-6000:]
+    _assert_ddp_restores_match(tmp_path, world=4, log=run.log)
+    (event,) = run.report["events"]
+    assert event["kind"] == "grow" and event["grown_to"] == 4
+    newcomers = [p for p in event["pulls"] if p["rank"] >= 2]
+    assert newcomers and all(p["source"] == 0 and p["bytes"] > 0 for p in newcomers)
+    assert "(joiner, 127.0.0.2)" in run.log

@@ -46,7 +46,7 @@ from typing import Any
 
 from peerckpt.errors import ConfigurationError, PeerckptError
 from peerckpt.launch.base import JobResult, JobSpec, Launcher
-from peerckpt.launch.rayhost import ACTOR_ENV, spec_to_json
+from peerckpt.launch.rayhost import ACTOR_ENV, RAYLET_ENV, spec_to_json
 from peerckpt.messages.control import JobStatus, Status
 from peerckpt.names import check_job_name
 from peerckpt.pidwatch import ProcessWatch
@@ -91,6 +91,8 @@ class RayHost:
         full = dict(os.environ)
         full.update(env)
         full.update({"PEERCKPT_SECRET": secret_hex, ACTOR_ENV: str(os.getpid())})
+        if "raylet" in _name(os.getppid()):
+            full[RAYLET_ENV] = str(os.getppid())
         cwd = env.get("PEERCKPT_RAY_CWD", "")
         starter = subprocess.Popen(
             [sys.executable, "-m", "peerckpt.launch.rayhost"],
@@ -148,6 +150,15 @@ class RayHost:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
         return f"{len(tree)} job process(es) and raylet pid {raylet.pid}"
+
+
+def _name(pid: int) -> str:
+    """Process ``pid``'s name ("" if it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _free(addr: str, port: int) -> bool:

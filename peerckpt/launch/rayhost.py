@@ -13,9 +13,10 @@ nothing on the machine:
 - it detaches first (it forks, the first process prints the second's pid and exits), so it is
   no child of the Ray worker: Ray kills a dying worker's children (and its process group) by
   SIGKILL, which would leave no one to take this host's processes down and remove its files;
-- it watches the actor's pid (a pidfd: woken the moment the actor exits). A removed Ray node
-  (its raylet and workers killed), a killed driver (Ray then kills the actors it owned) or
-  ``ray.kill`` all end there, as does a SIGTERM to this process;
+- it watches the actor's pid and its node's raylet's (pidfds: woken the moment either
+  exits). A removed Ray node (its raylet and workers killed), a killed driver (Ray then
+  kills the actors it owned) or ``ray.kill`` all end there, as does a SIGTERM to this
+  process;
 - it then takes this host down as a machine failure would: SIGKILL to every process it
   started (their process groups: DataLoader workers too), then it removes this host's
   shared memory, run directory and result file, since the machine itself may live on. It
@@ -51,6 +52,7 @@ from peerckpt.states import ExitCode
 
 log = logging.getLogger("peerckpt.launcher")
 ACTOR_ENV = "PEERCKPT_RAY_ACTOR_PID"  # the actor's pid: this host lives as long as it does
+RAYLET_ENV = "PEERCKPT_RAY_RAYLET_PID"  # and its node's raylet: the node itself
 
 
 def spec_to_json(spec: JobSpec) -> dict[str, Any]:
@@ -100,6 +102,9 @@ def main() -> int:
     os.dup2(2, 1)  # the job's output goes to the actor's log, as its stderr does
     logs.configure("launcher", "%(asctime)s peerckpt[ray-host] %(levelname)s %(message)s")
     actor = ProcessWatch(int(os.environ[ACTOR_ENV]))
+    # The node's raylet too: a worker can take seconds to notice its raylet died (measured:
+    # a removed node's actor outlived it long enough for the job to finish without it).
+    raylet = ProcessWatch(int(os.environ.get(RAYLET_ENV) or os.environ[ACTOR_ENV]))
     lost = threading.Event()
     signal.signal(signal.SIGTERM, lambda s, f: lost.set())
     try:
@@ -117,7 +122,7 @@ def main() -> int:
     )
     runner.start()
     while runner.is_alive():
-        if actor.exited(0.1) or lost.is_set():
+        if actor.exited(0.1) or raylet.exited() or lost.is_set():
             log.warning(
                 "the Ray actor of host %d is gone: this host is lost", launcher.host.node_rank
             )
