@@ -22,6 +22,9 @@ launcher's children, so numerics and the data plane are those of any peerckpt jo
 snapshots (bulk state moves agent to agent over the job's authenticated transport, never
 through Ray's object store), failure detection (the coordinator's heartbeats), restarts.
 
+The actor is ``rayactor.RayHost``; the host launcher it starts is ``rayhost.py``; the rules
+that need no cluster (host order, where each fault goes) are ``rayplan.py``.
+
 A lost Ray node takes its actor with it, and with the actor its host launcher and every
 process under it (``rayhost.py``); the survivors recover in process as from any lost host.
 Everything this driver started is ended when it returns, whatever happened.
@@ -35,10 +38,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -46,10 +45,11 @@ from typing import Any
 
 from peerckpt.errors import ConfigurationError, PeerckptError
 from peerckpt.launch.base import JobResult, JobSpec, Launcher
-from peerckpt.launch.rayhost import ACTOR_ENV, RAYLET_ENV, spec_to_json
+from peerckpt.launch.rayactor import RayHost
+from peerckpt.launch.rayhost import spec_to_json
+from peerckpt.launch.rayplan import host_order, split_chaos
 from peerckpt.messages.control import JobStatus, Status
 from peerckpt.names import check_job_name
-from peerckpt.pidwatch import ProcessWatch
 from peerckpt.rpc import RpcClient
 from peerckpt.states import ExitCode, JobState
 
@@ -57,117 +57,6 @@ log = logging.getLogger("peerckpt.launcher")
 POLL_S = 0.2  # how often the driver asks host 0's actor whether the job ended
 NODES_POLL_S = 1.0  # how often it lists Ray's nodes (a node joining, a spare used up)
 END_WAIT_S = 60.0  # how long hosts get to stop on their own once the job ended
-HEAD = "node:__internal_head__"
-
-
-class RayHost:
-    """The actor on one Ray node: starts, watches and stops that node's host launcher.
-
-    Call order: ``endpoint`` (host 0 only: a free port pair for the coordinator), ``start``,
-    then ``poll`` until it returns the launcher's exit; ``interrupt`` stops the job's
-    processes in order, ``kill_machine`` loses the node as a machine failure would."""
-
-    def __init__(self) -> None:
-        self.pid = 0  # the host launcher's (detached: not this actor's child)
-        self.watch: ProcessWatch | None = None
-        self.result_path = ""
-
-    def endpoint(self, addr: str) -> str:
-        """``addr:PORT`` with PORT and PORT + 1 free on this node (the coordinator's gRPC
-        and the process groups' store)."""
-        for _ in range(50):
-            with socket.socket() as s:
-                s.bind((addr, 0))
-                port = int(s.getsockname()[1])
-            if port < 65535 and _free(addr, port + 1):
-                return f"{addr}:{port}"
-        raise ConfigurationError(f"no two consecutive free ports on {addr}")
-
-    def start(self, orders: dict[str, Any], secret_hex: str, env: dict[str, str]) -> int:
-        """Start ``python -m peerckpt.launch.rayhost`` with ``orders``; return its pid."""
-        fd, self.result_path = tempfile.mkstemp(prefix="peerckpt-ray-result-")
-        os.close(fd)
-        os.unlink(self.result_path)  # the host writes it when it ends
-        full = dict(os.environ)
-        full.update(env)
-        full.update({"PEERCKPT_SECRET": secret_hex, ACTOR_ENV: str(os.getpid())})
-        if "raylet" in _name(os.getppid()):
-            full[RAYLET_ENV] = str(os.getppid())
-        cwd = env.get("PEERCKPT_RAY_CWD", "")
-        starter = subprocess.Popen(
-            [sys.executable, "-m", "peerckpt.launch.rayhost"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=full,
-            cwd=cwd if os.path.isdir(cwd) else None,
-        )
-        out, _ = starter.communicate(
-            json.dumps({**orders, "result": self.result_path}).encode(), timeout=60
-        )
-        if not out.strip().isdigit():
-            raise PeerckptError(
-                f"the host launcher did not start (exit status {starter.returncode})"
-            )
-        self.pid = int(out)
-        self.watch = ProcessWatch(self.pid)
-        return self.pid
-
-    def poll(self) -> dict[str, Any] | None:
-        """None while the host launcher runs; then ``{"code", "result"}`` (its exit status
-        and its ``JobResult`` fields, None where it wrote none)."""
-        assert self.watch is not None
-        if not self.watch.exited():
-            return None
-        done: dict[str, Any] = {"code": int(ExitCode.FAILED), "result": None}
-        with contextlib.suppress(OSError, ValueError), open(self.result_path) as f:
-            done = json.load(f)
-        with contextlib.suppress(OSError):
-            os.unlink(self.result_path)
-        return done
-
-    def interrupt(self) -> None:
-        """Stop the job's processes on this node in order (the launcher's Ctrl-C)."""
-        if self.watch is not None and not self.watch.exited():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGINT)
-
-    def kill_machine(self) -> str:
-        """Lose this Ray node: SIGKILL every process of the job on it, then the raylet (this
-        actor's parent), which takes this actor along. The host launcher is spared to see
-        its actor die and remove the job's files, as on a node's removal."""
-        import psutil
-
-        raylet = psutil.Process().parent()
-        if raylet is None or "raylet" not in raylet.name():
-            raise ConfigurationError(
-                f"this actor's parent is {raylet.name() if raylet else 'gone'!r}, not a raylet; "
-                "cannot remove the node"
-            )
-        tree = []
-        with contextlib.suppress(psutil.NoSuchProcess):
-            tree = psutil.Process(self.pid).children(recursive=True)
-        for proc in [*tree, raylet]:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.kill()
-        return f"{len(tree)} job process(es) and raylet pid {raylet.pid}"
-
-
-def _name(pid: int) -> str:
-    """Process ``pid``'s name ("" if it cannot be read)."""
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _free(addr: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((addr, port))
-        except OSError:
-            return False
-    return True
 
 
 @dataclass
@@ -227,13 +116,10 @@ class RayLauncher(Launcher):
         self._actor_cls = ray.remote(num_cpus=0, max_restarts=0)(RayHost)
 
     def alive_nodes(self) -> list[dict[str, Any]]:
-        """Ray's alive nodes: the head first, then by address."""
+        """Ray's alive nodes, in host order (``rayplan.host_order``)."""
         import ray
 
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        return sorted(
-            nodes, key=lambda n: (HEAD not in n.get("Resources", {}), n["NodeManagerAddress"])
-        )
+        return host_order(ray.nodes())
 
     def _free_nodes(self) -> list[dict[str, Any]]:
         return [n for n in self.alive_nodes() if n["NodeID"] not in self._used]
@@ -397,6 +283,9 @@ class RayLauncher(Launcher):
             if time.monotonic() >= next_nodes:
                 next_nodes = time.monotonic() + NODES_POLL_S
                 self._check_hosts()
+                problem = self._start_problem()
+                if problem:
+                    return int(ExitCode.FAILED), None, problem
                 self._replenish()
         return int(ExitCode.INTERRUPTED), None, "stopped by a signal (Ctrl-C)"
 
@@ -413,6 +302,27 @@ class RayLauncher(Launcher):
             except ray.exceptions.RayActorError:
                 host.lost = True
                 log.warning("host %d is lost with its Ray node %s", host.rank, host.node_id[:12])
+
+    def _start_problem(self) -> str:
+        """Why the job cannot start, if a host that brings ranks ended before it did (the
+        script missing on its node, say): host 0 would wait for its ranks until
+        ``start_timeout``."""
+        ended = [
+            h
+            for h in self.hosts.values()
+            if h.role == "ranks" and h.done is not None and h.done["code"] != 0
+        ]
+        if not ended:
+            return ""
+        status = self._status()
+        if status is None or status.state is not JobState.STARTING:
+            return ""
+        host = ended[0]
+        code = host.done["code"] if host.done is not None else "?"
+        return (
+            f"host {host.rank} (Ray node {host.addr}) ended with exit status {code} before "
+            "the job started; its log is above"
+        )
 
     def _status(self) -> JobStatus | None:
         if self.rpc is None:
@@ -494,48 +404,6 @@ class RayLauncher(Launcher):
             with open(self.spec.report, "w") as f:
                 json.dump(result.__dict__, f, indent=2, default=str)
         return result
-
-
-def split_chaos(spec: str, nproc_per_node: int) -> tuple[str, dict[int, str]]:
-    """Split a chaos spec into the driver's part (``kill node``, ``add node``: the Ray node
-    itself) and each host's (faults of a rank go to the host that starts it, of a node to
-    that node's host, ``kill coordinator`` to host 0), checked whole first."""
-    if not spec:
-        return "", {}
-    from peerckpt.chaos import Chaos
-
-    Chaos(spec)  # a bad spec fails here, before anything starts
-    driver: list[str] = []
-    hosts: dict[int, list[str]] = {}
-    struck: set[int] = set()
-    for part in (p.strip() for p in spec.split(";")):
-        if not part:
-            continue
-        words = part.split()
-        named = dict(w.split("=", 1) for w in words[1:] if "=" in w)
-        if words[:2] == ["add", "node"] or (words[0] == "kill" and words[1].startswith("node=")):
-            if "during" in named:
-                raise ConfigurationError(
-                    f"{part!r}: under --ray a node is removed when its step comes; "
-                    "during=PHASE is not available for a whole node"
-                )
-            driver.append(part)
-        elif "rank" in named:
-            rank = int(named["rank"])
-            if rank in struck:
-                # Its host fires it by the pid the coordinator reports for the rank, on its
-                # own machine: after a first fault the rank may live on another host.
-                raise ConfigurationError(
-                    f"{part!r}: under --ray each rank can be struck once (rank {rank} is "
-                    "named twice); strike another rank, or its node with `kill node`"
-                )
-            struck.add(rank)
-            hosts.setdefault(rank // nproc_per_node, []).append(part)
-        elif "node" in named:
-            hosts.setdefault(int(named["node"]), []).append(part)
-        else:  # kill coordinator
-            hosts.setdefault(0, []).append(part)
-    return "; ".join(driver), {h: "; ".join(p) for h, p in hosts.items()}
 
 
 def run(

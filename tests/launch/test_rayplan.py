@@ -1,11 +1,11 @@
-"""How ``peerckpt run --ray`` splits a chaos spec between its driver and the hosts."""
+"""The pure decisions of ``peerckpt run --ray``: the order of hosts, where each fault goes."""
 
 from __future__ import annotations
 
 import pytest
 
 from peerckpt.errors import ConfigurationError
-from peerckpt.launch.ray import split_chaos
+from peerckpt.launch.rayplan import host_order, split_chaos
 
 
 def test_node_faults_go_to_the_driver_and_rank_faults_to_their_host() -> None:
@@ -35,3 +35,26 @@ def test_a_whole_node_cannot_be_struck_during_a_phase() -> None:
 def test_a_bad_spec_fails_before_anything_starts() -> None:
     with pytest.raises(ConfigurationError):
         split_chaos("explode rank=1 at=3", nproc_per_node=2)
+
+
+def test_hosts_are_given_out_head_first_then_by_address_and_only_to_alive_nodes() -> None:
+    def node(addr: str, head: bool = False, alive: bool = True) -> dict[str, object]:
+        resources = {"CPU": 1.0, **({"node:__internal_head__": 1.0} if head else {})}
+        return {
+            "NodeID": f"id-{addr}",
+            "NodeManagerAddress": addr,
+            "Alive": alive,
+            "Resources": resources,
+        }
+
+    nodes = [
+        node("10.0.0.9"),
+        node("10.0.0.7", alive=False),
+        node("10.0.0.5", head=True),
+        node("10.0.0.3"),
+    ]
+    assert [n["NodeManagerAddress"] for n in host_order(nodes)] == [
+        "10.0.0.5",
+        "10.0.0.3",
+        "10.0.0.9",
+    ]
