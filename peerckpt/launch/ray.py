@@ -129,8 +129,7 @@ class RayLauncher(Launcher):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         actor = self._actor_cls.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
-            name=None,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
         ).remote()
         with self._lock:
             rank = self._next_rank
