@@ -42,6 +42,7 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/flush.py
 	$(PY) bench/torchrun.py
 	$(PY) bench/hosts.py --runs 2
+	$(PY) bench/ray_recovery.py
 	if [ -f bench/planner.py ]; then $(PY) bench/planner.py; fi
 	$(PY) bench/coordinator.py
 	$(PY) bench/summary.py

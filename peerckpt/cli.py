@@ -46,7 +46,9 @@ def _run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr,
     )
-    if args.rdzv_endpoint is None:
+    if args.ray is not None:
+        result = _ray_launcher(args, spec).run()
+    elif args.rdzv_endpoint is None:
         result = LocalLauncher(spec).run()
     else:
         result = _host_launcher(args, spec).run()
@@ -71,6 +73,20 @@ def _host_launcher(args: argparse.Namespace, spec: Any) -> Any:
         spare_host=args.spare_host,
     )
     return HostLauncher(spec, host, job_secret(args.secret_file))
+
+
+def _ray_launcher(args: argparse.Namespace, spec: Any) -> Any:
+    """The driver of a job on a Ray cluster (``peerckpt/launch/ray.py``)."""
+    if args.rdzv_endpoint is not None or args.nnodes is not None:
+        raise PeerckptError(
+            "--ray places the hosts itself: drop --nnodes/--node-rank/--rdzv-endpoint "
+            "(use --nodes for the Ray nodes that hold ranks, --spares for spare nodes)"
+        )
+    try:
+        from peerckpt.launch.ray import RayLauncher
+    except ImportError as exc:
+        raise PeerckptError(f"--ray needs Ray: pip install 'peerckpt[ray]' ({exc})") from None
+    return RayLauncher(spec, args.ray)
 
 
 def _chaos(args: argparse.Namespace) -> int:
@@ -414,6 +430,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="PATH",
         help="the job's secret in hex, a file only you can read (default: PEERCKPT_SECRET)",
+    )
+    run.add_argument(
+        "--ray",
+        default=None,
+        metavar="ADDRESS",
+        help="run on the Ray cluster at ADDRESS (auto: RAY_ADDRESS): one host per Ray node, "
+        "--nodes of them with ranks, --spares spare nodes (docs/ray.md)",
     )
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")

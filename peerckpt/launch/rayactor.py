@@ -1,0 +1,136 @@
+"""The actor ``peerckpt run --ray`` pins to each Ray node it uses: ``RayHost``.
+
+It lives in the Ray worker Ray starts for it, one per node of the job, and does little: it
+picks the coordinator's ports (host 0), starts the node's host launcher
+(``launch/rayhost.py``) and tells the driver when it ended, and for ``kill node`` chaos it
+kills the job's processes on its node and the node's raylet. It holds no state of the job
+and never touches training state; the host launcher is detached from it (see
+``rayhost.py``), and watches it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from peerckpt.errors import ConfigurationError, PeerckptError
+from peerckpt.launch.rayhost import ACTOR_ENV, RAYLET_ENV
+from peerckpt.pidwatch import ProcessWatch
+from peerckpt.states import ExitCode
+
+
+class RayHost:
+    """The actor on one Ray node: starts, watches and stops that node's host launcher.
+
+    Call order: ``endpoint`` (host 0 only: a free port pair for the coordinator), ``start``,
+    then ``poll`` until it returns the launcher's exit; ``interrupt`` stops the job's
+    processes in order, ``kill_machine`` loses the node as a machine failure would."""
+
+    def __init__(self) -> None:
+        self.pid = 0  # the host launcher's (detached: not this actor's child)
+        self.watch: ProcessWatch | None = None
+        self.result_path = ""
+
+    def endpoint(self, addr: str) -> str:
+        """``addr:PORT`` with PORT and PORT + 1 free on this node (the coordinator's gRPC
+        and the process groups' store)."""
+        for _ in range(50):
+            with socket.socket() as s:
+                s.bind((addr, 0))
+                port = int(s.getsockname()[1])
+            if port < 65535 and _free(addr, port + 1):
+                return f"{addr}:{port}"
+        raise ConfigurationError(f"no two consecutive free ports on {addr}")
+
+    def start(self, orders: dict[str, Any], secret_hex: str, env: dict[str, str]) -> int:
+        """Start ``python -m peerckpt.launch.rayhost`` with ``orders``; return its pid."""
+        fd, self.result_path = tempfile.mkstemp(prefix="peerckpt-ray-result-")
+        os.close(fd)
+        os.unlink(self.result_path)  # the host writes it when it ends
+        full = dict(os.environ)
+        full.update(env)
+        full.update({"PEERCKPT_SECRET": secret_hex, ACTOR_ENV: str(os.getpid())})
+        if "raylet" in _name(os.getppid()):
+            full[RAYLET_ENV] = str(os.getppid())
+        cwd = env.get("PEERCKPT_RAY_CWD", "")
+        starter = subprocess.Popen(
+            [sys.executable, "-m", "peerckpt.launch.rayhost"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=full,
+            cwd=cwd if os.path.isdir(cwd) else None,
+        )
+        out, _ = starter.communicate(
+            json.dumps({**orders, "result": self.result_path}).encode(), timeout=60
+        )
+        if not out.strip().isdigit():
+            raise PeerckptError(
+                f"the host launcher did not start (exit status {starter.returncode})"
+            )
+        self.pid = int(out)
+        self.watch = ProcessWatch(self.pid)
+        return self.pid
+
+    def poll(self) -> dict[str, Any] | None:
+        """None while the host launcher runs; then ``{"code", "result"}`` (its exit status
+        and its ``JobResult`` fields, None where it wrote none)."""
+        assert self.watch is not None
+        if not self.watch.exited():
+            return None
+        done: dict[str, Any] = {"code": int(ExitCode.FAILED), "result": None}
+        with contextlib.suppress(OSError, ValueError), open(self.result_path) as f:
+            done = json.load(f)
+        with contextlib.suppress(OSError):
+            os.unlink(self.result_path)
+        return done
+
+    def interrupt(self) -> None:
+        """Stop the job's processes on this node in order (the launcher's Ctrl-C)."""
+        if self.watch is not None and not self.watch.exited():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGINT)
+
+    def kill_machine(self) -> str:
+        """Lose this Ray node: SIGKILL every process of the job on it, then the raylet (this
+        actor's parent), which takes this actor along. The host launcher is spared to see
+        its actor die and remove the job's files, as on a node's removal."""
+        import psutil
+
+        raylet = psutil.Process().parent()
+        if raylet is None or "raylet" not in raylet.name():
+            raise ConfigurationError(
+                f"this actor's parent is {raylet.name() if raylet else 'gone'!r}, not a raylet; "
+                "cannot remove the node"
+            )
+        tree = []
+        with contextlib.suppress(psutil.NoSuchProcess):
+            tree = psutil.Process(self.pid).children(recursive=True)
+        for proc in [*tree, raylet]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        return f"{len(tree)} job process(es) and raylet pid {raylet.pid}"
+
+
+def _name(pid: int) -> str:
+    """Process ``pid``'s name ("" if it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _free(addr: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((addr, port))
+        except OSError:
+            return False
+    return True
