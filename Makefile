@@ -29,7 +29,8 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 	touch $(BENCH_STAMP)
 
 # Benchmarks: each writes bench/results/<name>.json; bench/summary.py writes the table at the
-# top of docs/performance.md from them. 20.5 minutes on 2 shared cores (docs/performance.md).
+# top of docs/performance.md from them. Under 25 minutes on 2 shared cores (docs/performance.md):
+# the torchrun and Ray comparisons run once each, at one size.
 bench: $(BENCH_STAMP)
 	$(PY) bench/ceilings.py
 	$(PY) bench/replication.py
@@ -40,9 +41,9 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/memory.py
 	$(PY) bench/reshard.py
 	$(PY) bench/flush.py
-	$(PY) bench/torchrun.py
+	$(PY) bench/torchrun.py --sizes 256 --runs 1
 	$(PY) bench/hosts.py --runs 2
-	$(PY) bench/ray_recovery.py
+	$(PY) bench/ray_recovery.py --runs 1
 	if [ -f bench/planner.py ]; then $(PY) bench/planner.py; fi
 	$(PY) bench/coordinator.py
 	$(PY) bench/summary.py
