@@ -36,9 +36,14 @@ ORDER = [
     "flush",
     "planner",
     "coordinator",
+    "torchrun",
     "hosts",
+    "ray",
     "goodput",
 ]
+
+# Their own make targets (too long for make bench's 25 minutes): timed apart.
+OUTSIDE_MAKE_BENCH = {"goodput", "gpu"}
 
 # figure key (regular expression) → how the row reads, and how its value is written
 LABELS: list[tuple[str, str, str]] = [
@@ -177,6 +182,30 @@ def _derived_targets(name: str, r: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 "reason": "see “Planning at scale” below",
             }
         return rows
+    if name == "torchrun":
+        return {
+            f"under torchrun, a worker killed, {size.replace('MiB', ' MiB')} per rank: "
+            "DCP restart / peerckpt's": {
+                "value": row["speedup"],
+                "target": "≥ 1",
+                "met": row["speedup"] >= 1,
+                "kind": "times",
+                "reason": "torchrun restarts every worker either way; see “Under torchrun” below",
+            }
+            for size, row in r.get("sizes", {}).items()
+            if row.get("speedup") is not None
+        }
+    if name == "ray" and r.get("ray_remove_node_s") is not None:
+        v = r["ray_remove_node_s"]
+        return {
+            "a Ray node removed (spare node): kill → every rank stepping": {
+                "value": v,
+                "target": "≤ 2 s",
+                "met": v <= 2,
+                "kind": "seconds",
+                "reason": "see docs/ray.md, “A lost Ray node”",
+            }
+        }
     if name == "gpu":
         rows = {}
         for key, row in r.items():
@@ -218,10 +247,13 @@ def build() -> str:
         "| --- | --- | --- | --- | --- |",
     ]
     reasons = []
-    total_s = 0.0
+    total_s = extra_s = 0.0
     for name in names:
         r = results[name]
-        total_s += r.get("bench_seconds") or 0
+        if name in OUTSIDE_MAKE_BENCH:
+            extra_s += r.get("bench_seconds") or 0
+        else:
+            total_s += r.get("bench_seconds") or 0
         if name == "ceilings":
             lines += _ceiling_rows(r)
             continue
@@ -244,7 +276,10 @@ def build() -> str:
         "while it ran (the JSON's `background_load`)."
     )
     if total_s:
-        lines.append(f"The benchmarks of this table took {total_s / 60:.1f} minutes together.")
+        lines.append(
+            f"The benchmarks of `make bench` took {total_s / 60:.1f} minutes together"
+            + (f"; `make bench-goodput` {extra_s / 60:.1f} more." if extra_s else ".")
+        )
     if reasons:
         lines += ["", "Why the missed targets are missed (measured by the benchmark, in its JSON):"]
         lines += ["", *reasons]
