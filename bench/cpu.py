@@ -27,15 +27,10 @@ without the copy. Results: ``bench/results/cpu.json``.
 
 from __future__ import annotations
 
-import mmap
-import resource
 import secrets
-import socket
 import statistics
 import sys
-import threading
 import time
-from multiprocessing.connection import Connection as Pipe
 from pathlib import Path
 from typing import Any
 
@@ -46,43 +41,11 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import background_load, bench_parser, job_name, leftover_segments, target, write_result
 
-from peerckpt.replication.arena import Arena
 from peerckpt.replication.replicator import ReplicationJob
-from peerckpt.replication.store import SlotStore
-from peerckpt.replication.transfer import DataServer
 from peerckpt.runtime.capture import Captured, CapturedTensor, layout, write_slot
-from replication import CHUNKS, Sender, _manifest, _sink
+from replication import CHUNKS, Sender, _manifest, cpu_s, receiver
 
 GOAL = 1.25
-
-
-def _cpu_s() -> float:
-    """CPU seconds (user + system) of every thread of this process so far."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-# -- the receiving side (a child process) -------------------------------------------------
-def _receiver(job: str, secret: bytes, nbytes: int, pipe: Pipe) -> None:
-    """The receiving agent's data plane and a plain socket sink; answers "cpu" with its CPU
-    seconds so far, until "stop"."""
-    arena = Arena(job, 1)
-    try:
-        server = DataServer(SlotStore(arena), secret, job, lambda: 0, lambda: None)
-        server.start()
-        sink = mmap.mmap(-1, nbytes)
-        sink.write(bytes(nbytes))  # touched, as the replica slot is
-        listener = socket.create_server(("127.0.0.1", 0))
-        threading.Thread(
-            target=_sink, args=(listener, memoryview(sink)), name="bench-sink", daemon=True
-        ).start()
-        pipe.send((server.address, listener.getsockname()[1]))
-        while pipe.recv() == "cpu":
-            pipe.send(_cpu_s())
-        listener.close()
-        server.stop()
-    finally:
-        arena.destroy()
 
 
 class _Pusher(Sender):
@@ -149,7 +112,7 @@ def main() -> None:
     job, secret = job_name("benchcpu"), secrets.token_bytes(32)
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    child = ctx.Process(target=_receiver, args=(job, secret, nbytes, theirs), name="receiver")
+    child = ctx.Process(target=receiver, args=(job, secret, nbytes, theirs), name="receiver")
     child.start()
     sender = None
 
@@ -159,9 +122,9 @@ def main() -> None:
 
     def both(fn: Any) -> tuple[float, float]:
         """(this process's, the child's) CPU seconds spent while ``fn`` runs."""
-        mine, theirs_ = _cpu_s(), child_cpu()
+        mine, theirs_ = cpu_s(), child_cpu()
         fn()
-        return _cpu_s() - mine, child_cpu() - theirs_
+        return cpu_s() - mine, child_cpu() - theirs_
 
     rows: list[dict[str, float]] = []
     try:

@@ -30,6 +30,7 @@ real buddy does once per job). Results: ``bench/results/replication.json``; keys
 from __future__ import annotations
 
 import mmap
+import resource
 import secrets
 import socket
 import statistics
@@ -88,7 +89,16 @@ def _sink(listener: socket.socket, buffer: memoryview) -> None:
                 conn.sendall(b"k")
 
 
-def _receiver(job: str, secret: bytes, nbytes: int, pipe: Pipe) -> None:
+def cpu_s() -> float:
+    """CPU seconds (user + system) of every thread of this process so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def receiver(job: str, secret: bytes, nbytes: int, pipe: Pipe) -> None:
+    """The receiving agent's data plane and a plain socket sink (a child process): sends
+    their addresses, answers "cpu" with its CPU seconds so far (``bench/cpu.py``), and stops
+    at anything else."""
     arena = Arena(job, 1)
     try:
         server = DataServer(SlotStore(arena), secret, job, lambda: 0, lambda: None)
@@ -100,7 +110,8 @@ def _receiver(job: str, secret: bytes, nbytes: int, pipe: Pipe) -> None:
             target=_sink, args=(listener, memoryview(sink)), name="bench-sink", daemon=True
         ).start()
         pipe.send((server.address, listener.getsockname()[1]))
-        pipe.recv()  # told to stop
+        while pipe.recv() == "cpu":
+            pipe.send(cpu_s())
         listener.close()
         server.stop()
     finally:
@@ -220,7 +231,7 @@ def main() -> None:
     job, secret = job_name("benchrepl"), secrets.token_bytes(32)
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    child = ctx.Process(target=_receiver, args=(job, secret, nbytes, theirs), name="receiver")
+    child = ctx.Process(target=receiver, args=(job, secret, nbytes, theirs), name="receiver")
     child.start()
     sender = None
     try:
