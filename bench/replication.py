@@ -55,12 +55,13 @@ from common import (
 )
 
 from peerckpt.manifest import ChunkRecord, SnapshotManifest
+from peerckpt.messages.data import Ack, Push, Ready
 from peerckpt.replication.arena import Arena
 from peerckpt.replication.replicator import BuddySender, ReplicationJob
 from peerckpt.replication.store import Slot, SlotStore
 from peerckpt.replication.transfer import IO_TIMEOUT_S, DataServer, send_bytes
 from peerckpt.states import SlotKind
-from peerckpt.wire import Connection, connect_tcp, raise_if_error
+from peerckpt.wire import Connection, connect_tcp
 
 PIECE = 64 << 20
 CHUNKS = 16  # tensors in the snapshot: one crc32c each
@@ -192,23 +193,14 @@ class Sender:
             )
             try:
                 t0 = time.perf_counter()
-                conn.request(
-                    {
-                        "type": "push",
-                        "epoch": 0,
-                        "gen": 0,
-                        "rank": 0,
-                        "committed": None,
-                        "manifest": manifest.to_msg(),
-                    }
-                )
+                conn.send_msg(Push(0, 0, 0, None, manifest))
+                conn.recv_msg(Ready)
                 t1 = time.perf_counter()
                 crcs = [c.crc for c in manifest.chunks if c.crc is not None]
                 send_bytes(conn, self.slot.segment.view, manifest.used_bytes, crcs=lambda: crcs)
                 t2 = time.perf_counter()
-                reply, _ = conn.recv_message()
+                conn.recv_msg(Ack)
                 t3 = time.perf_counter()
-                raise_if_error(reply, conn.peer)
             finally:
                 conn.close()
         return {"ready_s": t1 - t0, "send_s": t2 - t1, "ack_s": t3 - t2}
