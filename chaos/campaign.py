@@ -23,11 +23,13 @@ import json
 import os
 import random
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import psutil
 
+from peerckpt.chaos.raysched import check_ray_campaign, generate_ray
 from peerckpt.chaos.spec import parse_chaos
 from peerckpt.errors import ConfigurationError
 from peerckpt.launch.base import JobResult, JobSpec
@@ -86,6 +88,11 @@ TAIL_STEPS = 3
 MIN_EVERY = 2
 
 
+# A seeded sequence: (faults, start, every) → its clauses (``generate``, or on Ray
+# ``raysched.generate_ray``).
+Draw = Callable[[int, int, int], list[str]]
+
+
 def place(
     seed: int,
     faults: int,
@@ -94,18 +101,21 @@ def place(
     every: int | None,
     heartbeat_s: float,
     steps: int,
+    draw: Draw | None = None,
 ) -> list[str]:
-    """The fault clauses of ``generate``, placed inside a run of ``steps`` steps: one every
-    ``every`` steps from ``start``, or spread evenly up to the last step a fault can strike
-    at when ``every`` is None. Raises ConfigurationError, naming a value that fits, when they
-    cannot fit."""
+    """The fault clauses of ``generate`` (or of ``draw``), placed inside a run of ``steps``
+    steps: one every ``every`` steps from ``start``, or spread evenly up to the last step a
+    fault can strike at when ``every`` is None. Raises ConfigurationError, naming a value
+    that fits, when they cannot fit."""
+    if draw is None:
+        draw = lambda n, first, gap: generate(seed, n, world, first, gap, heartbeat_s)  # noqa: E731
     last = steps - TAIL_STEPS
     if start > last:
         raise ConfigurationError(
             f"--start {start} is past step {last}, the last a fault can strike at in the "
             f"fault-free run's {steps} steps; use --start {max(1, last)} or a longer script"
         )
-    groups = _groups(seed, faults, world, heartbeat_s)
+    groups = _groups(draw, faults)
     if every is None:
         every = max(MIN_EVERY, (last - start) // (groups - 1)) if groups > 1 else MIN_EVERY
         how = f"spread over steps {start}…{last}"
@@ -113,7 +123,7 @@ def place(
         how = f"every {every} steps from step {start}"
     reach = start + every * (groups - 1)
     if reach <= last:
-        return generate(seed, faults, world, start, every, heartbeat_s)
+        return draw(faults, start, every)
     problem = (
         f"{faults} faults {how} would strike up to step {reach}, but the fault-free run has "
         f"{steps} steps and a fault must strike by step {last} to fire"
@@ -124,11 +134,7 @@ def place(
             f"{problem}; use --every {fits} (or leave --every out to spread them evenly)"
         )
     fewer = next(
-        (
-            n
-            for n in range(faults - 1, 0, -1)
-            if start + MIN_EVERY * (_groups(seed, n, world, heartbeat_s) - 1) <= last
-        ),
+        (n for n in range(faults - 1, 0, -1) if start + MIN_EVERY * (_groups(draw, n) - 1) <= last),
         0,
     )
     need = start + MIN_EVERY * (groups - 1) + TAIL_STEPS
@@ -138,12 +144,11 @@ def place(
     )
 
 
-def _groups(seed: int, faults: int, world: int, heartbeat_s: float) -> int:
-    """How many distinct steps ``faults`` faults of seed ``seed`` strike at (a kill timed
-    inside a recovery shares its first kill's step). The sequence does not depend on the
-    spacing, so one spaced by 1 tells."""
-    clauses = generate(seed, faults, world, 0, 1, heartbeat_s)
-    return max(a.at for a in parse_chaos("; ".join(clauses))) + 1
+def _groups(draw: Draw, faults: int) -> int:
+    """How many distinct steps ``faults`` faults strike at (a kill timed inside a recovery
+    shares its first kill's step). The sequence does not depend on the spacing, so one
+    spaced by 1 tells."""
+    return max(a.at for a in parse_chaos("; ".join(draw(faults, 0, 1)))) + 1
 
 
 @dataclass
@@ -193,11 +198,24 @@ def run_campaign(
     env: dict[str, str] | None = None,
     job: str | None = None,
     progress: bool = False,
+    ray: str | None = None,
 ) -> Campaign:
     """Run the reference and the chaos run; with ``progress``, report how far each got (a
-    bar on a terminal, plain lines otherwise)."""
+    bar on a terminal, plain lines otherwise). With ``ray`` (a Ray address) both run on that
+    Ray cluster (``RayLauncher``): ``nodes`` Ray nodes hold ranks, ``spares`` spare Ray nodes,
+    and the faults follow ``raysched``'s rules."""
     world = nodes * nproc_per_node
-    parse_chaos("; ".join(generate(seed, faults, world, start, every or MIN_EVERY, 1.0)))
+    draw: Draw
+    if ray is None:
+        draw = lambda n, first, gap: generate(  # noqa: E731
+            seed, n, world, first, gap, heartbeat_timeout
+        )
+    else:
+        check_ray_campaign(nodes, nproc_per_node, spares)
+        draw = lambda n, first, gap: generate_ray(  # noqa: E731
+            seed, n, nodes, nproc_per_node, spares, first, gap, heartbeat_timeout
+        )
+    parse_chaos("; ".join(draw(faults, start, every or MIN_EVERY)))
     common: dict[str, Any] = dict(
         script=script[0],
         args=script[1:],
@@ -208,9 +226,17 @@ def run_campaign(
         env=env or {},
         record_digests=True,
     )
-    ref_launcher = LocalLauncher(JobSpec(**common, job=f"{job}_ref" if job else None))
+
+    def launcher_of(spec: JobSpec) -> Any:
+        if ray is None:
+            return LocalLauncher(spec)
+        from peerckpt.launch.ray import RayLauncher
+
+        return RayLauncher(spec, address=ray)
+
+    ref_launcher = launcher_of(JobSpec(**common, job=f"{job}_ref" if job else None))
     with Report("reference run, no faults: committed step", None) as bar:
-        if progress:
+        if progress and hasattr(ref_launcher, "watchers"):  # the Ray driver has no view
             ref_launcher.watchers.append(_committed(bar))
         reference = ref_launcher.run()
     if reference.state != "succeeded":
@@ -219,9 +245,9 @@ def run_campaign(
         campaign.job_reason = reference.reason
         return campaign
     steps = 1 + max(int(key.partition("/")[2]) for key in reference.digests)
-    clauses = place(seed, faults, world, start, every, heartbeat_timeout, steps)
+    clauses = place(seed, faults, world, start, every, heartbeat_timeout, steps, draw)
     campaign = Campaign(seed, clauses)
-    launcher = LocalLauncher(
+    launcher = launcher_of(
         JobSpec(
             **common,
             spares=spares,
@@ -231,12 +257,12 @@ def run_campaign(
         )
     )
     with Report(f"chaos run: faults fired (seed {seed})", len(clauses)) as bar:
-        if progress:
+        if progress and hasattr(launcher, "watchers"):
             launcher.watchers.append(_fired(bar, launcher))
         result = launcher.run()
     campaign.result = result
     campaign.job_state, campaign.job_reason = result.state, result.reason
-    campaign.leaks = leaks(result.job, launcher.rundir)
+    campaign.leaks = leaks(result.job, getattr(launcher, "rundir", None))
     compare(campaign, reference, result)
     return campaign
 
@@ -246,7 +272,7 @@ def _committed(bar: Report) -> Any:
     return lambda status, view: bar.update(view.committed_step or 0)
 
 
-def _fired(bar: Report, launcher: LocalLauncher) -> Any:
+def _fired(bar: Report, launcher: Any) -> Any:
     """A launcher watcher: the faults fired so far, as the chaos run's progress."""
 
     def watch(status: dict[str, Any], view: JobView) -> None:
@@ -256,8 +282,10 @@ def _fired(bar: Report, launcher: LocalLauncher) -> Any:
     return watch
 
 
-def leaks(job: str, rundir: str) -> list[str]:
-    """Whatever of job ``job`` is still there: processes, shared-memory files, its sockets."""
+def leaks(job: str, rundir: str | None) -> list[str]:
+    """Whatever of job ``job`` is still there on this machine: processes, shared-memory
+    files, its sockets (``rundir``; a job on Ray has one per host, each host's launcher
+    removes its own, and any shared memory or process of the job left here still counts)."""
     found = []
     for proc in psutil.process_iter():
         try:
@@ -268,7 +296,7 @@ def leaks(job: str, rundir: str) -> list[str]:
     found += [
         f"shared memory {p}" for p in glob.glob(os.path.join(SHM_DIR, segment_prefix(job) + "*"))
     ]
-    if os.path.exists(rundir):
+    if rundir is not None and os.path.exists(rundir):
         found.append(f"run directory {rundir} (sockets)")
     return found
 

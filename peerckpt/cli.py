@@ -110,6 +110,7 @@ def _chaos(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         job=args.job,
         progress=True,
+        ray=args.ray,
     )
     path = args.json or default_json_path(args.seed)
     write_json(campaign, path)
@@ -531,6 +532,13 @@ def main(argv: list[str] | None = None) -> int:
         help="steps between faults (default: spread evenly over the fault-free run's steps)",
     )
     chaos.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds")
+    chaos.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        default=None,
+        help="run both jobs on this Ray cluster (auto: RAY_ADDRESS): --nodes Ray nodes hold "
+        "ranks, --spares counts spare Ray nodes (docs/ray.md)",
+    )
     chaos.add_argument("--json", default=None, help="where to write the rows as JSON")
     chaos.add_argument("--job", default=None, help="name the two jobs NAME_ref and NAME_chaos")
     chaos.add_argument("script", help="the training script (it must run long enough)")

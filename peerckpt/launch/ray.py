@@ -393,9 +393,17 @@ class RayLauncher(Launcher):
         self, code: int, report: dict[str, Any] | None, reason: str, wall_s: float
     ) -> JobResult:
         fired = list(self.chaos.fired) if self.chaos is not None else []
+        # The faults other hosts fired are in their own results (host 0's has its own).
+        for host in self.hosts.values():
+            theirs = (host.done or {}).get("result") or {}
+            if host.rank != 0:
+                fired += theirs.get("chaos", [])
+        fired.sort(key=lambda c: c.get("fired_at") or float("inf"))
         if report is not None:
             result = JobResult(**report)
-            result.chaos = [*fired, *result.chaos]
+            result.chaos = sorted(
+                [*fired, *result.chaos], key=lambda c: c.get("fired_at") or float("inf")
+            )
         else:
             state = "interrupted" if code == ExitCode.INTERRUPTED else "failed"
             result = JobResult(self.job, code, state, reason, [], fired, wall_s)
