@@ -390,7 +390,7 @@ def run_case(name: str, case: dict[str, Any], runs: int) -> dict[str, Any]:
         decode_s += time.perf_counter() - start
         if (
             len(decoded) != len(sampled_reads[new])
-            or decoded[-1]["nbytes"] != sampled_reads[new][-1].nbytes
+            or decoded[-1].nbytes != sampled_reads[new][-1].nbytes
         ):
             raise SystemExit(f"{name}: new rank {new}'s message does not decode to its reads")
     message_bytes = sum(
