@@ -30,14 +30,14 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 
 # Benchmarks: each writes bench/results/<name>.json; bench/summary.py writes the table at the
 # top of docs/performance.md from them. Under 25 minutes on 2 shared cores (docs/performance.md):
-# the torchrun and Ray comparisons run once each, at one size.
+# the torchrun and Ray comparisons run once each, at one size; stall and recovery 3 runs each.
 bench: $(BENCH_STAMP)
 	$(PY) bench/ceilings.py
 	$(PY) bench/replication.py
 	$(PY) bench/cpu.py
 	$(PY) bench/tls.py
-	$(PY) bench/stall.py
-	$(PY) bench/recovery.py
+	$(PY) bench/stall.py --runs 3
+	$(PY) bench/recovery.py --runs 3
 	$(PY) bench/memory.py
 	$(PY) bench/reshard.py
 	$(PY) bench/flush.py
