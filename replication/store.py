@@ -111,20 +111,29 @@ class SlotStore:
             return steps.index(None)
         return 0 if steps[0] <= steps[1] else 1  # type: ignore[operator]
 
-    def find(self, gen: int, rank: int, step: int) -> Slot | None:
-        """A complete copy of ``rank``'s snapshot of ``step`` in layout ``gen``: own slots first."""
+    def find(self, gen: int, rank: int, step: int, partial: bool = False) -> Slot | None:
+        """A complete copy of ``rank``'s snapshot of ``step`` in layout ``gen``: own slots first.
+
+        ``partial``: a copy lacking its data-parallel chunks (``replication/dedup.py``) will
+        do too (one that is complete still comes first)."""
         with self._lock:
             slots = sorted(
                 self._slots.values(), key=lambda s: (s.kind is not SlotKind.OWN, s.index)
             )
-        for slot in slots:
-            if (
-                slot.kind is not SlotKind.STAGING
-                and slot.gen == gen
-                and slot.rank == rank
-                and slot.step == step
-            ):
+        found = [
+            slot
+            for slot in slots
+            if slot.kind is not SlotKind.STAGING
+            and slot.gen == gen
+            and slot.rank == rank
+            and slot.step == step
+        ]
+        for slot in found:
+            manifest = slot.manifest
+            if manifest is not None and not manifest.absent:
                 return slot
+        if partial:
+            return next(iter(found), None)
         return None
 
     def adopt(self, slot: Slot, index: int) -> Slot:
