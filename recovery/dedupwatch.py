@@ -57,7 +57,10 @@ class DedupWatch:
             if saved:
                 log.info(
                     "redundancy-aware replication: %s of %s per snapshot step not mirrored "
-                    "(data-parallel twins hold them; resilient(dedup=False) turns it off)",
+                    "(%d of %d bytes: data-parallel twins hold them; resilient(dedup=False) "
+                    "turns it off)",
                     human(saved),
                     human(total),
+                    saved,
+                    total,
                 )
