@@ -72,6 +72,7 @@ class CommitTracker:
         self.domains: dict[int, tuple[int, int]] = {}
         self.committed_partial: dict[int, set[int]] = {}
         self.committed_twins: dict[int, tuple[int, ...]] = {}
+        self.committed_absent: dict[int, tuple[int, ...]] = {}  # rank → chunks its partials lack
         self.short: list[tuple[int, int]] = []  # (rank, step) found short by the last record
 
     def __repr__(self) -> str:
@@ -114,6 +115,7 @@ class CommitTracker:
         meta_nbytes: int | None = None,
         twins: str = "",
         partial: bool = False,
+        absent: tuple[int, ...] = (),
     ) -> int | None:
         """Record that ``rank``'s snapshot of ``step`` now lives on ``holders``.
 
@@ -134,7 +136,7 @@ class CommitTracker:
             self._set_layout(rank, layout)
         by_rank = self._pending.setdefault(step, {})
         node = self.domains.get(rank, (holders[0] if holders else -1, 0))[0]
-        report = Report(node, frozenset(holders), twins, partial)
+        report = Report(node, frozenset(holders), twins, partial, tuple(absent))
         self._twin_reports.setdefault(step, {})[rank] = report
         by_rank[rank] = complete_nodes(report)
         if meta_nbytes is not None:
@@ -157,6 +159,7 @@ class CommitTracker:
         self.committed_holders = by_rank
         self.committed_partial = {r: partial_nodes(reports[r]) for r in verdict.twins}
         self.committed_twins = verdict.twins
+        self.committed_absent = {r: reports[r].absent for r in verdict.twins}
         self._committed_base, self._layouts_shared = self._layouts, True
         self._committed_sizes = self._meta.get(step, {})
         self._committed_layouts = None

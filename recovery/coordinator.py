@@ -377,6 +377,7 @@ class Coordinator:
                 msg.meta_nbytes,
                 twins=msg.twins,
                 partial=msg.partial,
+                absent=msg.absent,
             )
             self._twins.reported(msg, tracker, committed)
             key = (msg.rank, msg.step, msg.digest)

@@ -295,4 +295,5 @@ def next_epoch(
     if tracker is not None:
         new_tracker.committed_partial = {r: set(h) for r, h in tracker.committed_partial.items()}
         new_tracker.committed_twins = dict(tracker.committed_twins)
+        new_tracker.committed_absent = dict(tracker.committed_absent)
     return membership, new_tracker

@@ -16,8 +16,9 @@ it whole (``ReplicateWhole``); the step commits once that push is in.
 For a recovery, :func:`recovery_sources` turns the committed step's holders into what the
 same-topology plan needs: a rank whose complete copies are all gone is read from a node
 holding its partial copy, and its data-parallel chunks from a twin's complete copy on any
-surviving node (``Membership.twins``). A resharding plan does not read partial copies yet:
-it counts complete copies only.
+surviving node (``Membership.twins``). A resharding plan reads partial copies too, but only
+in the chunks they hold (:func:`lacking`): a chunk they lack is one logical chunk with its
+twins' identical boxes, read from a twin's complete copy.
 
 Pure functions, no I/O.
 """
@@ -26,7 +27,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+from peerckpt.manifest import ChunkRecord
 from peerckpt.membership import Membership
 from peerckpt.recovery.planning.sources import plan_sources
 
@@ -44,6 +47,7 @@ class Report:
     holders: frozenset[int]
     digest: str  # of its declared data-parallel chunks; "" when none is declared
     partial: bool  # the buddies in ``holders`` hold it without those chunks
+    absent: tuple[int, ...] = ()  # the chunks (layout indices) those buddies' copies lack
 
 
 @dataclass(frozen=True)
@@ -132,3 +136,36 @@ def recovery_sources(
         usable.setdefault(rank, set())
     sources = plan_sources(new_nodes, usable, nbytes, previous_nodes)
     return sources, {r: p for r, p in fill.items() if r in new_nodes}
+
+
+def lacking(
+    partial: Mapping[int, set[int]],
+    absent: Mapping[int, tuple[int, ...]],
+    layouts: Mapping[int, list[Any]],
+) -> dict[int, tuple[frozenset[int], frozenset[str]]]:
+    """What a resharding plan must know of the committed step's partial copies: rank → (the
+    nodes holding it without some chunks, the keys of those chunks). A rank whose absent
+    chunks are unknown (not reported, or no layout) counts none of its partial copies."""
+    out: dict[int, tuple[frozenset[int], frozenset[str]]] = {}
+    for rank, nodes in partial.items():
+        if not nodes:
+            continue
+        layout = layouts.get(rank)
+        indices = absent.get(rank, ())
+        if not indices or layout is None or any(not 0 <= i < len(layout) for i in indices):
+            continue  # what the copy lacks is unknown: it is no source
+        keys = frozenset(ChunkRecord.from_msg(layout[i]).key for i in indices)
+        out[rank] = (frozenset(nodes), keys)
+    return out
+
+
+def read_holders(
+    holders: Mapping[int, set[int]],
+    lacks: Mapping[int, tuple[frozenset[int], frozenset[str]]],
+) -> dict[int, set[int]]:
+    """Every node a resharding plan may read a rank from: its complete copies' and, with
+    :func:`lacking` telling the planner which keys they lack, its partial copies'."""
+    out = {rank: set(nodes) for rank, nodes in holders.items()}
+    for rank, (nodes, _) in lacks.items():
+        out.setdefault(rank, set()).update(nodes)
+    return out

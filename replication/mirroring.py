@@ -190,6 +190,7 @@ class Mirroring:
             twins=dedup.twin_digest(manifest),
             partial=bool(job.absent),
             deduplicated=manifest.used_bytes - dedup.sent_bytes(manifest.without(job.absent)),
+            absent=tuple(job.absent),
         )
         # Sent again, layout and all, to a restarted coordinator (it may have missed it).
         self.coordinator.remember(("Replicated", job.slot.rank), full)

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from tests.conftest import JobRun, assert_same_digests, run_job
+from tests.test_reshard_jobs import _assert_ddp_restores_match
 
 _SAVED = re.compile(r"per snapshot step not mirrored \((\d+) of (\d+) bytes")
 
@@ -41,3 +42,19 @@ def test_dedup_false_mirrors_everything_and_trains_the_same(tmp_path, reference_
     assert run.returncode == 0, run.log[-4000:]
     assert _saved(run) == []
     assert_same_digests(run, reference_run)
+
+
+@pytest.mark.slow
+def test_a_deduplicated_job_grows_by_a_node_restoring_bit_exact(tmp_path) -> None:
+    """2 nodes x 2 ranks (buddies hold partial copies) → 3 nodes: every rank restores the
+    committed state through a plan that reads partial copies only in what they hold."""
+    run = run_job(
+        tmp_path,
+        script_args=["--steps", "2000", "--sleep", "0.02", "--until-world", "6"],
+        chaos="add node at=5",
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    assert _saved(run), run.log[-4000:]  # epoch 0 deduplicated
+    _assert_ddp_restores_match(tmp_path, world=6, log=run.log)
+    [event] = run.report["events"]
+    assert event["kind"] == "grow" and event["grown_to"] == 6

@@ -207,10 +207,12 @@ class Replicated(Request["ReplicatedReply"]):
     layout: list[Any] | None = None
     # Redundancy-aware replication (``replication/dedup.py``): the digest of the chunks the
     # rank declared data-parallel, whether the buddies in ``holders`` got only the others
-    # (``partial``), and how many bytes that left out.
+    # (``partial``), how many bytes that left out, and which chunks (indices in ``layout``):
+    # a resharding plan reads those from the twins (``recovery/twins.py``).
     twins: str = ""
     partial: bool = False
     deduplicated: int = 0
+    absent: tuple[int, ...] = ()
 
 
 @message("ReplicatedMany")

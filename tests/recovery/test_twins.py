@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import pytest
+
+from peerckpt.boxes import Box
+from peerckpt.errors import RecoveryFailed
 from peerckpt.recovery.commits import CommitTracker
-from peerckpt.recovery.twins import Report, recovery_sources, twin_sources, verify
+from peerckpt.recovery.planning import reshard as planner
+from peerckpt.recovery.planning.types import HeldChunk, WantedChunk
+from peerckpt.recovery.twins import (
+    Report,
+    lacking,
+    read_holders,
+    recovery_sources,
+    twin_sources,
+    verify,
+)
 
 NODES = {0: 0, 1: 0, 2: 1, 3: 1}  # 2 nodes x 2 ranks
 
@@ -87,3 +100,79 @@ def test_a_partial_copy_without_a_surviving_twin_is_no_source() -> None:
 def test_twin_sources_prefer_the_restoring_node() -> None:
     holders = {0: {0, 5}, 1: {3}}
     assert twin_sources(2, 3, {2: (0, 1)}, holders) == [[3, 1], [0, 0], [5, 0]]
+
+
+# -- resharding from partial copies (recovery/planning with ``lacking``) -------------------------
+W = Box((0,), (8,))
+
+
+def _ddp_held(ranks: range) -> dict[int, list[HeldChunk]]:
+    """Every old rank: the data-parallel tensor "w" whole, and its own blob."""
+    return {
+        r: [
+            HeldChunk("w", "float32", (8,), W),
+            HeldChunk(f"meta@{r}", "uint8", (4,), Box((0,), (4,))),
+        ]
+        for r in ranks
+    }
+
+
+def test_a_shrink_reads_private_chunks_from_partial_copies_and_twins_elsewhere() -> None:
+    # 2 nodes x 2 ranks, node 1 lost: ranks 2 and 3 survive only as partial copies on node 0
+    holders = read_holders(
+        {0: {0}, 1: {0}, 2: set(), 3: set()},
+        lacks := {
+            2: (frozenset({0}), frozenset({"w"})),
+            3: (frozenset({0}), frozenset({"w"})),
+        },
+    )
+    wanted = {
+        new: [WantedChunk("w", "float32", (8,), W)]
+        + [WantedChunk(f"meta@{r}", "uint8", (4,), Box((0,), (4,))) for r in range(4)]
+        for new in (0, 1)
+    }
+    reads = planner.plan(_ddp_held(range(4)), holders, wanted, {0: 0, 1: 0}, {0: 0, 1: 1}, lacks)
+    for new, rank_reads in reads.by_rank().items():
+        by_key = {r.key: r for r in rank_reads}
+        assert by_key["w"].source_rank == new  # its own slot, never a partial copy
+        for old in range(4):
+            assert (by_key[f"meta@{old}"].source_node, by_key[f"meta@{old}"].source_rank) == (
+                0,
+                old,
+            )
+
+
+def test_a_chunk_only_partial_copies_lack_is_not_read_from_them() -> None:
+    # rank 0's complete copy (node 0) is gone; rank 1's partial copy on node 0 lacks "w"
+    lacks = {1: (frozenset({0}), frozenset({"w"}))}
+    holders = read_holders({0: set(), 1: set()}, lacks)
+    wanted = {0: [WantedChunk("w", "float32", (8,), W)]}
+    with pytest.raises(RecoveryFailed, match="'w'"):
+        planner.plan(_ddp_held(range(2)), holders, wanted, {0: 0}, {0: 1}, lacks)
+    # without ``lacking`` the same holders would read "w" from a copy that lacks it
+    assert planner.plan(_ddp_held(range(2)), holders, wanted, {0: 0}, {0: 1}).by_rank()[0]
+
+
+def test_lacking_names_the_keys_of_the_absent_chunks() -> None:
+    layout = [
+        ["m/w", "float32", [4], [0], [4], 0, 16, None, "global"],
+        ["pos", "int64", [1], [0], [1], 64, 8, None, "rank"],
+    ]
+    lacks = lacking({0: {1}, 1: {0}, 2: set()}, {0: (0,), 1: ()}, {0: layout, 1: layout})
+    assert lacks == {0: (frozenset({1}), frozenset({"m/w"}))}  # rank 1: absent chunks unknown
+    assert read_holders({0: {0}, 1: {1}}, lacks) == {0: {0, 1}, 1: {1}}
+
+
+def test_the_commit_keeps_what_each_partial_copy_lacks_for_the_next_epoch() -> None:
+    tracker = CommitTracker(0, frozenset(range(4)))
+    tracker.domains = {r: (NODES[r], 1) for r in range(4)}
+    layout = [["w", "float32", [4], [0], [4], 0, 16, None, "global"]]
+    for r in range(4):
+        tracker.record(
+            0, r, 3, [NODES[r], 1 - NODES[r]], layout, twins="a", partial=True, absent=(0,)
+        )
+    assert tracker.committed_step == 3
+    assert tracker.committed_absent == dict.fromkeys(range(4), (0,))
+    assert lacking(tracker.committed_partial, tracker.committed_absent, tracker.committed_layouts)[
+        2
+    ] == (frozenset({0}), frozenset({"w"}))
