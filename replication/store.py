@@ -69,23 +69,34 @@ class SlotStore:
             return self._slots.get((kind, gen, rank, index))
 
     def ensure(
-        self, kind: SlotKind, gen: int, rank: int, index: int, nbytes: int, touch: bool = True
+        self,
+        kind: SlotKind,
+        gen: int,
+        rank: int,
+        index: int,
+        nbytes: int,
+        touch: bool = True,
+        only: list[tuple[int, int]] | None = None,
     ) -> Slot:
-        """Return the slot, (re)allocated so that it holds at least ``nbytes``.
+        """Return the slot, (re)allocated so that it holds at least ``nbytes``, with the
+        memory of the byte ranges ``only`` (start, end; None: all) reserved for writing.
 
         A reallocated slot is a new segment (new file name); the old one is unlinked.
         """
         key = (kind, gen, rank, index)
+        what = f"{kind.value} slot {index} of rank {rank} (layout {gen})"
         with self._lock:
             creating = self._creating.setdefault(key, threading.Lock())
         with creating:
             with self._lock:
                 slot = self._slots.get(key)
             if slot is not None and slot.segment.size >= nbytes:
+                if slot.segment.sparse:  # a partial copy's holes: reserve what comes now
+                    slot.segment.reserve(only if only is not None else [(0, nbytes)], what)
+                    slot.segment.sparse = only is not None or nbytes < slot.segment.size
                 return slot
-            what = f"{kind.value} slot {index} of rank {rank} (layout {gen})"
             tag = f"{kind.value[0]}{rank}-g{gen}-{index}"
-            segment = self.arena.create(tag, nbytes, what, touch)
+            segment = self.arena.create(tag, nbytes, what, touch, only=only)
             new = Slot(rank, index, kind, segment, gen=gen)
             with self._lock:
                 old = self._slots.get(key)

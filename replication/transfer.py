@@ -310,9 +310,10 @@ class DataServer:
         keep = [s for s in (self._committed_step(), msg.committed) if s is not None]
         index = self.store.replica_target(gen, rank, max(keep) if keep else None)
         try:
-            # A partial copy's absent chunks are never written: their pages stay unallocated.
+            # A partial copy's absent chunks are never written: their pages stay holes.
+            only = manifest.byte_ranges() if manifest.absent else None
             slot = self.store.ensure(
-                SlotKind.REPLICA, gen, rank, index, manifest.used_bytes, touch=not manifest.absent
+                SlotKind.REPLICA, gen, rank, index, manifest.used_bytes, only=only
             )
         except InsufficientMemory as exc:
             conn.send_error("memory", str(exc))

@@ -110,6 +110,11 @@ def complete(
             with slot.lock:
                 if slot.manifest is not manifest:
                     raise PeerUnavailable("the copy being completed was replaced meanwhile")
+                if slot.segment.sparse:  # the absent chunks' pages are holes: reserve them
+                    slot.segment.reserve(
+                        [(c.byte_offset, c.byte_offset + c.nbytes) for c in need],
+                        f"completing rank {slot.rank}'s copy",
+                    )
                 if source == node:
                     got = _from_local(store, slot, need, twin)
                 else:
