@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.conftest import JobRun, assert_same_digests, run_job
+from tests.conftest import JobRun, assert_same_digests, run_job, run_with_reference
 from tests.test_reshard_jobs import _assert_ddp_restores_match
 
 _SAVED = re.compile(r"per snapshot step not mirrored \((\d+) of (\d+) bytes")
@@ -58,3 +58,22 @@ def test_a_deduplicated_job_grows_by_a_node_restoring_bit_exact(tmp_path) -> Non
     _assert_ddp_restores_match(tmp_path, world=6, log=run.log)
     [event] = run.report["events"]
     assert event["kind"] == "grow" and event["grown_to"] == 6
+
+
+@pytest.mark.slow
+def test_a_rank_whose_twins_differ_is_pushed_whole_and_recovers_bit_exact(tmp_path) -> None:
+    """Rank 1 nudges its parameters after every step, so its declared data-parallel chunks
+    differ from ranks 0, 2 and 3's: the coordinator warns, has it pushed whole, and a kill of
+    its node restores it from that whole copy (and rank 0 from its partial copy and twins)."""
+    args = ["--steps", "24", "--skew-rank", "1"]
+    reference, run = run_with_reference(tmp_path, args, spares=2, chaos="kill node=0 at=10")
+    assert run.returncode == 0, run.log[-4000:]
+    assert_same_digests(run, reference)
+    warned = re.findall(r"rank (\d+)'s data-parallel state at step \d+ is not held", run.log)
+    assert warned == ["1", "1"], run.log[-4000:]  # once per epoch, rank 1 only
+    # ranks 0, 2 and 3 still left their parameters and AdamW state to their twins
+    assert all(left_out > 0.6 * total for left_out, total in _saved(run)), _saved(run)
+    [event] = run.report["events"]
+    assert event["kind"] == "node" and event["ranks"] == [0, 1]
+    pulls = {p["rank"]: p for p in event["pulls"]}
+    assert pulls[1]["source"] == 1 and pulls[0]["source"] == 1
