@@ -23,12 +23,24 @@ slots per buddy) and nothing hidden, so:
 adds the launcher's and the coordinator's private memory (once per job, not per rank).
 Medians of ``--runs`` jobs.
 Results: ``bench/results/memory.json``.
+
+**Redundancy-aware replication** (``--dedup-only`` runs this case alone): the same job with
+``--ddp`` (one model under DistributedDataParallel: every rank's parameters and AdamW state
+are equal), once with ``resilient(dedup=False)`` and once with the default, alternating, in
+the same run. For each: the peak of the buddies' *replica* segments in /dev/shm (their
+``st_blocks``: a partial copy never touches the pages of the chunks it lacks) and the CPU
+seconds of all agents per snapshot step (from the first rank's probes, over the steps of
+``ctx.steps``). ``memory_ratio`` and ``agents_cpu_ratio`` are dedup / no-dedup, medians of
+the pairs; targets: memory ratio ≤ 0.5 (parameters and optimizer state dominate the
+snapshot), agents' CPU ratio ≤ 0.5 (what remains is the crc32c of each rank's own slot).
+Results: ``bench/results/dedup.json``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -54,6 +66,7 @@ from common import (
 JOB = Path(__file__).resolve().parent / "jobs" / "train_job.py"
 NODES, PER_NODE, REPLICAS = 2, 2, 1
 SAMPLE_S = 0.05
+REPLICA = re.compile(r"-r\d+-g\d+-")  # a buddy's replica slot (peerckpt/shm.py); own: -o<rank>-
 
 
 def _status(pid: int) -> dict[str, int]:
@@ -96,6 +109,7 @@ class Sampler:
         self.root, self.prefix = root, shm_prefix
         self.peak: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.shm_peak = 0
+        self.replica_peak = 0  # the buddies' replica segments alone
         self.shm_peak_per_node: dict[str, int] = defaultdict(int)
         self._roles: dict[int, str | None] = {}
         self._stop = threading.Event()
@@ -134,7 +148,7 @@ class Sampler:
                 self.peak[role][key] = max(self.peak[role][key], value)
         if self.prefix is None:
             return
-        total, per_node = 0, defaultdict[str, int](int)
+        total, replicas, per_node = 0, 0, defaultdict[str, int](int)
         for entry in os.scandir("/dev/shm"):
             if entry.name.startswith(self.prefix):
                 try:
@@ -142,8 +156,10 @@ class Sampler:
                 except FileNotFoundError:
                     continue
                 total += used
+                replicas += used if REPLICA.search(entry.name) else 0
                 per_node[entry.name[len(self.prefix) :].split("-")[0]] += used
         self.shm_peak = max(self.shm_peak, total)
+        self.replica_peak = max(self.replica_peak, replicas)
         for node, used in per_node.items():
             self.shm_peak_per_node[node] = max(self.shm_peak_per_node[node], used)
 
@@ -159,11 +175,11 @@ def plain_run(mib: int, steps: int, out: Path) -> tuple[int, int]:
     return sampler.peak["plain"]["RssAnon"], state
 
 
-def job_run(mib: int, steps: int, out: Path) -> dict[str, Any]:
+def job_run(mib: int, steps: int, out: Path, flags: tuple[str, ...] = ()) -> dict[str, Any]:
     job = job_name("benchmem")
     argv = ["--nodes", str(NODES), "--nproc-per-node", str(PER_NODE)]
     argv += ["--replicas", str(REPLICAS), "--job", job, str(JOB), str(out)]
-    argv += ["--mib", str(mib), "--batch", "1", "--steps", str(steps)]
+    argv += ["--mib", str(mib), "--batch", "1", "--steps", str(steps), *flags]
     launcher = start_peerckpt(argv)
     try:
         with Sampler(launcher.pid, f"peerckpt-{job}-") as sampler:
@@ -177,20 +193,97 @@ def job_run(mib: int, steps: int, out: Path) -> dict[str, Any]:
         raise SystemExit(f"the job failed:\n{(stdout + stderr)[-2000:]}")
     return {
         "shm_peak": sampler.shm_peak,
+        "replica_peak": sampler.replica_peak,
         "shm_peak_per_node": dict(sampler.shm_peak_per_node),
         "processes": {k: dict(v) for k, v in sampler.peak.items()},
         "leftover_segments": left,
     }
 
 
+def agents_cpu_per_step(out: Path) -> float:
+    """All agents' CPU seconds per snapshot step, from rank 0's probes over ``ctx.steps``."""
+    probes = json.loads((out / "steps-peerckpt-rank0.json").read_text())["probes"]
+    return (probes[-1][2] - probes[0][2]) / (len(probes) - 1)
+
+
+def dedup_case(mib: int, steps: int, runs: int, base: Path, quick: bool) -> dict[str, Any]:
+    """The DDP job without and with redundancy-aware replication, alternating: the buddies'
+    replica memory and the agents' CPU per step, as ratios dedup / no-dedup."""
+    pairs: list[dict[str, Any]] = []
+    for i in range(runs):
+        pair: dict[str, Any] = {}
+        for name, flags in (("whole", ("--ddp", "--no-dedup")), ("dedup", ("--ddp",))):
+            out = base / f"ddp-{name}{i}"
+            out.mkdir()
+            got = job_run(mib, steps, out, flags)
+            pair[name] = {
+                "replica_peak": got["replica_peak"],
+                "shm_peak": got["shm_peak"],
+                "agents_cpu_s_per_step": agents_cpu_per_step(out),
+                "leftover_segments": got["leftover_segments"],
+            }
+        pair["memory_ratio"] = pair["dedup"]["replica_peak"] / pair["whole"]["replica_peak"]
+        pair["agents_cpu_ratio"] = (
+            pair["dedup"]["agents_cpu_s_per_step"] / pair["whole"]["agents_cpu_s_per_step"]
+        )
+        print(
+            f"DDP pair {i}: replicas' peak {pair['whole']['replica_peak'] / 2**20:.1f} MiB whole, "
+            f"{pair['dedup']['replica_peak'] / 2**20:.2f} MiB deduplicated "
+            f"({pair['memory_ratio']:.2e}); agents' CPU per step "
+            f"{pair['whole']['agents_cpu_s_per_step'] * 1e3:.0f} → "
+            f"{pair['dedup']['agents_cpu_s_per_step'] * 1e3:.0f} ms "
+            f"({pair['agents_cpu_ratio']:.3f})",
+            flush=True,
+        )
+        pairs.append(pair)
+    memory = statistics.median(p["memory_ratio"] for p in pairs)
+    cpu = statistics.median(p["agents_cpu_ratio"] for p in pairs)
+    t = target(memory, 0.5, "at most")
+    if not t["met"]:
+        t["reason"] = (
+            f"the buddies' replicas took {memory:.3f} of their whole-push size: the chunks not "
+            "declared data-parallel (blob, buffers) outweigh the parameters and AdamW state"
+        )
+    c = target(cpu, 0.5, "at most")
+    if not c["met"]:
+        c["reason"] = (
+            f"the agents still took {cpu:.3f} of their whole-push CPU per step: each checksums "
+            "its ranks' whole snapshots (the twins' digests need every declared chunk's crc32c)"
+        )
+    result = {
+        "quick": quick,
+        "runs": runs,
+        "ranks": NODES * PER_NODE,
+        "replicas": REPLICAS,
+        "mib_per_rank": mib,
+        "steps": steps,
+        "memory_ratio": memory,
+        "agents_cpu_ratio": cpu,
+        "pairs": pairs,
+        "targets": {"memory_ratio": t, "agents_cpu_ratio": c},
+    }
+    path = write_result("dedup", result)
+    print(f"dedup: memory_ratio {memory:.2e} (target ≤ 0.5), agents_cpu_ratio {cpu:.3f}; {path}")
+    return result
+
+
 def main() -> None:
     parser = bench_parser(__doc__)
     parser.add_argument("--mib", type=int, default=256, help="state per rank")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--dedup-mib", type=int, default=64, help="state per rank, DDP case")
+    parser.add_argument("--dedup-only", action="store_true", help="only the DDP dedup case")
     parser.set_defaults(runs=3)
     args = parser.parse_args()
     mib = 64 if args.quick else args.mib
     runs = 2 if args.quick else args.runs
+    if args.dedup_only:
+        background_load()
+        with scratch_dir("memory") as scratch:
+            dedup_case(
+                16 if args.quick else args.dedup_mib, args.steps, runs, Path(scratch), args.quick
+            )
+        return
     note = None
     if runs < 5:
         note = (
@@ -263,6 +356,10 @@ def main() -> None:
         )
     result["targets"] = {"overhead_ratio": t}
     print(f"overhead_ratio {ratio:.3f} (target ≤ 1.05); written {write_result('memory', result)}")
+    with scratch_dir("memory") as scratch:
+        dedup_case(
+            16 if args.quick else args.dedup_mib, args.steps, runs, Path(scratch), args.quick
+        )
 
 
 if __name__ == "__main__":

@@ -192,14 +192,54 @@ class SnapshotManifest:
                 chunks.append(ChunkRecord.from_msg(chunk))
             except MalformedManifest as exc:
                 raise MalformedManifest(f"snapshot manifest chunk {i}: {exc}") from None
+        extra = need_map(msg.get("extra", {}), "snapshot manifest extra")
+        for name in ("absent", "twins"):  # chunk indices (replication/dedup.py)
+            if name in extra:
+                for i in need_list(extra[name], f"snapshot manifest {name}"):
+                    need_int(i, f"snapshot manifest {name} index", hi=max(len(chunks) - 1, 0))
         return cls(
             rank=need_int(msg.get("rank"), "snapshot manifest rank"),
             step=need_int(msg.get("step"), "snapshot manifest step"),
             epoch=need_int(msg.get("epoch"), "snapshot manifest epoch", lo=-1),
             chunks=tuple(chunks),
             used_bytes=need_int(msg.get("used_bytes"), "snapshot manifest used_bytes"),
-            extra=need_map(msg.get("extra", {}), "snapshot manifest extra"),
+            extra=extra,
         )
+
+    @property
+    def absent(self) -> tuple[int, ...]:
+        """Chunks (indices) whose bytes a copy lacks: a buddy's copy of a rank whose
+        data-parallel chunks live on its twins' nodes (``replication/dedup.py``); empty for a
+        complete copy."""
+        return tuple(self.extra.get("absent", ()))
+
+    def without(self, absent: tuple[int, ...]) -> SnapshotManifest:
+        """This manifest for a copy lacking the chunks ``absent`` (every checksum kept)."""
+        extra = {k: v for k, v in self.extra.items() if k != "absent"}
+        if absent:
+            extra["absent"] = sorted(absent)
+        return replace(self, extra=extra)
+
+    def byte_ranges(self) -> list[tuple[int, int]]:
+        """The (start, end) byte ranges a copy holds, ascending: every chunk's that is not
+        ``absent``, neighbours merged across their alignment padding."""
+        gone = set(self.absent)
+        if not gone:
+            return [(0, self.used_bytes)] if self.used_bytes else []
+        ranges: list[tuple[int, int]] = []
+        for i, c in sorted(enumerate(self.chunks), key=lambda ic: ic[1].byte_offset):
+            if i in gone or not c.nbytes:
+                continue
+            if ranges and c.byte_offset - ranges[-1][1] < ALIGN:
+                ranges[-1] = (ranges[-1][0], c.byte_offset + c.nbytes)
+            else:
+                ranges.append((c.byte_offset, c.byte_offset + c.nbytes))
+        return ranges
+
+    def present(self) -> list[ChunkRecord]:
+        """The chunks a copy holds (all but ``absent``)."""
+        gone = set(self.absent)
+        return [c for i, c in enumerate(self.chunks) if i not in gone]
 
     def meta(self) -> ChunkRecord:
         for chunk in self.chunks:
@@ -245,7 +285,7 @@ class SnapshotManifest:
         if self.used_bytes > len(view):
             return [c.key for c in self.chunks]
         bad = []
-        for c in self.chunks:
+        for c in self.present():  # a partial copy is checked in the chunks it holds
             if (
                 c.crc is None
                 or crc32c.crc32c(view[c.byte_offset : c.byte_offset + c.nbytes]) != c.crc

@@ -51,6 +51,9 @@ class Membership:
     old_world: int = 0
     old_layout: dict[str, Any] | None = None
     restore_url: str | None = None  # durable storage the restore may read (STORAGE reads)
+    # rank → [node, twin rank] pairs, best first: where a rank restored from a copy without
+    # its data-parallel chunks reads them (a twin's complete copy; recovery/twins.py).
+    twins: dict[int, list[list[int]]] = field(default_factory=dict)
 
     def rank_nodes(self) -> dict[int, int]:
         return {r: a.node for r, a in self.ranks.items()}
@@ -75,6 +78,7 @@ class Membership:
             "old_world": self.old_world,
             "old_layout": self.old_layout,
             "restore_url": self.restore_url,
+            "twins": self.twins,
         }
 
     @classmethod
@@ -97,6 +101,7 @@ class Membership:
             old_world=w.old_world,
             old_layout=w.old_layout,
             restore_url=w.restore_url,
+            twins=w.twins,
         )
 
 
@@ -122,3 +127,4 @@ class _Wire:
     old_world: int
     old_layout: dict[str, Any] | None
     restore_url: str | None = None
+    twins: dict[int, list[list[int]]] = field(default_factory=dict)

@@ -2,7 +2,9 @@
 
 Step ``s`` is *committed* when every rank of the epoch has reported its snapshot of ``s``
 replicated to all of its buddies. The tracker also remembers, for each rank, which nodes hold
-a complete copy of the last committed step (the holders a recovery plan reads from).
+a complete copy of the last committed step (the holders a recovery plan reads from), and,
+for a rank whose buddies hold it without its data-parallel chunks, those nodes and the twins
+verified to hold the rest (``recovery/twins.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Any
 
 from peerckpt.errors import StaleEpoch
 from peerckpt.manifest import META_KEY
+from peerckpt.recovery.twins import Report, complete_nodes, partial_nodes, verify
 
 
 def _with_meta_size(layout: list[Any], nbytes: int | None) -> list[Any]:
@@ -62,6 +65,15 @@ class CommitTracker:
         self._all_layouts = False  # every rank's layout is known (they are never removed)
         self._meta: dict[int, dict[int, int]] = {}  # step → rank → blob size
         self.last_replicated: dict[int, int] = {}
+        # Redundancy-aware replication (``recovery/twins.py``): each report's twin facts per
+        # step; rank → its node and buddy count (set with the epoch's membership); the
+        # committed step's partial holders and verified twins; ranks to push whole.
+        self._twin_reports: dict[int, dict[int, Report]] = {}
+        self.domains: dict[int, tuple[int, int]] = {}
+        self.committed_partial: dict[int, set[int]] = {}
+        self.committed_twins: dict[int, tuple[int, ...]] = {}
+        self.committed_absent: dict[int, tuple[int, ...]] = {}  # rank → chunks its partials lack
+        self.short: list[tuple[int, int]] = []  # (rank, step) found short by the last record
 
     def __repr__(self) -> str:
         return (
@@ -101,6 +113,9 @@ class CommitTracker:
         holders: list[int],
         layout: list[Any] | None = None,
         meta_nbytes: int | None = None,
+        twins: str = "",
+        partial: bool = False,
+        absent: tuple[int, ...] = (),
     ) -> int | None:
         """Record that ``rank``'s snapshot of ``step`` now lives on ``holders``.
 
@@ -120,10 +135,19 @@ class CommitTracker:
         if layout is not None:
             self._set_layout(rank, layout)
         by_rank = self._pending.setdefault(step, {})
-        by_rank[rank] = set(holders)
+        node = self.domains.get(rank, (holders[0] if holders else -1, 0))[0]
+        report = Report(node, frozenset(holders), twins, partial, tuple(absent))
+        self._twin_reports.setdefault(step, {})[rank] = report
+        by_rank[rank] = complete_nodes(report)
         if meta_nbytes is not None:
             self._meta.setdefault(step, {})[rank] = meta_nbytes
+        self.short = []
         if len(by_rank) != len(self.ranks):  # only members are counted: every one has it
+            return None
+        reports = self._twin_reports[step]
+        verdict = verify(reports, {r: self.domains.get(r, (-1, 1 << 30))[1] for r in reports})
+        if verdict.short:  # too few twins hold their chunks: push them whole first
+            self.short = [(r, step) for r in verdict.short]
             return None
         if not self._all_layouts:
             missing = sorted(r for r in self.ranks if r not in self._layouts)
@@ -133,17 +157,21 @@ class CommitTracker:
         self.committed_step = step
         self.committed_gen = self.gen
         self.committed_holders = by_rank
+        self.committed_partial = {r: partial_nodes(reports[r]) for r in verdict.twins}
+        self.committed_twins = verdict.twins
+        self.committed_absent = {r: reports[r].absent for r in verdict.twins}
         self._committed_base, self._layouts_shared = self._layouts, True
         self._committed_sizes = self._meta.get(step, {})
         self._committed_layouts = None
         for older in [s for s in self._pending if s <= step]:
             del self._pending[older]
             self._meta.pop(older, None)
+            self._twin_reports.pop(older, None)
         return step
 
     def forget_node(self, node: int) -> None:
         """A node was lost: it no longer holds anything."""
-        for holders in self.committed_holders.values():
+        for holders in [*self.committed_holders.values(), *self.committed_partial.values()]:
             holders.discard(node)
         for by_rank in self._pending.values():
             for holders in by_rank.values():

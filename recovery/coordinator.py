@@ -70,6 +70,7 @@ from peerckpt.persist.config import PersistConfig
 from peerckpt.reads import STORAGE
 from peerckpt.recovery import rebuild
 from peerckpt.recovery.decide import Loss
+from peerckpt.recovery.dedupwatch import DedupWatch
 from peerckpt.recovery.epochs import Epochs
 from peerckpt.recovery.flushes import FlushScheduler
 from peerckpt.recovery.job import JobLife, Settings, Spares
@@ -146,6 +147,7 @@ class Coordinator:
             lambda: self.flusher.config if self.flusher is not None else None,
         )
         self.clocks = Clocks(heartbeat_timeout)
+        self._twins = DedupWatch(self.registry.send)  # redundancy-aware replication's follow-up
         self.rebuilt = False  # restarted: state rebuilt from the agents' reports
         self.rebuild_lost: set[int] = set()  # ranks found gone while rebuilding
         # Moved here because the coordinator's host died (``peerckpt/succession.py``): the
@@ -367,8 +369,17 @@ class Coordinator:
             self._heard_from(msg.node)  # the agent skips heart-beats while it reports
             self.epochs.snapshot_bytes[msg.rank] = msg.nbytes
             committed = tracker.record(
-                msg.epoch, msg.rank, msg.step, msg.holders, msg.layout, msg.meta_nbytes
+                msg.epoch,
+                msg.rank,
+                msg.step,
+                msg.holders,
+                msg.layout,
+                msg.meta_nbytes,
+                twins=msg.twins,
+                partial=msg.partial,
+                absent=msg.absent,
             )
+            self._twins.reported(msg, tracker, committed)
             key = (msg.rank, msg.step, msg.digest)
             if self._digests_file is not None and msg.digest and key not in self._digests_seen:
                 self._digests_seen.add(key)

@@ -35,7 +35,7 @@ from peerckpt.reads import STORAGE
 from peerckpt.recovery.commits import CommitTracker
 from peerckpt.recovery.elastic import grown, old_layout_summary, replaced, restarted, shrunk
 from peerckpt.recovery.placement import Placement
-from peerckpt.recovery.planning.sources import plan_sources
+from peerckpt.recovery.twins import domains_of, recovery_sources
 from peerckpt.states import EPOCH_MODE, EpochMode
 
 Proc = tuple[int, int]  # (node, pid)
@@ -214,11 +214,14 @@ def _transition(
     )
     mode = EpochMode.SAME if same else EpochMode.RESHARD if restore is not None else EpochMode.FRESH
     sources: dict[int, list[int]] = {}
+    fill: dict[int, list[list[int]]] = {}
     if mode is EpochMode.SAME:
         try:
-            sources = plan_sources(
+            sources, fill = recovery_sources(  # plan_sources, counting twins (recovery/twins.py)
                 {r: a.node for r, a in assignments.items()},
                 {r: set(h) - {STORAGE} for r, h in tracker.committed_holders.items()},
+                tracker.committed_partial,
+                tracker.committed_twins,
                 dict(view.snapshot_bytes),
                 {r: a.node for r, a in old.ranks.items()},
             )
@@ -236,6 +239,8 @@ def _transition(
         previous=previous,
         old_world=len(old.ranks),
     )
+    if fill:
+        membership = replace(membership, twins=fill)
     EPOCH_MODE.check(old.mode, mode)
     return OpenEpoch(membership, new_tracker, **record)  # type: ignore[arg-type]
 
@@ -286,4 +291,9 @@ def next_epoch(
         },
         committed_layouts=dict(layouts),
     )
+    new_tracker.domains = domains_of(membership)
+    if tracker is not None:
+        new_tracker.committed_partial = {r: set(h) for r, h in tracker.committed_partial.items()}
+        new_tracker.committed_twins = dict(tracker.committed_twins)
+        new_tracker.committed_absent = dict(tracker.committed_absent)
     return membership, new_tracker

@@ -29,6 +29,7 @@ from peerckpt.recovery.planning.message import encode
 from peerckpt.recovery.planning.reshard import plan
 from peerckpt.recovery.planning.tables import ChunkLists, from_records
 from peerckpt.recovery.planning.types import HeldChunk, WantedChunk
+from peerckpt.recovery.twins import lacking, read_holders
 
 
 def replaced(
@@ -140,12 +141,15 @@ class ReshardRounds:
         layouts = tracker.committed_layouts
         if self._held is None or self._held[0] is not layouts:
             self._held = (layouts, from_records(layouts, HeldChunk, rename=True))
+        # Partial copies (redundancy-aware replication) are read in the chunks they hold.
+        lacks = lacking(tracker.committed_partial, tracker.committed_absent, layouts)
         reads = plan(
             self._held[1],
-            {r: set(h) for r, h in tracker.committed_holders.items()},
+            read_holders(tracker.committed_holders, lacks),
             from_records(pending, WantedChunk, rename=False),
             {r: a.node for r, a in members.ranks.items()},
             dict(members.previous),
+            lacking=lacks,
         )
         by_node: dict[int, dict[int, dict[str, Any]]] = {}
         for r, msg in encode(reads).items():

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from peerckpt.messages.control import RejoinState
 from peerckpt.recovery.commits import CommitTracker
 from peerckpt.recovery.registry import AgentInfo
+from peerckpt.recovery.twins import domains_of
 from peerckpt.states import JobState, ProcRole
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ def adopt(c: Coordinator, node: int, state: RejoinState) -> None:
         epochs.membership = m
         c.settings.world_size = m.world_size
         epochs.tracker = CommitTracker(m.epoch, frozenset(m.ranks), gen=m.gen)
+        epochs.tracker.domains = domains_of(m)
         for n, addr in m.node_addrs.items():
             if n not in registry.agents:  # not back yet: alive until its heartbeats say not
                 registry.add_agent(AgentInfo(n, addr, spare_node=False))

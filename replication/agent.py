@@ -54,6 +54,7 @@ from peerckpt.messages.control import (
     Reads,
     RegisterAgent,
     RejoinState,
+    ReplicateWhole,
     Resumed,
     Shutdown,
     SparesStarting,
@@ -183,6 +184,7 @@ class Agent:
                 EpochOpened: lambda e: self._on_membership(e.membership),
                 Commit: self._on_commit_event,
                 Reads: self._on_reads,
+                ReplicateWhole: self._on_replicate_whole,
                 Flush: self.flusher.start,
                 Shutdown: self._on_shutdown,
             },
@@ -305,8 +307,8 @@ class Agent:
         layouts = {}
         for slot in self.store.all():
             manifest = slot.manifest
-            if slot.kind is SlotKind.STAGING or manifest is None:
-                continue
+            if slot.kind is SlotKind.STAGING or manifest is None or manifest.absent:
+                continue  # a partial copy (replication/dedup.py) is not a complete one
             held.append(HeldCopy(slot.rank, manifest.step, slot.gen, manifest.used_bytes))
             if manifest.step == committed:
                 layouts[slot.rank] = [c.to_msg() for c in manifest.chunks]
@@ -455,6 +457,11 @@ class Agent:
         members = self.membership
         if members is not None and event.epoch == self.epoch:
             self.preparer.on_reads(members, event)
+
+    def _on_replicate_whole(self, event: ReplicateWhole) -> None:
+        members = self.membership
+        if members is not None and event.epoch == self.epoch:
+            self.mirroring.replicate_whole(members, event.rank, event.step)
 
     def _on_commit_event(self, event: Commit) -> None:
         self._on_commit(event.epoch, event.step)

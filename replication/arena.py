@@ -57,6 +57,25 @@ class Segment:
         self.size = size
         self._mm = mm
         self.view = memoryview(mm)
+        # Some pages are not reserved (a partial copy's absent chunks: replication/dedup.py);
+        # whatever is written there later is reserved first (``reserve``).
+        self.sparse = False
+
+    def reserve(self, ranges: list[tuple[int, int]], what: str) -> None:
+        """Reserve the pages of the byte ``ranges`` (start, end) before they are written: on
+        a full tmpfs this raises InsufficientMemory where the write would die of SIGBUS."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            for start, end in ranges:
+                if end > start:
+                    os.posix_fallocate(fd, start, end - start)
+        except OSError as exc:
+            raise InsufficientMemory(
+                f"{what}: {SHM_DIR} could not hold the rest of {self.name} ({exc.strerror}); "
+                f"free memory there or enlarge it (mount -o remount,size=… {SHM_DIR})"
+            ) from None
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         """Unmap (the file stays until ``unlink``)."""
@@ -91,20 +110,30 @@ class Arena:
         return segment_prefix(self.job, self.run, self.node)
 
     def create(
-        self, tag: str, size: int, what: str, touch: bool = True, kept: bool = True
+        self,
+        tag: str,
+        size: int,
+        what: str,
+        touch: bool = True,
+        kept: bool = True,
+        only: list[tuple[int, int]] | None = None,
     ) -> Segment:
         """Create, map and touch a new segment of ``size`` bytes named after ``tag`` — or hand
         out a segment kept ready for a spare that fits (``kept``; ``pool``).
 
         ``touch=False`` leaves the page faults to the first writes (the pages are reserved
-        all the same), for a segment filled at once by several threads.
+        all the same), for a segment filled at once by several threads. ``only``: reserve
+        just these byte ranges (start, end), untouched; the rest of the file stays a hole
+        that costs no memory (a partial copy, ``replication/dedup.py``).
         """
         size = max(size, 1)
-        ready = self._take_pooled(size) if touch and kept else None
+        ready = self._take_pooled(size) if touch and kept and only is None else None
         if ready is not None:
             log.debug("%s takes the kept segment %s", what, ready.name)
             return ready
-        check_memory(size, what)
+        if only is not None:
+            touch = False
+        check_memory(size if only is None else sum(e - s for s, e in only), what)
         with self._lock:
             self._counter += 1
             name = f"{self.prefix}{tag}-{self._counter}"
@@ -114,7 +143,13 @@ class Arena:
             # Reserve the pages now: on a full tmpfs this fails with ENOSPC, where touching
             # a sparse mapping would kill the process with SIGBUS.
             try:
-                os.posix_fallocate(fd, 0, size)
+                if only is None:
+                    os.posix_fallocate(fd, 0, size)
+                else:
+                    os.ftruncate(fd, size)
+                    for start, end in only:
+                        if end > start:
+                            os.posix_fallocate(fd, start, end - start)
             except OSError as exc:
                 raise InsufficientMemory(
                     f"{what}: {SHM_DIR} could not hold {human(size)} more ({exc.strerror}); "
@@ -130,6 +165,7 @@ class Arena:
         finally:
             os.close(fd)
         segment = Segment(path, size, mm)
+        segment.sparse = only is not None
         with self._lock:
             self._segments[name] = segment
         try:

@@ -63,15 +63,18 @@ class _Held:
         assert slot.manifest is not None
         self.slot = slot
         self.manifest = slot.manifest
+        # A partial copy (replication/dedup.py) serves the chunks it holds; the planner reads
+        # the others from a data-parallel twin (recovery/twins.py).
         self.chunks = {
-            (chunk_name(c.key, c.scope, rank), _record_box(c)): c for c in slot.manifest.chunks
+            (chunk_name(c.key, c.scope, rank), _record_box(c)): c for c in slot.manifest.present()
         }
         self._verified: set[str] = set()
 
     def chunk(self, name: str, box: Box) -> tuple[memoryview, ChunkRecord]:
         record = self.chunks.get((name, box))
         if record is None:
-            raise ProtocolError(f"the snapshot has no chunk {name!r} at {box}")
+            lacks = " (a partial copy: its twins hold that chunk)" if self.manifest.absent else ""
+            raise ProtocolError(f"the snapshot has no chunk {name!r} at {box}{lacks}")
         view = self.slot.segment.view[record.byte_offset : record.byte_offset + record.nbytes]
         if record.key not in self._verified:
             if crc32c.crc32c(view) != record.crc:
@@ -84,7 +87,7 @@ class _Held:
 
 
 def _held(store: SlotStore, gen: int, rank: int, step: int) -> _Held:
-    slot = store.find(gen, rank, step)
+    slot = store.find(gen, rank, step, partial=True)
     if slot is None or slot.manifest is None:
         raise PeerUnavailable(f"this node holds no copy of rank {rank} step {step} (layout {gen})")
     return _Held(slot, rank)

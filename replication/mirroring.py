@@ -11,6 +11,7 @@ whenever it changed; the last full report is kept for a restarted coordinator.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import replace
@@ -22,12 +23,15 @@ from peerckpt.manifest import META_KEY
 from peerckpt.membership import Membership
 from peerckpt.messages.control import Replicated, ReplicationFailed
 from peerckpt.messages.local import SnapshotTaken
+from peerckpt.replication import dedup
 from peerckpt.replication.coordlink import CoordinatorLink
 from peerckpt.replication.replicator import BuddySender, ReplicationJob
 from peerckpt.replication.stats import NodeCounters
 from peerckpt.replication.store import SlotStore
 from peerckpt.replication.transfer import Cancelled
 from peerckpt.states import SlotKind
+
+log = logging.getLogger("peerckpt.mirroring")
 
 
 class Mirroring:
@@ -55,6 +59,7 @@ class Mirroring:
         self._lock = threading.Lock()
         self._senders: dict[int, BuddySender] = {}
         self._reported_layouts: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self._whole: set[tuple[int, int]] = set()  # (epoch, rank): pushed whole, not deduplicated
         self.counters = NodeCounters()  # sent with every heartbeat (replication/stats.py)
 
     def replicate(self, members: Membership, msg: SnapshotTaken) -> None:
@@ -68,13 +73,33 @@ class Mirroring:
         buddies = members.placement.get(msg.rank, [])
         with slot.lock:
             job = ReplicationJob.start(msg.epoch, slot, manifest, buddies)
+        if (msg.epoch, msg.rank) not in self._whole:
+            job.absent = dedup.absent_chunks(manifest, members, msg.rank)
         if msg.epoch != self._epoch():
             return  # the epoch ended meanwhile; its snapshot must not count
-        if not buddies:
+        self._submit(job, members)
+
+    def _submit(self, job: ReplicationJob, members: Membership) -> None:
+        if not job.buddies:
             self._replicated(job)
             return
-        for buddy in buddies:
+        for buddy in job.buddies:
             self._sender(buddy, members.node_addrs[buddy]).submit(job)
+
+    def replicate_whole(self, members: Membership, rank: int, step: int) -> None:
+        """The coordinator found ``rank``'s data-parallel chunks unequal to its twins' (or too
+        few twins): push its snapshot of ``step`` whole, and every later one of the epoch."""
+        self._whole.add((members.epoch, rank))
+        slot = self.store.find(members.gen, rank, step)
+        if slot is None or slot.kind is not SlotKind.OWN:
+            log.warning("rank %d step %d is no longer in its slot; not pushed whole", rank, step)
+            return
+        with slot.lock:
+            manifest = slot.manifest
+            if manifest is None or manifest.step != step:
+                return
+            job = ReplicationJob(members.epoch, slot, manifest, members.placement.get(rank, []))
+        self._submit(job, members)
 
     def cancel_inflight(self) -> None:
         """An epoch change: abandon the transfers in flight."""
@@ -137,7 +162,7 @@ class Mirroring:
                     )
                 )
             return
-        self.counters.replicated(job.manifest.used_bytes)
+        self.counters.replicated(dedup.sent_bytes(job.manifest.without(job.absent)))
         with job.lock:
             job.acked.append(node)
             if len(job.acked) < len(job.buddies):
@@ -162,6 +187,10 @@ class Mirroring:
             manifest.meta().nbytes,
             manifest.state_digest(),
             layout=[c.to_msg() for c in manifest.chunks],
+            twins=dedup.twin_digest(manifest),
+            partial=bool(job.absent),
+            deduplicated=manifest.used_bytes - dedup.sent_bytes(manifest.without(job.absent)),
+            absent=tuple(job.absent),
         )
         # Sent again, layout and all, to a restarted coordinator (it may have missed it).
         self.coordinator.remember(("Replicated", job.slot.rank), full)

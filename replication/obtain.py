@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 from peerckpt.errors import ChecksumMismatch, PeerckptError, PeerUnavailable, RecoveryFailed
 from peerckpt.manifest import SnapshotManifest
+from peerckpt.replication.dedup import sent_bytes
 from peerckpt.replication.store import Slot, SlotStore
 from peerckpt.replication.transfer import fetch
+from peerckpt.replication.twinfill import complete
 from peerckpt.states import SlotKind
 from peerckpt.wire import Connection
 
@@ -45,9 +47,11 @@ def obtain_committed(
     step: int,
     sources: list[int],
     connect: Callable[[int], Connection],
+    twins: list[list[int]] | None = None,
 ) -> Obtained:
     """Make ``rank``'s snapshot of ``step`` (layout ``gen``) available, verified, in one of
-    its own slots."""
+    its own slots. A source's copy lacking the data-parallel chunks is completed from the
+    first of ``twins`` ([node, twin rank] pairs) that has them (``replication/twinfill.py``)."""
     failures = []
     for source in sources:
         start = time.monotonic()
@@ -56,7 +60,9 @@ def obtain_committed(
                 slot, nbytes = _local_copy(store, gen, rank, step), 0
             else:
                 slot = _pull(store, epoch, gen, rank, step, connect(source))
-                nbytes = slot.manifest.used_bytes if slot.manifest else 0
+                nbytes = sent_bytes(slot.manifest) if slot.manifest else 0
+            if slot.manifest is not None and slot.manifest.absent:
+                nbytes += sum(complete(store, slot, node, epoch, twins or [], connect).values())
         except PeerckptError as exc:
             log.error("cannot restore rank %d step %d from node %d: %s", rank, step, source, exc)
             failures.append(f"node {source}: {exc}")
@@ -73,7 +79,7 @@ def obtain_committed(
 
 
 def _local_copy(store: SlotStore, gen: int, rank: int, step: int) -> Slot:
-    slot = store.find(gen, rank, step)
+    slot = store.find(gen, rank, step, partial=True)
     if slot is None:
         raise PeerUnavailable(f"this node holds no copy of rank {rank} step {step}")
     with slot.lock:

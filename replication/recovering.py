@@ -204,6 +204,7 @@ class Preparer:
             members.restore_step,
             members.sources.get(rank, []),
             self._connect(members),
+            twins=members.twins.get(rank),
         )
         with self._lock:
             key = (members.epoch, rank)

@@ -44,6 +44,9 @@ class ReplicationJob:
     manifest: SnapshotManifest
     buddies: list[int]
     checksums: RunningChecksums | None = None
+    # Chunks the buddies' copies go without: data-parallel ones the twins hold
+    # (``replication/dedup.py``); empty for a full push.
+    absent: tuple[int, ...] = ()
     acked: list[int] = field(default_factory=list)
     failed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -194,7 +197,7 @@ class BuddySender:
                 job.slot.gen,
                 job.slot.rank,
                 self._committed_step(),
-                job.manifest,
+                job.manifest.without(job.absent),
                 job.slot.segment.view,
                 self.cancel,
                 self._midway(job) if self._faults.active else None,

@@ -69,23 +69,34 @@ class SlotStore:
             return self._slots.get((kind, gen, rank, index))
 
     def ensure(
-        self, kind: SlotKind, gen: int, rank: int, index: int, nbytes: int, touch: bool = True
+        self,
+        kind: SlotKind,
+        gen: int,
+        rank: int,
+        index: int,
+        nbytes: int,
+        touch: bool = True,
+        only: list[tuple[int, int]] | None = None,
     ) -> Slot:
-        """Return the slot, (re)allocated so that it holds at least ``nbytes``.
+        """Return the slot, (re)allocated so that it holds at least ``nbytes``, with the
+        memory of the byte ranges ``only`` (start, end; None: all) reserved for writing.
 
         A reallocated slot is a new segment (new file name); the old one is unlinked.
         """
         key = (kind, gen, rank, index)
+        what = f"{kind.value} slot {index} of rank {rank} (layout {gen})"
         with self._lock:
             creating = self._creating.setdefault(key, threading.Lock())
         with creating:
             with self._lock:
                 slot = self._slots.get(key)
             if slot is not None and slot.segment.size >= nbytes:
+                if slot.segment.sparse:  # a partial copy's holes: reserve what comes now
+                    slot.segment.reserve(only if only is not None else [(0, nbytes)], what)
+                    slot.segment.sparse = only is not None or nbytes < slot.segment.size
                 return slot
-            what = f"{kind.value} slot {index} of rank {rank} (layout {gen})"
             tag = f"{kind.value[0]}{rank}-g{gen}-{index}"
-            segment = self.arena.create(tag, nbytes, what, touch)
+            segment = self.arena.create(tag, nbytes, what, touch, only=only)
             new = Slot(rank, index, kind, segment, gen=gen)
             with self._lock:
                 old = self._slots.get(key)
@@ -111,20 +122,29 @@ class SlotStore:
             return steps.index(None)
         return 0 if steps[0] <= steps[1] else 1  # type: ignore[operator]
 
-    def find(self, gen: int, rank: int, step: int) -> Slot | None:
-        """A complete copy of ``rank``'s snapshot of ``step`` in layout ``gen``: own slots first."""
+    def find(self, gen: int, rank: int, step: int, partial: bool = False) -> Slot | None:
+        """A complete copy of ``rank``'s snapshot of ``step`` in layout ``gen``: own slots first.
+
+        ``partial``: a copy lacking its data-parallel chunks (``replication/dedup.py``) will
+        do too (one that is complete still comes first)."""
         with self._lock:
             slots = sorted(
                 self._slots.values(), key=lambda s: (s.kind is not SlotKind.OWN, s.index)
             )
-        for slot in slots:
-            if (
-                slot.kind is not SlotKind.STAGING
-                and slot.gen == gen
-                and slot.rank == rank
-                and slot.step == step
-            ):
+        found = [
+            slot
+            for slot in slots
+            if slot.kind is not SlotKind.STAGING
+            and slot.gen == gen
+            and slot.rank == rank
+            and slot.step == step
+        ]
+        for slot in found:
+            manifest = slot.manifest
+            if manifest is not None and not manifest.absent:
                 return slot
+        if partial:
+            return next(iter(found), None)
         return None
 
     def adopt(self, slot: Slot, index: int) -> Slot:

@@ -91,19 +91,24 @@ def send_bytes(
     cancel: threading.Event | None = None,
     midway: Callable[[], object] | None = None,
     crcs: Callable[[], list[int]] | None = None,
+    ranges: list[tuple[int, int]] | None = None,
 ) -> None:
-    """Send ``view[:used]`` as data frames, front to back, then ``end``.
+    """Send ``view[:used]`` (or only its byte ``ranges``, ascending) as data frames, front to
+    back, then ``end``.
 
     ``midway`` runs after the first frame; ``crcs``, called once the last frame is out, gives
     the checksums the ``end`` frame carries (they were computed while the frames travelled).
     """
-    for off in range(0, used, PIECE_BYTES):
-        if cancel is not None and cancel.is_set():
-            conn.close()
-            raise Cancelled("transfer cancelled by an epoch change")
-        conn.send_msg(Data(off), view[off : min(off + PIECE_BYTES, used)])
-        if off == 0 and midway is not None:
-            midway()
+    first = True
+    for start, stop in [(0, used)] if ranges is None else ranges:
+        for off in range(start, stop, PIECE_BYTES):
+            if cancel is not None and cancel.is_set():
+                conn.close()
+                raise Cancelled("transfer cancelled by an epoch change")
+            conn.send_msg(Data(off), view[off : min(off + PIECE_BYTES, stop)])
+            if first and midway is not None:
+                midway()
+            first = False
     conn.send_msg(End(crcs() if crcs is not None else None))
 
 
@@ -112,34 +117,43 @@ def recv_bytes(
     view: memoryview,
     used: int,
     progress: Callable[[int], None] | None = None,
+    ranges: list[tuple[int, int]] | None = None,
 ) -> End:
-    """Receive data frames into ``view[:used]`` until ``end``; return the ``End``.
+    """Receive data frames into ``view[:used]`` (or only its byte ``ranges``, ascending, as a
+    partial copy holds them) until ``end``; return the ``End``.
 
-    Frames must come front to back with no gap and no overlap (every sender sends them so),
-    which lets ``progress(n)`` tell a checksummer that the first ``n`` bytes are final. Each
-    frame is size-checked before a byte of it is read.
+    Frames must come front to back with no gap (but between ranges) and no overlap (every
+    sender sends them so), which lets ``progress(n)`` tell a checksummer that the bytes
+    received before ``n`` are final. Each frame is size-checked before a byte of it is read.
     """
-    got = 0
+    spans = [(0, used)] if ranges is None else list(ranges)
+    total = sum(stop - start for start, stop in spans)
+    at, got = 0, 0  # the span being filled; bytes received
+    pos = spans[0][0] if spans else 0
     while True:
         header = conn.recv_header()
         raise_if_error(header, conn.peer)
         frame = decode(header, where=conn.peer)
         if isinstance(frame, End):
-            if got != used:
-                raise ProtocolError(f"{conn.peer} ended a transfer after {got} of {used} bytes")
+            if got != total:
+                raise ProtocolError(f"{conn.peer} ended a transfer after {got} of {total} bytes")
             return frame
         if not isinstance(frame, Data):
             raise ProtocolError(f"{conn.peer} sent {header['type']!r} inside a snapshot transfer")
-        if frame.off != got:
-            conn.send_error("protocol", f"data frame at offset {frame.off}, expected {got}")
+        if at >= len(spans) or frame.off != pos:
+            conn.send_error("protocol", f"data frame at offset {frame.off}, expected {pos}")
             raise ProtocolError(
                 f"{conn.peer} sent a data frame at offset {frame.off} of {used}; the next "
-                f"one must start at {got}"
+                f"one must start at {pos}"
             )
-        conn.recv_payload_into(header, view[got:used])
+        conn.recv_payload_into(header, view[pos : spans[at][1]])
+        pos += header["len"]
         got += header["len"]
         if progress is not None:
-            progress(got)
+            progress(pos)
+        if pos >= spans[at][1]:
+            at += 1
+            pos = spans[at][0] if at < len(spans) else pos
 
 
 def push(
@@ -167,7 +181,8 @@ def push(
         if any(c.crc is None for c in manifest.chunks):
             raise ValueError("push of a manifest without checksums and no way to get them")
         crcs = lambda: [c.crc for c in manifest.chunks if c.crc is not None]  # noqa: E731
-    send_bytes(conn, view, manifest.used_bytes, cancel, midway, crcs)
+    ranges = manifest.byte_ranges() if manifest.absent else None  # a partial copy's bytes
+    send_bytes(conn, view, manifest.used_bytes, cancel, midway, crcs, ranges)
     conn.recv_msg(Ack)
 
 
@@ -176,12 +191,25 @@ def _receive_verified(
 ) -> tuple[End, list[int]]:
     """Receive a snapshot's bytes into ``view`` while a thread checksums each finished chunk;
     return the ``end`` header and the checksums of what arrived."""
-    sums = RunningChecksums(manifest.chunks, view, name=name)
+    partial = bool(manifest.absent)
+    sums = RunningChecksums(manifest.present() if partial else manifest.chunks, view, name=name)
     try:
-        end = recv_bytes(conn, view, manifest.used_bytes, sums.advance)
+        ranges = manifest.byte_ranges() if partial else None
+        end = recv_bytes(conn, view, manifest.used_bytes, sums.advance, ranges)
         return end, sums.wait()
     finally:
         sums.cancel()
+
+
+def _mismatched(manifest: SnapshotManifest, computed: list[int]) -> list[str]:
+    """Keys of the chunks a copy holds whose checksum is not the recorded one (``computed``:
+    those of the chunks it holds, in order)."""
+    if not manifest.absent:
+        return manifest.mismatched(computed)
+    held = manifest.present()
+    if len(computed) != len(held):
+        return [c.key for c in held]
+    return [c.key for c, k in zip(held, computed, strict=True) if c.crc is None or c.crc != k]
 
 
 def fetch(
@@ -202,7 +230,7 @@ def fetch(
     view = allocate(manifest)
     manifest.validate_bounds(len(view))
     _, computed = _receive_verified(conn, manifest, view, f"fetch{rank}")
-    bad = manifest.mismatched(computed)
+    bad = _mismatched(manifest, computed)
     if bad:
         raise ChecksumMismatch(
             f"the copy of rank {rank} step {step} held by {conn.peer} fails verification (its "
@@ -282,7 +310,11 @@ class DataServer:
         keep = [s for s in (self._committed_step(), msg.committed) if s is not None]
         index = self.store.replica_target(gen, rank, max(keep) if keep else None)
         try:
-            slot = self.store.ensure(SlotKind.REPLICA, gen, rank, index, manifest.used_bytes)
+            # A partial copy's absent chunks are never written: their pages stay holes.
+            only = manifest.byte_ranges() if manifest.absent else None
+            slot = self.store.ensure(
+                SlotKind.REPLICA, gen, rank, index, manifest.used_bytes, only=only
+            )
         except InsufficientMemory as exc:
             conn.send_error("memory", str(exc))
             return
@@ -299,7 +331,7 @@ class DataServer:
                 conn.send_error("protocol", "the push ended without a checksum per chunk")
                 raise ProtocolError(f"{conn.peer} ended a push without a checksum per chunk")
             manifest = manifest.with_crcs(sent)
-            bad = manifest.mismatched(computed)
+            bad = _mismatched(manifest, computed)
             if bad:
                 log.error(
                     "replica of rank %d step %d from %s fails its checksum in %s; discarded",
@@ -320,7 +352,7 @@ class DataServer:
                 f"fetch of epoch {msg.epoch} after epoch {self._current_epoch()} began",
             )
             return
-        slot = self.store.find(msg.gen, msg.rank, msg.step)
+        slot = self.store.find(msg.gen, msg.rank, msg.step, partial=True)
         if slot is None:
             conn.send_error(
                 "missing", f"this agent holds no copy of rank {msg.rank} step {msg.step}"
@@ -332,8 +364,9 @@ class DataServer:
                 conn.send_error("missing", "the copy was replaced while the request waited")
                 return
             conn.send_msg(ManifestReply(manifest))
-            send_bytes(conn, slot.segment.view, manifest.used_bytes)
-            self.bytes_served += manifest.used_bytes
+            ranges = manifest.byte_ranges() if manifest.absent else None
+            send_bytes(conn, slot.segment.view, manifest.used_bytes, ranges=ranges)
+            self.bytes_served += sum(b - a for a, b in manifest.byte_ranges())
 
     def _on_fetch_boxes(self, msg: FetchBoxes, conn: Connection) -> None:
         serve_boxes(conn, self.store, msg)

@@ -87,6 +87,7 @@ def resilient(
     every: int | None = DEFAULTS.every,
     overhead: float = DEFAULTS.overhead,
     mtbf: float | None = DEFAULTS.mtbf,
+    dedup: bool = DEFAULTS.dedup,
 ) -> Any:
     """Make a training function survive the loss of ranks and nodes.
 
@@ -116,6 +117,11 @@ def resilient(
     default 0.05); given ``mtbf`` (the mean time between failures, seconds) it snapshots less
     often where the Young/Daly interval sqrt(2 · cost · mtbf) is longer. The choice and the
     expected work lost per failure are logged (``runtime/policy.py``).
+
+    ``dedup`` (default True): parameters and optimizer state that a DDP over the whole world
+    keeps equal on every rank are not mirrored to buddies where the data-parallel twins
+    already hold them in enough nodes (verified by checksum at every commit);
+    ``dedup=False`` mirrors every rank's whole snapshot.
     """
 
     config = ResilientConfig(
@@ -134,6 +140,7 @@ def resilient(
         every=every,
         overhead=overhead,
         mtbf=mtbf,
+        dedup=dedup,
     )
     config.persist_msg()  # a bad persist setting fails here, at decoration time
 

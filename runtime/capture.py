@@ -51,6 +51,8 @@ class Captured:
 
     tensors: list[CapturedTensor]
     blob: bytes
+    # Keys every data-parallel rank holds equal (``runtime/twins.py``), declared to the agent.
+    twins: frozenset[str] = frozenset()
 
 
 class _Flattener:

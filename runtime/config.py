@@ -33,6 +33,7 @@ class ResilientConfig:
     every: int | None = None  # snapshot after every n-th step; None: n chosen for overhead
     overhead: float = 0.05  # what snapshots may add to the step time, as a fraction of it
     mtbf: float | None = None  # the mean time between failures, seconds (Young/Daly)
+    dedup: bool = True  # mirror no data-parallel replica already held in enough nodes
 
     def __post_init__(self) -> None:
         if self.persist is None and (

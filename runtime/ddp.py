@@ -109,6 +109,15 @@ class DdpLayouts:
             self._applied[name] = layout
         return name
 
+    def found(self) -> list[tuple[str, DistributedDataParallel]]:
+        """(tracked name, DDP) of every DDP known this epoch: met in its first step, or
+        tracked itself."""
+        found = dict(self._found)
+        for name, obj in self.tracked.items():
+            if isinstance(obj, DistributedDataParallel):
+                found.setdefault(name, obj)
+        return list(found.items())
+
     def layouts(self) -> dict[str, list[list[int]]]:
         """The layout of every known DDP, for the snapshot of this step."""
         found = dict(self._found)

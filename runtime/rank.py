@@ -105,7 +105,9 @@ class RankRuntime:
         self.channel = AgentChannel(env.agent_socket, env.secret, env.job, hello, self._on_event)
         self.pg = ProcessGroupLifecycle(env.job, config.pg_timeout_s, config.backend)
         self.faults = fault_hooks.load(env.node)
-        self.engine = SnapshotEngine(self.channel, node=env.node, faults=self.faults)
+        self.engine = SnapshotEngine(
+            self.channel, node=env.node, faults=self.faults, dedup=config.dedup
+        )
         self._stop = threading.Event()
         self._watchdog = threading.Thread(
             target=self._watch_parent, name="peerckpt-watchdog", daemon=True

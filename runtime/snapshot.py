@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,6 +32,7 @@ from peerckpt.messages.local import AllocSlot, SlotGranted, SnapshotTaken
 from peerckpt.runtime import cuda_copy
 from peerckpt.runtime.capture import Captured, layout, write_slot
 from peerckpt.runtime.channel import AgentChannel
+from peerckpt.runtime.twins import twin_indices
 from peerckpt.shm import map_segment
 
 log = logging.getLogger("peerckpt.snapshot")
@@ -79,11 +81,16 @@ class SnapshotEngine:
         commit_timeout_s: float = 300.0,
         node: int = -1,
         faults: FaultHooks = NO_FAULTS,
+        dedup: bool = True,
     ) -> None:
         self._channel = channel
         self._node = node
         self._faults = faults
         self.commit_timeout_s = commit_timeout_s
+        # Declare data-parallel chunks to the agent (``resilient(dedup=…)``, runtime/twins.py).
+        self.dedup = dedup
+        self._twins_for: tuple[Any, ...] | None = None
+        self._twin_list: list[int] = []
         self.last_taken: int | None = None  # the last step handed to ``take`` in this epoch
         self._cond = threading.Condition()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -274,12 +281,23 @@ class SnapshotEngine:
                 self._cond.notify_all()
             for event in done.values():
                 event.synchronize()
-        manifest = SnapshotManifest(self.rank, job.step, job.epoch, tuple(chunks), used)
+        manifest = SnapshotManifest(
+            self.rank, job.step, job.epoch, tuple(chunks), used, extra=self._twins(job.captured)
+        )
         with self._cond:
             if self._aborted or job.epoch != self.epoch:
                 raise MembershipChanged("epoch ended during the snapshot copy")
             self._awaiting = (target, job.step)
         self._channel.notify(SnapshotTaken(job.epoch, self.rank, job.step, target, manifest))
+
+    def _twins(self, captured: Captured) -> dict[str, Any]:
+        """The manifest's declaration of the chunks every data-parallel rank holds equal."""
+        if not captured.twins or self._layout is None:
+            return {}
+        if self._twins_for != (self._layout_key, captured.twins):
+            self._twins_for = (self._layout_key, captured.twins)
+            self._twin_list = twin_indices(self._layout[0], captured.twins)
+        return {"twins": self._twin_list} if self._twin_list else {}
 
     def _chunks(self, captured: Captured) -> tuple[list[ChunkRecord], int]:
         key = (

@@ -27,7 +27,7 @@ import torch
 from peerckpt.errors import StateMismatch
 from peerckpt.manifest import META_KEY, ChunkRecord
 from peerckpt.messages.local import RankResumed, ReleaseStaging, WantChunks
-from peerckpt.runtime import capture
+from peerckpt.runtime import capture, twins
 from peerckpt.runtime.audit import FirstStepWatch
 from peerckpt.runtime.live import LiveState
 from peerckpt.runtime.policy import SnapshotPolicy
@@ -257,6 +257,8 @@ class EpochTracking:
                 if policy.every is not None:
                     extra["every"] = policy.every
                 captured = capture.capture(self.tracked, step, extra)
+                if watch is not None and self.engine.dedup:
+                    captured.twins = twins.declared_keys(self.tracked, watch.ddp.found())
                 self.live.captured(a.rank, a.world_size, step, captured)
                 self.engine.take(step, captured)
             policy.record(step, time.perf_counter() - began)

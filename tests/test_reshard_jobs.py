@@ -62,6 +62,9 @@ def test_a_node_lost_without_spares_shrinks_two_nodes_to_one(tmp_path) -> None:
     _assert_ddp_restores_match(tmp_path, world=2, log=run.log)
     [event] = run.report["events"]
     assert event["mode"] == "reshard" and event["shrunk_to"] == 2
+    # The job deduplicates (resilient's default): node 1's ranks survived only as partial
+    # copies on node 0, their data-parallel chunks read from ranks 0 and 1's own slots.
+    assert "per snapshot step not mirrored" in run.log
 
 
 def test_a_rank_lost_without_spares_shrinks_four_ranks_to_three(tmp_path) -> None:

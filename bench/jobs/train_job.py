@@ -2,9 +2,12 @@
 state together hold about ``--mib`` MiB per rank, one snapshot per step under peerckpt.
 
 usage: train_job.py OUT_DIR --mib M --batch B [--steps N] [--plain-steps P] [--plain]
+                    [--ddp] [--no-dedup]
 
 Each rank trains its own model (no collectives: the figure is what snapshotting costs the
-loop, not what a gradient all-reduce costs), one thread, fused AdamW. Under ``peerckpt run``
+loop, not what a gradient all-reduce costs), one thread, fused AdamW; with ``--ddp`` the
+ranks train one model under DistributedDataParallel (the redundancy-aware replication case of
+``bench/memory.py``; ``--no-dedup``: ``resilient(dedup=False)``). Under ``peerckpt run``
 the function first runs ``--plain-steps`` steps before ``ctx.track`` (nothing tracked, no
 snapshot: the baseline, in the same processes at the same moment), then ``--steps`` steps of
 ``ctx.steps`` (a snapshot after every one). With ``--plain`` the whole loop runs without
@@ -94,6 +97,10 @@ def main() -> None:
     parser.add_argument(
         "--overhead", type=float, default=None, help="resilient(overhead=F); default: every step"
     )
+    parser.add_argument(
+        "--ddp", action="store_true", help="one model for all ranks: DDP over the world"
+    )
+    parser.add_argument("--no-dedup", action="store_true", help="resilient(dedup=False)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = build(args.mib)
@@ -108,19 +115,27 @@ def main() -> None:
         import peerckpt
 
         @peerckpt.resilient(
-            every=None if args.overhead is not None else 1, overhead=args.overhead or 0.05
+            every=None if args.overhead is not None else 1,
+            overhead=args.overhead or 0.05,
+            dedup=not args.no_dedup,
         )
         def train(ctx: peerckpt.Context) -> dict:
             engine = ctx._tracking.engine
+            tracked, optim_ = model, optim
+            if args.ddp:  # gradients all-reduced: every rank keeps the same model and state
+                from torch.nn.parallel import DistributedDataParallel
+
+                tracked = DistributedDataParallel(model)
+                optim_ = optimizer(tracked)
 
             def probe() -> list[float]:
                 # time blocked by the snapshot engine so far; CPU seconds of this process
                 # (training, the snapshot copy thread) and of the agents (checksums, sends)
                 return [engine.stall_s, time.process_time(), agents_cpu_s()]
 
-            plain, plain_probes = loop(model, optim, x, range(args.plain_steps), probe)
-            ctx.track(model=model, optim=optim)
-            times, probes = loop(model, optim, x, ctx.steps(args.steps), probe)
+            plain, plain_probes = loop(tracked, optim_, x, range(args.plain_steps), probe)
+            ctx.track(model=tracked, optim=optim_)
+            times, probes = loop(tracked, optim_, x, ctx.steps(args.steps), probe)
             return {
                 "plain_times": plain,
                 "times": times,

@@ -191,6 +191,9 @@ class Replicated(Request["ReplicatedReply"]):
 
     ``layout`` (its chunk records, message form) travels on a rank's first report of an
     epoch and whenever it changed; ``meta_nbytes``, the size of its blob, every time.
+    With ``partial``, ``holders`` but the rank's own node hold the snapshot without its
+    data-parallel chunks, which the coordinator counts on the twins' nodes once it verified
+    ``twins`` (``recovery/twins.py``).
     """
 
     node: int
@@ -202,6 +205,14 @@ class Replicated(Request["ReplicatedReply"]):
     meta_nbytes: int
     digest: str = ""
     layout: list[Any] | None = None
+    # Redundancy-aware replication (``replication/dedup.py``): the digest of the chunks the
+    # rank declared data-parallel, whether the buddies in ``holders`` got only the others
+    # (``partial``), how many bytes that left out, and which chunks (indices in ``layout``):
+    # a resharding plan reads those from the twins (``recovery/twins.py``).
+    twins: str = ""
+    partial: bool = False
+    deduplicated: int = 0
+    absent: tuple[int, ...] = ()
 
 
 @message("ReplicatedMany")
@@ -348,6 +359,18 @@ class Reads(Event):
     epoch: int
     round: int
     reads: dict[int, dict[str, Any]]
+
+
+@message("replicate_whole")
+@dataclass(frozen=True)
+class ReplicateWhole(Event):
+    """Push ``rank``'s snapshot of ``step`` to its buddies whole, and every later one of
+    ``epoch``: its data-parallel chunks differ from its twins', or too few twins hold them
+    (``recovery/twins.py``). The step commits once that push is acknowledged."""
+
+    epoch: int
+    rank: int
+    step: int
 
 
 @message("flush")

@@ -44,28 +44,47 @@ class Sources:
     node_ranks: tuple[int, ...]
 
 
+# Old rank → (nodes whose copy of it lacks some chunks, the keys of those chunks): partial
+# copies left by redundancy-aware replication (``recovery/twins.py``).
+Lacking = dict[int, tuple[frozenset[int], frozenset[str]]]
+
+
 class Sourcing(dict[int, Sources]):
     """The sources of chunks by the old ranks holding them; as a dict, rank → the sources of
-    chunks only that rank holds (looked up in C, made on first use)."""
+    chunks only that rank holds (looked up in C, made on first use). Those of a key some
+    copies lack (``lacking``) come from :meth:`group` with the key."""
 
-    def __init__(self, holders: dict[int, list[int] | set[int]]) -> None:
+    def __init__(
+        self, holders: dict[int, list[int] | set[int]], lacking: Lacking | None = None
+    ) -> None:
         super().__init__()
         self.holders = {rank: frozenset(nodes) for rank, nodes in holders.items()}
+        self.lacking = dict(lacking or {})
+        self.lacking_keys = frozenset(k for _, keys in self.lacking.values() for k in keys)
         self.all: list[Sources] = []
-        self._groups: dict[tuple[int, ...], Sources] = {}
+        self._groups: dict[tuple[tuple[int, ...], tuple[int, ...]], Sources] = {}
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None
 
     def __missing__(self, rank: int) -> Sources:
         sources = self[rank] = self.group((rank,))
         return sources
 
-    def group(self, ranks: tuple[int, ...]) -> Sources:
-        """The sources of chunks held by exactly ``ranks`` (ascending)."""
-        src = self._groups.get(ranks)
+    def group(self, ranks: tuple[int, ...], key: str | None = None) -> Sources:
+        """The sources of chunks (of ``key``) held by exactly ``ranks`` (ascending). The
+        nodes whose copy of a rank lacks ``key`` (``lacking``) are no source of it."""
+        short = (
+            tuple(r for r in ranks if r in self.lacking and key in self.lacking[r][1])
+            if key is not None and key in self.lacking_keys
+            else ()
+        )
+        src = self._groups.get((ranks, short))
         if src is None:
             on_node: dict[int, tuple[int, int]] = {}
             for rank in ranks:  # ascending, so each node maps to its smallest rank
-                for node in sorted(self.holders.get(rank, ())):
+                held = self.holders.get(rank, frozenset())
+                if rank in short:
+                    held = held - self.lacking[rank][0]
+                for node in sorted(held):
                     on_node.setdefault(node, (node, rank))
             if len(on_node) > 1:
                 on_node.pop(STORAGE, None)  # memory first; storage only when nothing else is left
@@ -79,7 +98,7 @@ class Sourcing(dict[int, Sources]):
                 tuple(on_node[node][1] for node in nodes),
             )
             self.all.append(src)
-            self._groups[ranks] = src
+            self._groups[(ranks, short)] = src
         return src
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -136,9 +155,13 @@ class Held:
     """
 
     def __init__(
-        self, held: ChunkLists, holders: dict[int, list[int] | set[int]], fast: bool
+        self,
+        held: ChunkLists,
+        holders: dict[int, list[int] | set[int]],
+        fast: bool,
+        lacking: Lacking | None = None,
     ) -> None:
-        self.sourcing = Sourcing(holders)
+        self.sourcing = Sourcing(holders, lacking)
         self.fast = fast
         self.table = held.table
         self.keys: dict[str, Key] = {}
@@ -192,7 +215,8 @@ class Held:
     def _build(self, key: str, shape: tuple[int, ...], ranks: list[int], boxes: list[Box]) -> Index:
         """Index ``boxes`` (``boxes[i]`` held by ``ranks[i]``, ranks ascending), checking them."""
         distinct = dict.fromkeys(boxes)  # in the order of their first holder
-        if len(distinct) == len(boxes):  # no replicas: one holder per box
+        # One holder per box and no copy lacking the key: each box's sources are its rank's.
+        if len(distinct) == len(boxes) and key not in self.sourcing.lacking_keys:
             sources = list(map(self.sourcing.__getitem__, ranks))
             unique = list(boxes)
         else:
@@ -204,7 +228,7 @@ class Held:
                 elif group[-1] != rank:  # a rank listing a box twice still holds it once
                     group.append(rank)
             unique = list(groups)
-            sources = [self.sourcing.group(tuple(group)) for group in groups.values()]
+            sources = [self.sourcing.group(tuple(group), key) for group in groups.values()]
         if self.fast and len(unique) > _FEW:
             flat = _check_boxes(key, shape, unique, sources)
             nonempty = np.all(flat[:, 1] > 0, axis=1)

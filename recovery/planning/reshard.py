@@ -34,7 +34,7 @@ import numpy as np
 from peerckpt.errors import RecoveryFailed, StateMismatch
 from peerckpt.reads import Read, new_read
 from peerckpt.recovery.planning.balance import assign
-from peerckpt.recovery.planning.held import Held, Key, cover, missing_text
+from peerckpt.recovery.planning.held import Held, Key, Lacking, cover, missing_text
 from peerckpt.recovery.planning.results import ReadPlan
 from peerckpt.recovery.planning.table_reads import NETWORK, Pieces, TableReads, plan_table
 from peerckpt.recovery.planning.tables import ChunkLists, ChunkTable, from_chunks
@@ -75,9 +75,14 @@ def plan(
     wanted: Side,
     new_nodes: dict[int, int],
     previous: dict[int, int | None],
+    lacking: Lacking | None = None,
 ) -> ReadPlan:
-    """:func:`plan_reads` as a :class:`ReadPlan` (its reads also as compact arrays)."""
-    return _plan(held, holders, wanted, new_nodes, previous, tables=True)
+    """:func:`plan_reads` as a :class:`ReadPlan` (its reads also as compact arrays).
+
+    ``lacking``: old rank → (nodes of ``holders`` whose copy of it lacks some chunks, those
+    chunks' keys): partial copies (``recovery/twins.py``), read only in what they hold; a key
+    they lack is read from another old rank's identical box (a data-parallel twin)."""
+    return _plan(held, holders, wanted, new_nodes, previous, tables=True, lacking=lacking)
 
 
 def _plan(
@@ -87,6 +92,7 @@ def _plan(
     new_nodes: dict[int, int],
     previous: dict[int, int | None],
     tables: bool,
+    lacking: Lacking | None = None,
 ) -> ReadPlan:
     """:func:`plan`; ``tables=False`` plans every chunk on its own (the reference path)."""
     # A big plan allocates many small objects and no garbage cycles; left on, the cyclic
@@ -99,7 +105,7 @@ def _plan(
         for new in order:
             if new not in new_nodes:
                 raise ValueError(f"new rank {new} wants chunks but has no node in new_nodes")
-        old = Held(old_side, holders, fast=tables)
+        old = Held(old_side, holders, fast=tables, lacking=lacking)
         return _Planner(old, new_side, order, new_nodes, previous).plan()
     finally:
         if was_enabled:
@@ -194,7 +200,9 @@ class _Planner:
         places = [place_of[r] for r in table.ranks]
         nodes = np.asarray([self.nodes[p] for p in places], np.int64)
         owns = np.asarray([-1 if (o := self.owns[p]) is None else o for p in places], np.int64)
+        # Keys some copies lack are sourced per key: the chunk path plans them.
         outside = {key for key, info in self.old.keys.items() if info.ranks}
+        outside |= self.old.sourcing.lacking_keys
         return table, plan_table(table, held, outside, self.old.sourcing, nodes, owns)
 
     def _pick(self, rows: TableReads | None, places: np.ndarray) -> None:

@@ -139,6 +139,9 @@ def run_steps(ctx, model, optim, data, log, args) -> None:
         loss.backward()
         optim.step()
         optim.zero_grad()
+        if ctx.rank == args.skew_rank:  # its parameters now differ from its DDP twins'
+            with torch.no_grad():
+                next(model.parameters()).add_(1.0)
         log.write(
             json.dumps(
                 {
@@ -187,6 +190,10 @@ if __name__ == "__main__":
     parser.add_argument("--backend", default=None, help="the process groups' backend")
     parser.add_argument("--every", type=int, default=1, help="resilient(every=N)")
     parser.add_argument("--overhead", type=float, default=None, help="resilient(overhead=F)")
+    parser.add_argument("--no-dedup", action="store_true", help="resilient(dedup=False)")
+    parser.add_argument(
+        "--skew-rank", type=int, default=-1, help="nudges its parameters after every step"
+    )
     args = parser.parse_args()
     if args.device != "cpu":
         # Bit-exact runs on a GPU: deterministic kernels, and attention through the math path.
@@ -202,6 +209,7 @@ if __name__ == "__main__":
         # The chaos tests kill at given steps: a snapshot after every step unless asked
         every=None if args.overhead is not None else args.every,
         overhead=args.overhead or 0.05,
+        dedup=not args.no_dedup,
     )
     final = resilient(train)(args)
     if int(os.environ["RANK"]) == 0:
