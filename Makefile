@@ -39,6 +39,7 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/stall.py --runs 3
 	$(PY) bench/recovery.py --runs 3
 	$(PY) bench/memory.py
+	$(PY) bench/memory.py --dedup-only --runs 2
 	$(PY) bench/reshard.py
 	$(PY) bench/flush.py
 	$(PY) bench/torchrun.py --sizes 256 --runs 1

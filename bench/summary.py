@@ -32,6 +32,7 @@ ORDER = [
     "tls",
     "recovery",
     "memory",
+    "dedup",
     "reshard",
     "flush",
     "planner",
@@ -58,6 +59,16 @@ LABELS: list[tuple[str, str, str]] = [
     (r"speedup_vs_dcp_(\w+)", "recovery of one rank, {0}: DCP restart time / peerckpt", "times"),
     (r"peerckpt_s_(\w+)", "recovery of one rank, {0}: kill → every rank stepping", "seconds"),
     (r"overhead_ratio", "host memory / 2·(1+k)·S per rank", "ratio"),
+    (
+        r"memory_ratio",
+        "DDP job, 64 MiB per rank: buddies' replica memory, dedup / whole copies",
+        "ratio",
+    ),
+    (
+        r"agents_cpu_ratio",
+        "DDP job, 64 MiB per rank: agents' CPU per snapshot step, dedup / whole copies",
+        "ratio",
+    ),
     (r"hosts_vs_local", "a rank killed, 3 hosts: kill → stepping / the local launcher's", "ratio"),
     (r"moved_s", "the coordinator's host killed: kill → every rank stepping", "seconds"),
     (
@@ -107,6 +118,8 @@ def _fmt(value: float | None, kind: str) -> str:
         return f"{value:.1f}×"
     if kind == "seconds":
         return f"{value:.2f} s"
+    if 0 < abs(value) < 0.01:
+        return f"{value:.1e}"
     return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
 
 
