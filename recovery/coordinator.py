@@ -150,6 +150,7 @@ class Coordinator:
         self._twins = DedupWatch(self.registry.send)  # redundancy-aware replication's follow-up
         self.rebuilt = False  # restarted: state rebuilt from the agents' reports
         self.rebuild_lost: set[int] = set()  # ranks found gone while rebuilding
+        self.rebuild_digests: dict[int, str] = {}  # rank → twin digest of its committed copies
         # Moved here because the coordinator's host died (``peerckpt/succession.py``): the
         # nodes on that host are not waited for, the rebuild ends once all others are back.
         self.moved_from = moved_from

@@ -3,7 +3,9 @@
 The launcher restarts a coordinator that died on the same ports; each agent registers again
 with a ``RejoinState``: the epoch it is in, its live processes and every complete snapshot
 copy it holds. ``adopt`` folds one such report into the coordinator. The first agent to come
-back brings the membership; every agent adds its processes and copies. Nodes of the
+back brings the membership; every agent adds its processes and copies (a buddy's partial
+copy of a data-parallel rank too, with the chunks it lacks: the ranks whose copies carry the
+same twin digest are its twins, which hold the rest). Nodes of the
 membership whose agent has not come back yet count as alive until their heartbeats say
 otherwise; ranks whose process is gone are recovered together once every agent had
 ``REBUILD_WAIT_FACTOR`` heartbeat timeouts to come back (``Coordinator._end_rebuild``).
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING
 from peerckpt.messages.control import RejoinState
 from peerckpt.recovery.commits import CommitTracker
 from peerckpt.recovery.registry import AgentInfo
-from peerckpt.recovery.twins import domains_of
+from peerckpt.recovery.twins import domains_of, twins_by_digest
 from peerckpt.states import JobState, ProcRole
 
 if TYPE_CHECKING:
@@ -64,12 +66,28 @@ def adopt(c: Coordinator, node: int, state: RejoinState) -> None:
         if tracker.committed_step is None or committed > tracker.committed_step:
             tracker.committed_step = committed
             tracker.committed_holders = {}
+            tracker.committed_partial, tracker.committed_absent = {}, {}
+            c.rebuild_digests = {}
         if committed == tracker.committed_step:
             for held in state.held:
-                if held.step == committed:
-                    tracker.committed_gen = held.gen
-                    tracker.committed_holders.setdefault(held.rank, set()).add(node)
-                    epochs.snapshot_bytes[held.rank] = held.used_bytes
+                if held.step != committed:
+                    continue
+                tracker.committed_gen = held.gen
+                if held.digest:
+                    c.rebuild_digests[held.rank] = held.digest
+                if held.absent:  # a buddy's partial copy: its twins hold the rest
+                    tracker.committed_partial.setdefault(held.rank, set()).add(node)
+                    tracker.committed_absent[held.rank] = held.absent
+                    continue
+                tracker.committed_holders.setdefault(held.rank, set()).add(node)
+                epochs.snapshot_bytes[held.rank] = held.used_bytes
+            tracker.committed_twins = twins_by_digest(c.rebuild_digests, tracker.committed_partial)
+            if tracker.committed_partial:
+                log.info(
+                    "partial copies of rank(s) %s; their twins: %s",
+                    sorted(tracker.committed_partial),
+                    tracker.committed_twins,
+                )
             for rank, layout in state.layouts.items():
                 tracker.committed_layouts[rank] = layout
                 tracker.set_layout(rank, layout)

@@ -84,6 +84,22 @@ def verify(reports: Mapping[int, Report], buddies: Mapping[int, int]) -> Verdict
     return Verdict(twins, tuple(short))
 
 
+def twins_by_digest(
+    digests: Mapping[int, str], partial: Mapping[int, set[int]]
+) -> dict[int, tuple[int, ...]]:
+    """For a restarted coordinator (``recovery/rebuild.py``): each rank with partial copies →
+    the other ranks whose copies of the committed step carry its twin digest (the commit
+    verified them before the coordinator died)."""
+    groups: dict[str, list[int]] = {}
+    for rank, digest in digests.items():
+        groups.setdefault(digest, []).append(rank)
+    return {
+        r: tuple(sorted(t for t in groups.get(digests.get(r, ""), []) if t != r))
+        for r in partial
+        if digests.get(r)
+    }
+
+
 def partial_nodes(report: Report) -> set[int]:
     """The nodes holding a report's rank without its data-parallel chunks."""
     return set(report.holders) - {report.node} if report.partial else set()
@@ -125,8 +141,8 @@ def recovery_sources(
     """
     usable: dict[int, set[int]] = {}
     fill: dict[int, list[list[int]]] = {}
-    for rank, nodes in holders.items():
-        usable[rank] = set(nodes)
+    for rank in holders.keys() | partial.keys():  # a rebuilt coordinator may know only partials
+        usable[rank] = set(holders.get(rank, ()))
         if partial.get(rank):
             pairs = twin_sources(rank, new_nodes.get(rank, -1), twins, holders)
             if pairs:

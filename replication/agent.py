@@ -79,6 +79,7 @@ from peerckpt.pidwatch import ProcessWatch
 from peerckpt.replication.arena import Arena
 from peerckpt.replication.control import ControlServer, ProcLink
 from peerckpt.replication.coordlink import CoordinatorLink
+from peerckpt.replication.dedup import twin_digest
 from peerckpt.replication.mirroring import Mirroring
 from peerckpt.replication.recovering import Preparer
 from peerckpt.replication.spares import SpareSlots
@@ -300,16 +301,26 @@ class Agent:
 
     def _rejoin_state(self) -> RejoinState:
         """What a restarted coordinator rebuilds its state from: this node's view of the
-        epoch, its live processes, and every complete snapshot copy it holds."""
+        epoch, its live processes, and every snapshot copy it holds, complete or partial
+        (with the chunks it lacks and its twin digest: ``replication/dedup.py``)."""
         with self._lock:
             members, committed = self.membership, self.committed_step
         held = []
         layouts = {}
         for slot in self.store.all():
             manifest = slot.manifest
-            if slot.kind is SlotKind.STAGING or manifest is None or manifest.absent:
-                continue  # a partial copy (replication/dedup.py) is not a complete one
-            held.append(HeldCopy(slot.rank, manifest.step, slot.gen, manifest.used_bytes))
+            if slot.kind is SlotKind.STAGING or manifest is None:
+                continue
+            held.append(
+                HeldCopy(
+                    slot.rank,
+                    manifest.step,
+                    slot.gen,
+                    manifest.used_bytes,
+                    manifest.absent,
+                    twin_digest(manifest),
+                )
+            )
             if manifest.step == committed:
                 layouts[slot.rank] = [c.to_msg() for c in manifest.chunks]
         procs = [_proc_report(link) for link in self.control.links()]

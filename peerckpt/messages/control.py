@@ -67,12 +67,17 @@ class Ok(Message):
 @message("held_copy")
 @dataclass(frozen=True)
 class HeldCopy(Message):
-    """A complete snapshot copy an agent holds (for a restarted coordinator's rebuild)."""
+    """A snapshot copy an agent holds (for a restarted coordinator's rebuild): complete, or a
+    buddy's partial copy lacking the ``absent`` chunks (redundancy-aware replication), and
+    the digest of the rank's declared data-parallel chunks (``""``: none declared), by which
+    the coordinator finds the twins that hold what a partial copy lacks."""
 
     rank: int
     step: int
     gen: int
     used_bytes: int
+    absent: tuple[int, ...] = ()
+    digest: str = ""
 
 
 @message("proc_report")

@@ -15,6 +15,7 @@ from peerckpt.recovery.twins import (
     read_holders,
     recovery_sources,
     twin_sources,
+    twins_by_digest,
     verify,
 )
 
@@ -84,6 +85,26 @@ def test_a_lost_node_reads_partial_copies_and_twins_on_the_survivor() -> None:
     sources, fill = recovery_sources(new, holders, partial, twins, {}, NODES)
     assert sources[2] == [0] and sources[3] == [0]
     assert fill[2] == [[0, 0]] and fill[3] == [[0, 0]]
+
+
+def test_a_rebuilt_coordinator_reads_ranks_it_knows_only_partial_copies_of() -> None:
+    """A coordinator that moved after its host died (node 0's ranks with it) learns from the
+    surviving agent only node 1's partial copies of ranks 0 and 1, and their twins by
+    digest: the ranks are recovered from those copies and node 1's complete twins."""
+    digests = {0: "d", 1: "d", 2: "d", 3: "d"}
+    partial = {0: {1}, 1: {1}}
+    twins = twins_by_digest(digests, partial)
+    assert twins == {0: (1, 2, 3), 1: (0, 2, 3)}
+    holders = {2: {1}, 3: {1}}  # no entry at all for ranks 0 and 1
+    new = {0: 2, 1: 2, 2: 1, 3: 1}
+    sources, fill = recovery_sources(new, holders, partial, twins, {}, NODES)
+    assert sources[0] == [1] and sources[1] == [1]
+    assert fill[0] == [[1, 2]] and fill[1] == [[1, 2]]
+
+
+def test_twins_by_digest_skips_ranks_without_a_digest_or_another_twin() -> None:
+    twins = twins_by_digest({0: "a", 1: "b", 2: "a"}, {0: {1}, 1: {0}, 3: {0}})
+    assert twins == {0: (2,), 1: ()}
 
 
 def test_a_partial_copy_without_a_surviving_twin_is_no_source() -> None:
