@@ -22,6 +22,10 @@ from typing import TYPE_CHECKING
 
 from peerckpt.shm import SHM_DIR, segment_prefix
 
+# corrupt: how far into a replica's data, and how densely, bytes are flipped
+FLIP_SPAN = 8192
+FLIP_STRIDE = 64
+
 if TYPE_CHECKING:
     from peerckpt.launch.base import Launcher
 
@@ -78,19 +82,29 @@ class FaultActions:
             self._wake(pid)
 
     def corrupt_replicas(self, rank: int) -> list[str]:
-        """Flip the first byte of every replica segment of ``rank`` (on its buddies' nodes), as a
-        bad DIMM or a stray write would; the chunk's checksum no longer matches."""
+        """Flip bytes at the start of the data of every replica segment of ``rank`` (on its
+        buddies' nodes), as a bad DIMM or a stray write would; the first chunk's checksum no
+        longer matches. A buddy's partial copy (redundancy-aware replication) is a sparse file
+        whose absent chunks are holes, and its first page of data (``SEEK_DATA``) may begin
+        with an absent chunk's bytes: every ``FLIP_STRIDE``-th byte of that first page and the
+        next is flipped, so any present chunk of at least that size starting there is hit."""
         prefix = segment_prefix(self._launcher.job, self._launcher.run_id)
         pattern = os.path.join(SHM_DIR, f"{prefix}n*-r{rank}-g*")
         flipped = []
         for path in sorted(glob.glob(pattern)):
             try:
                 with open(path, "r+b") as f:
-                    first = f.read(1)
-                    f.seek(0)
-                    f.write(bytes([first[0] ^ 0xFF]))
-            except (OSError, IndexError):
-                continue  # released meanwhile
+                    at = os.lseek(f.fileno(), 0, os.SEEK_DATA)
+                    end = os.lseek(f.fileno(), at, os.SEEK_HOLE)
+                    f.seek(at)
+                    data = bytearray(f.read(min(end - at, FLIP_SPAN)))
+                    if not data:
+                        continue
+                    data[::FLIP_STRIDE] = bytes(b ^ 0xFF for b in data[::FLIP_STRIDE])
+                    f.seek(at)
+                    f.write(data)
+            except OSError:
+                continue  # released meanwhile, or nothing but holes
             flipped.append(os.path.basename(path))
         return flipped
 

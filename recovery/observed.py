@@ -22,7 +22,7 @@ def observed(c: Coordinator) -> dict[str, Any]:
     m, tracker = c.epochs.membership, c.epochs.tracker
     agents = c.registry.agents
     return {
-        "holders": {r: sorted(h) for r, h in tracker.committed_holders.items()} if tracker else {},
+        "holders": _holders(tracker) if tracker else {},
         "placement": {r: list(b) for r, b in m.placement.items()} if m else {},
         "resumed": sorted(c.epochs.resumed),
         "spare_nodes": sorted(n for n, a in agents.items() if a.spare_node),
@@ -30,3 +30,13 @@ def observed(c: Coordinator) -> dict[str, Any]:
         "replicas": c.settings.replicas,
         "node_addrs": c.registry.node_addrs(),
     }
+
+
+def _holders(tracker: Any) -> dict[int, list[int]]:
+    """Each rank's nodes holding its committed step: whole, or as a buddy's partial copy
+    whose data-parallel chunks its twins hold (redundancy-aware replication), which a
+    recovery reads as a copy all the same."""
+    out: dict[int, set[int]] = {r: set(h) for r, h in tracker.committed_holders.items()}
+    for rank, nodes in tracker.committed_partial.items():
+        out.setdefault(rank, set()).update(nodes)
+    return {r: sorted(h) for r, h in out.items()}

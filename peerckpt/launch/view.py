@@ -47,7 +47,7 @@ class RankView:
     rank: int
     node: int
     pid: int
-    copies: tuple[int, ...]  # nodes holding its committed step (-1: durable storage)
+    copies: tuple[int, ...]  # nodes holding its committed step, whole or partial (-1: storage)
     buddies: tuple[int, ...]  # nodes it replicates to in this epoch
     replicated_step: int | None  # its newest step on all its buddies
     snapshot_step: int | None  # its newest snapshot known (heartbeat or replication report)
