@@ -41,7 +41,7 @@ from peerckpt.messages import from_frame, to_frame
 M = TypeVar("M")
 
 MAGIC = b"PCK1"
-PROTOCOL_VERSION = 2  # 2: a push's checksums travel in its end frame
+PROTOCOL_VERSION = 3  # 2: a push's checksums travel in its end frame; 3: no job name before auth
 _PREFIX = struct.Struct("!4sI")
 MAX_HEADER_BYTES = 1 << 20
 # Before a peer has proved the secret its frames are small (challenge, auth, welcome): a
@@ -241,7 +241,7 @@ def raise_if_error(header: dict[str, Any], peer: str) -> None:
     if header.get("type") != "error":
         return
     code, message = header.get("code", ""), header.get("message", "")
-    if code == "auth":
+    if code in ("auth", "other_job"):
         raise AuthenticationError(f"{peer} refused the connection: {message}")
     if code == "frame_too_large":
         raise FrameTooLarge(f"{peer} refused a frame: {message}")
@@ -273,6 +273,11 @@ _WRONG_SECRET = (
     "PEERCKPT_SECRET (peerckpt run sets it for the processes it starts); a process of another "
     "job, or one started by hand without it, cannot connect"
 )
+# Sent only to a client that proved the secret: it names no job (the client adds its own).
+_OTHER_JOB = (
+    "this process serves another job with the same secret; check --job (each peerckpt run "
+    "makes its own secret, so two jobs share one only when it was set by hand)"
+)
 
 
 def _bytes_field(frame: dict[str, Any], key: str, size: int) -> bytes:
@@ -283,39 +288,47 @@ def _bytes_field(frame: dict[str, Any], key: str, size: int) -> bytes:
 
 
 def server_handshake(conn: Connection, secret: bytes, job: str) -> dict[str, Any]:
-    """Authenticate a freshly accepted connection; return the client's ``auth`` header.
+    """Authenticate a freshly accepted connection; return the client's ``hello`` header (the
+    fields it passed to ``client_handshake``).
 
     Raises AuthenticationError (after telling the client why) if the client does not prove
-    the secret, ProtocolError or PeerUnavailable for anything that is not a handshake (never
-    another exception, whatever the bytes). The client must prove it first, so a wrong client
-    learns nothing. Until it has, frame headers are limited to ``PREAUTH_HEADER_BYTES``; the
-    overall deadline is the listener's (``serving.Listener``).
+    the secret and the job, ProtocolError or PeerUnavailable for anything that is not a
+    handshake (never another exception, whatever the bytes). The client must prove it first,
+    so a wrong client learns nothing. Until it has, frame headers are limited to
+    ``PREAUTH_HEADER_BYTES``; the overall deadline is the listener's (``serving.Listener``).
     """
     conn.sock.settimeout(_HANDSHAKE_TIMEOUT_S)
     conn.max_header = PREAUTH_HEADER_BYTES
     nonce = os.urandom(32)
     conn.send({"type": "challenge", "nonce": nonce, "proto": PROTOCOL_VERSION})
-    hello, _ = conn.recv_message(max_payload=0)
-    if hello.get("type") != "auth" or not isinstance(hello.get("nonce"), bytes):
+    auth, _ = conn.recv_message(max_payload=0)
+    if auth.get("type") != "auth" or not isinstance(auth.get("nonce"), bytes):
         conn.send_error("auth", "expected an auth frame first")
         raise AuthenticationError(f"{conn.peer} did not start with an auth frame")
-    cnonce, mac = _bytes_field(hello, "nonce", 32), _bytes_field(hello, "mac", 32)
-    if hello.get("job") != job:
-        message = f"this agent serves job {job!r}, the client asked for {hello.get('job')!r}"
-        conn.send_error("auth", message)
-        raise AuthenticationError(f"{conn.peer} is from another job: {message}")
-    expected = _mac(secret, b"client", nonce, cnonce, job.encode())
-    if not hmac.compare_digest(expected, mac):
+    cnonce = _bytes_field(auth, "nonce", 32)
+    mac, job_mac = _bytes_field(auth, "mac", 32), _bytes_field(auth, "job", 32)
+    if not hmac.compare_digest(_mac(secret, b"client", nonce, cnonce), mac):
         conn.send_error("auth", _WRONG_SECRET)
         raise AuthenticationError(f"{conn.peer} failed the handshake: {_WRONG_SECRET}")
-    conn.send({"type": "welcome", "mac": _mac(secret, b"server", cnonce, nonce)})
-    conn.sock.settimeout(None)
+    if not hmac.compare_digest(_mac(secret, b"job", nonce, cnonce, job.encode()), job_mac):
+        conn.send_error("other_job", _OTHER_JOB)
+        raise AuthenticationError(f"{conn.peer} is from another job than {job!r}")
+    conn.send({"type": "welcome", "mac": _mac(secret, b"server", cnonce, nonce, job.encode())})
     conn.max_header = MAX_HEADER_BYTES
+    hello, _ = conn.recv_message(max_payload=0)
+    if hello.get("type") != "hello":
+        raise ProtocolError(f"{conn.peer} sent {hello.get('type')!r} where its hello belongs")
+    conn.sock.settimeout(None)
     return hello
 
 
 def client_handshake(conn: Connection, secret: bytes, job: str, **fields: Any) -> None:
-    """Prove the job secret to the server and check that the server knows it too."""
+    """Prove the job secret and the job to the server, check that the server knows both, and
+    only then tell it ``fields`` (who this process is).
+
+    Nothing sent before the server has proved itself says anything about the job: the job
+    travels only inside a MAC keyed by the secret and bound to both fresh nonces.
+    """
     conn.sock.settimeout(_HANDSHAKE_TIMEOUT_S)
     conn.max_header = PREAUTH_HEADER_BYTES
     challenge, _ = conn.recv_message(max_payload=0)
@@ -327,11 +340,14 @@ def client_handshake(conn: Connection, secret: bytes, job: str, **fields: Any) -
         )
     snonce = _bytes_field(challenge, "nonce", 32)
     cnonce = os.urandom(32)
-    mac = _mac(secret, b"client", snonce, cnonce, job.encode())
-    conn.send({"type": "auth", "job": job, "nonce": cnonce, "mac": mac, **fields})
+    mac = _mac(secret, b"client", snonce, cnonce)
+    job_mac = _mac(secret, b"job", snonce, cnonce, job.encode())
+    conn.send({"type": "auth", "nonce": cnonce, "mac": mac, "job": job_mac})
     reply, _ = conn.recv_message(max_payload=0)
+    if reply.get("type") == "error" and reply.get("code") == "other_job":
+        raise AuthenticationError(f"{conn.peer} refused job {job!r}: {reply.get('message')}")
     raise_if_error(reply, conn.peer)
-    expected = _mac(secret, b"server", cnonce, snonce)
+    expected = _mac(secret, b"server", cnonce, snonce, job.encode())
     proof = reply.get("mac")
     if (
         reply.get("type") != "welcome"
@@ -339,8 +355,9 @@ def client_handshake(conn: Connection, secret: bytes, job: str, **fields: Any) -
         or not hmac.compare_digest(expected, proof)
     ):
         raise AuthenticationError(f"{conn.peer} could not prove the job secret; refusing to talk")
-    conn.sock.settimeout(None)
     conn.max_header = MAX_HEADER_BYTES
+    conn.send({"type": "hello", **fields})
+    conn.sock.settimeout(None)
 
 
 def connect_tcp(

@@ -8,12 +8,15 @@ in ``make test``; ``@pytest.mark.slow`` runs a long one (``make test-all``).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import socket
 import struct
 import threading
 import tracemalloc
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -39,7 +42,10 @@ _values = st.one_of(
 # reaches past the decoder into the handshake's own checks.
 _headers = st.dictionaries(
     st.sampled_from(["type", "len", "nonce", "mac", "job", "proto", "code", "message", "x"]),
-    st.one_of(_values, st.sampled_from(["auth", "challenge", "welcome", "error", JOB])),
+    st.one_of(
+        _values,
+        st.sampled_from(["auth", "challenge", "welcome", "hello", "error", "other_job", JOB]),
+    ),
     max_size=8,
 )
 
@@ -129,9 +135,51 @@ def test_client_handshake_any_bytes(data: bytes) -> None:
     _check(data, _client)
 
 
+def _authenticated(data: bytes) -> bytes:
+    """A client's valid ``auth`` frame (for the challenge nonce ``_NONCE``), then ``data``:
+    the fuzzer reaches the hello a server reads once the client proved the secret."""
+    cnonce = b"c" * 32
+
+    def mac(*parts: bytes) -> bytes:
+        return hmac.new(SECRET, b"|".join(parts), hashlib.sha256).digest()
+
+    auth = {
+        "type": "auth",
+        "len": 0,
+        "nonce": cnonce,
+        "mac": mac(b"client", _NONCE, cnonce),
+        "job": mac(b"job", _NONCE, cnonce, JOB.encode()),
+    }
+    return _frame(auth) + data
+
+
+_NONCE = b"n" * 32
+
+
+@SHORT
+@given(_streams)
+def test_server_handshake_after_auth_any_bytes(data: bytes) -> None:
+    with mock.patch("peerckpt.wire.os.urandom", return_value=_NONCE):
+        outcome, _ = _feed(_authenticated(data), _server)
+    # Authenticated, the hello may be anything the client says, but never another error.
+    assert isinstance(outcome, dict | PeerckptError), f"{type(outcome).__name__}: {outcome}"
+
+
+def test_the_fuzzers_auth_frame_is_accepted() -> None:
+    """The frame above is right: with a hello after it, the handshake passes."""
+    with mock.patch("peerckpt.wire.os.urandom", return_value=_NONCE):
+        outcome, _ = _feed(
+            _authenticated(_frame({"type": "hello", "len": 0, "role": "x"})), _server
+        )
+    assert isinstance(outcome, dict) and outcome["role"] == "x"
+
+
 @pytest.mark.slow
 @LONG
 @given(_streams)
 def test_wire_long_fuzz(data: bytes) -> None:
     for reader in (_decode, _server, _client):
         _check(data, reader)
+    with mock.patch("peerckpt.wire.os.urandom", return_value=_NONCE):
+        outcome, _ = _feed(_authenticated(data), _server)
+    assert isinstance(outcome, dict | PeerckptError), f"{type(outcome).__name__}: {outcome}"
