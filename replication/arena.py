@@ -66,9 +66,7 @@ class Segment:
         a full tmpfs this raises InsufficientMemory where the write would die of SIGBUS."""
         fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
         try:
-            for start, end in ranges:
-                if end > start:
-                    os.posix_fallocate(fd, start, end - start)
+            _fallocate(fd, ranges)
         except OSError as exc:
             raise InsufficientMemory(
                 f"{what}: {SHM_DIR} could not hold the rest of {self.name} ({exc.strerror}); "
@@ -147,9 +145,7 @@ class Arena:
                     os.posix_fallocate(fd, 0, size)
                 else:
                     os.ftruncate(fd, size)
-                    for start, end in only:
-                        if end > start:
-                            os.posix_fallocate(fd, start, end - start)
+                    _fallocate(fd, only)
             except OSError as exc:
                 raise InsufficientMemory(
                     f"{what}: {SHM_DIR} could not hold {human(size)} more ({exc.strerror}); "
@@ -247,6 +243,14 @@ class Arena:
     def total_bytes(self) -> int:
         with self._lock:
             return sum(s.size for s in self._segments.values())
+
+
+def _fallocate(fd: int, ranges: list[tuple[int, int]]) -> None:
+    """Reserve the pages of the byte ``ranges`` (start, end) of file ``fd``; the rest stays
+    a hole. Raises OSError (ENOSPC on a full tmpfs)."""
+    for start, end in ranges:
+        if end > start:
+            os.posix_fallocate(fd, start, end - start)
 
 
 def _touch(view: memoryview) -> None:
