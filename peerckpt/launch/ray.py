@@ -393,20 +393,17 @@ class RayLauncher(Launcher):
         self, code: int, report: dict[str, Any] | None, reason: str, wall_s: float
     ) -> JobResult:
         fired = list(self.chaos.fired) if self.chaos is not None else []
-        # The faults other hosts fired are in their own results (host 0's has its own).
+        # The faults every host fired are in its own result (host 0's in ``report``).
         for host in self.hosts.values():
-            theirs = (host.done or {}).get("result") or {}
             if host.rank != 0:
-                fired += theirs.get("chaos", [])
-        fired.sort(key=lambda c: c.get("fired_at") or float("inf"))
+                fired += ((host.done or {}).get("result") or {}).get("chaos", [])
         if report is not None:
             result = JobResult(**report)
-            result.chaos = sorted(
-                [*fired, *result.chaos], key=lambda c: c.get("fired_at") or float("inf")
-            )
+            fired += result.chaos
         else:
             state = "interrupted" if code == ExitCode.INTERRUPTED else "failed"
-            result = JobResult(self.job, code, state, reason, [], fired, wall_s)
+            result = JobResult(self.job, code, state, reason, [], [], wall_s)
+        result.chaos = sorted(fired, key=lambda c: c.get("fired_at") or float("inf"))
         if self.spec.report:
             with open(self.spec.report, "w") as f:
                 json.dump(result.__dict__, f, indent=2, default=str)
