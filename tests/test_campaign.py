@@ -76,7 +76,9 @@ def test_a_snapshot_that_differs_from_the_reference_fails_its_row_and_the_campai
     assert gap.differing == ["rank 0 step 19 missing"] and not gap.ok
 
 
-def _campaign(tmp_path, seed: int, faults: int, steps: int) -> dict:
+def _campaign(tmp_path, seed: int, faults: int, steps: int, *flags: str) -> dict:
+    """``peerckpt chaos`` (with ``flags``: ``--ray ADDRESS`` and the job's shape, say) on
+    the DDP job: every fault fired bit-exact, nothing left, its report and timeline drawn."""
     out = tmp_path / "report.json"
     proc = subprocess.run(
         [
@@ -84,6 +86,7 @@ def _campaign(tmp_path, seed: int, faults: int, steps: int) -> dict:
             "-m",
             "peerckpt",
             "chaos",
+            *flags,
             "--seed",
             str(seed),
             "--faults",

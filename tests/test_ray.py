@@ -27,6 +27,7 @@ import psutil
 import pytest
 
 from .conftest import JOBS, REPO, JobRun, job_name, read_jsonl
+from .test_campaign import _campaign
 from .test_hosts import _assert_bit_exact
 from .test_reshard_jobs import _assert_ddp_restores_match
 
@@ -318,50 +319,12 @@ def test_a_chaos_campaign_on_ray_ends_bit_exact(tmp_path, ray_cluster) -> None:
     then node 1's agent. Every snapshot equals the reference's, every fault fired, and
     nothing of either job is left."""
     cluster = ray_cluster(3)
-    out = tmp_path / "campaign.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "peerckpt",
-            "chaos",
-            "--ray",
-            cluster.address,
-            "--seed",
-            "1",
-            "--faults",
-            "3",
-            "--nodes",
-            "2",
-            "--nproc-per-node",
-            "2",
-            "--spares",
-            "2",
-            "--json",
-            str(out),
-            "--job",
-            job_name(),
-            str(JOBS / "ddp_job.py"),
-            str(tmp_path),
-            "--steps",
-            "30",
-            "--sleep",
-            "0.2",
-        ],
-        cwd=REPO,
-        env=dict(os.environ, PEERCKPT_LOG_LEVEL="WARNING"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    report = json.loads(out.read_text())
-    assert report["ok"] and report["leaks"] == [] and report["differing"] == []
+    shape = ("--nodes", "2", "--nproc-per-node", "2", "--spares", "2")
+    report = _campaign(tmp_path, 1, 3, 30, "--ray", cluster.address, *shape)
     assert [r["fault"].split(" at=")[0] for r in report["rows"]] == [
         "kill rank=0",
         "hang rank=2",
         "kill agent node=1",
     ]
-    assert all(r["bit_exact"] and r["step"] is not None for r in report["rows"])
     assert sum(r["recovered_s"] is not None for r in report["rows"]) >= 2
     assert report["steps_compared"] >= 4 * 30
