@@ -291,16 +291,21 @@ class RayLauncher(Launcher):
     def _check_hosts(self) -> None:
         """Note hosts whose Ray node (and so actor) is gone: lost hosts, for the coordinator
         to recover from; nothing is restarted in their place but spares."""
-        import ray
 
         for host in list(self.hosts.values()):
-            if host.rank == 0 or host.lost or host.done is not None:
-                continue
-            try:
-                host.done = ray.get(host.actor.poll.remote(), timeout=30)
-            except ray.exceptions.RayActorError:
-                host.lost = True
-                log.warning("host %d is lost with its Ray node %s", host.rank, host.node_id[:12])
+            if host.rank != 0 and not host.lost and host.done is None:
+                self._poll_host(host)
+
+    def _poll_host(self, host: _Host) -> None:
+        """Ask ``host``'s actor whether its launcher ended (``host.done``); an actor that died
+        with its Ray node marks the host lost."""
+        import ray
+
+        try:
+            host.done = ray.get(host.actor.poll.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            host.lost = True
+            log.warning("host %d is lost with its Ray node %s", host.rank, host.node_id[:12])
 
     def _start_problem(self) -> str:
         """Why the job cannot start, if a host that brings ranks ended before it did (the
@@ -372,14 +377,16 @@ class RayLauncher(Launcher):
                     host.actor.interrupt.remote()
         deadline = time.monotonic() + END_WAIT_S
         for host in hosts:
-            while host.done is None and time.monotonic() < deadline:
+            # A host whose Ray node died after the driver's last look is found lost here, so
+            # that every lost host is named even when the job ended within a second of it.
+            while host.done is None and not host.lost and time.monotonic() < deadline:
                 try:
-                    host.done = ray.get(host.actor.poll.remote(), timeout=30)
+                    self._poll_host(host)
                 except ray.exceptions.RayError:
                     break
                 if host.done is None:
                     time.sleep(POLL_S)
-            if host.done is None:
+            if host.done is None and not host.lost:
                 with contextlib.suppress(ray.exceptions.RayError):
                     host.actor.interrupt.remote()
         for host in self.hosts.values():
