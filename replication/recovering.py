@@ -4,7 +4,9 @@ The agent fences the new epoch, tells its processes to abort and cancels replica
 flight (``Agent._on_membership``); then ``Preparer.prepare`` readies each local rank in a
 thread of its own: in the same topology it obtains the rank's committed snapshot (own slot,
 local replica, or a fetch from the plan's sources, checksums verified,
-``replication/obtain.py``) and sends the rank ``EpochStart``; after a topology change it
+``replication/obtain.py``) and sends the rank ``EpochStart``; a rank whose state must come
+from a peer gets ``EpochStart`` first and ``Arrived`` once its state is verified in its slot,
+so that it forms its group and builds its model while the bytes travel; after a topology change it
 sends ``EpochStart`` at once, and gathers the pieces each resharding round's plan names into
 a staging segment (``replication/gather.py``, on ``Reads``), answered with ``Staging``.
 
@@ -24,9 +26,9 @@ from peerckpt.faults import FaultHooks, NetHooks
 from peerckpt.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.membership import Membership
 from peerckpt.messages.control import ProcLost, Pull, RankFailed, Reads, Request
-from peerckpt.messages.local import EpochStart, RestoreBody, RestorePlan, Staging
+from peerckpt.messages.local import Arrived, EpochStart, RestoreBody, RestorePlan, Staging
 from peerckpt.reads import decode as decode_reads
-from peerckpt.replication.control import ControlServer
+from peerckpt.replication.control import ControlServer, ProcLink
 from peerckpt.replication.gather import GatherJob, assemble
 from peerckpt.replication.obtain import obtain_committed
 from peerckpt.replication.store import SlotStore
@@ -115,6 +117,10 @@ class Preparer:
         if self._current_epoch() != members.epoch:
             return  # superseded before it began: the newer epoch's thread readies this rank
         self.faults.strike("recovery", node=self.node, rank=rank, epoch=members.epoch)
+        sources = members.sources.get(rank, [])
+        if members.mode is EpochMode.SAME and sources and sources[0] != self.node:
+            self._prepare_arriving(members, rank, link)
+            return
         try:
             if members.mode is EpochMode.SAME:
                 restore, manifest = self._obtain(members, rank)
@@ -133,18 +139,44 @@ class Preparer:
             return
         if self._current_epoch() != members.epoch:
             return  # a newer epoch superseded this one while we were pulling
-        link.send(
-            EpochStart(
-                epoch=members.epoch,
-                rank=rank,
-                world_size=members.world_size,
-                local_rank=members.local_ranks(self.node).index(rank),
-                node=self.node,
-                store_addr=self.store_addr(members.store_addr),
-                hosts=sorted({a.rpartition(":")[0] for a in members.node_addrs.values()}),
-                restore=restore,
-                body=RestoreBody(manifest, members.old_layout),
-            )
+        link.send(self._epoch_start(members, rank, restore, manifest))
+
+    def _prepare_arriving(self, members: Membership, rank: int, link: ProcLink) -> None:
+        """A rank whose state this node does not hold (a spare taking a lost rank's place):
+        it starts the epoch at once, joins its group and builds its objects while its state
+        is pulled, and waits for ``Arrived`` only where it restores (``ctx.track``)."""
+        assert members.restore_step is not None
+        plan = RestorePlan(EpochMode.SAME, members.restore_step, arriving=True)
+        link.send(self._epoch_start(members, rank, plan, None))
+        try:
+            got, manifest = self._obtain(members, rank)
+        except Exception as exc:  # the rank waits in its restore until the epoch ends
+            if not isinstance(exc, RecoveryFailed):
+                log.exception("preparing rank %d for epoch %d failed", rank, members.epoch)
+            self._report(RankFailed(self.node, members.epoch, rank, type(exc).__name__, str(exc)))
+            return
+        if self._current_epoch() != members.epoch:
+            return  # a newer epoch superseded this one while we were pulling
+        assert got.slot is not None and got.path is not None
+        link.send(Arrived(members.epoch, got.slot, got.path, manifest))
+
+    def _epoch_start(
+        self,
+        members: Membership,
+        rank: int,
+        restore: RestorePlan | None,
+        manifest: SnapshotManifest | None,
+    ) -> EpochStart:
+        return EpochStart(
+            epoch=members.epoch,
+            rank=rank,
+            world_size=members.world_size,
+            local_rank=members.local_ranks(self.node).index(rank),
+            node=self.node,
+            store_addr=self.store_addr(members.store_addr),
+            hosts=sorted({a.rpartition(":")[0] for a in members.node_addrs.values()}),
+            restore=restore,
+            body=RestoreBody(manifest, members.old_layout),
         )
 
     def on_reads(self, members: Membership, event: Reads) -> None:

@@ -35,6 +35,7 @@ from peerckpt.messages.control import Commit, Shutdown
 from peerckpt.messages.local import (
     Abort,
     AgentLost,
+    Arrived,
     EpochStart,
     Fenced,
     Granted,
@@ -83,6 +84,7 @@ class RankRuntime:
         self.tracking: EpochTracking | None = None  # the joined epoch's restore and snapshots
         self._audit = AuditOnce()
         self._staging: dict[tuple[int, int], tuple[str, list[ChunkRecord]]] = {}
+        self._arrived: dict[int, Arrived] = {}  # epoch → where its arriving state now is
         self._initial_rng = capture.capture_rng()
         self.live = LiveState()  # what the live tensors hold: a survivor restores from them
         self.policy = config.snapshot_policy()  # when to snapshot (runtime/policy.py)
@@ -95,6 +97,7 @@ class RankRuntime:
                 EpochStart: self._on_epoch,
                 Commit: lambda e: self.engine.on_commit(e.epoch, e.step),
                 Staging: self._on_staging,
+                Arrived: self._on_arrived,
                 Shutdown: self._on_shutdown,
                 Fenced: self._on_fenced,
                 AgentLost: self._on_agent_lost,
@@ -127,6 +130,11 @@ class RankRuntime:
     def _on_staging(self, event: Staging) -> None:
         with self._cond:
             self._staging[(event.epoch, event.round)] = (event.path, list(event.manifest.chunks))
+            self._cond.notify_all()
+
+    def _on_arrived(self, event: Arrived) -> None:
+        with self._cond:
+            self._arrived[event.epoch] = event
             self._cond.notify_all()
 
     def _on_shutdown(self, event: Shutdown) -> None:
@@ -309,6 +317,7 @@ class RankRuntime:
                 self.pg,
                 self.check,
                 self._wait_staging,
+                self._wait_arrived,
                 self._audit,
                 self.live,
                 self.policy,
@@ -446,6 +455,18 @@ class RankRuntime:
                     raise MembershipChanged("the job's membership changed during a restore")
                 self._cond.wait()
             return self._staging.pop((epoch, round_))
+
+    def _wait_arrived(self, epoch: int) -> Arrived:
+        """Where the agent put ``epoch``'s arriving state (``RestorePlan.arriving``), once it
+        is verified there; MembershipChanged if the epoch ends first."""
+        with self._cond:
+            while epoch not in self._arrived:
+                if self.state is RankState.ABORTING or self._shutdown is not None:
+                    raise MembershipChanged("the job's membership changed during a restore")
+                self._cond.wait()
+            for older in [e for e in self._arrived if e < epoch]:  # superseded epochs'
+                del self._arrived[older]
+            return self._arrived.pop(epoch)
 
     def check(self) -> None:
         """Raise MembershipChanged if this epoch has ended (called at step boundaries)."""

@@ -139,6 +139,15 @@ class SnapshotEngine:
                 for index in list(self._slots):
                     self._slots.pop(index).close()
 
+    def restored_into(self, index: int, path: str) -> None:
+        """The epoch's committed snapshot arrived after ``begin_epoch``, in own slot ``index``
+        at ``path``: the next snapshot goes into the other slot."""
+        with self._cond:
+            self.committed_index = index
+            current = self._slots.get(index)
+            if current is None or current.path != path:
+                self._remap(index, path)
+
     @property
     def blocked_on_commit(self) -> int | None:
         """The step whose commit the copy thread is waiting for before it may write the next

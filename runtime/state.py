@@ -7,7 +7,7 @@ says which changes are allowed (see ``rank.py`` for the picture).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from peerckpt.manifest import ChunkRecord
@@ -64,6 +64,7 @@ class Assignment:
     previous_rank: int | None = None
     old_world: int = 0
     old_layout: dict[str, Any] | None = None
+    arriving: bool = False  # SAME: the state is still on its way (``Arrived`` says where)
 
     @classmethod
     def from_event(cls, event: EpochStart) -> Assignment:
@@ -85,7 +86,12 @@ class Assignment:
             previous_rank=restore.previous_rank if restore else None,
             old_world=restore.old_world if restore else 0,
             old_layout=body.old_layout,
+            arriving=restore.arriving if restore else False,
         )
+
+    def arrived(self, slot: int, path: str, chunks: list[ChunkRecord]) -> Assignment:
+        """This assignment once its arriving state is in own slot ``slot`` at ``path``."""
+        return replace(self, restore_slot=slot, restore_path=path, chunks=chunks, arriving=False)
 
 
 def check_transition(current: RankState, new: RankState) -> None:

@@ -26,7 +26,7 @@ import torch
 
 from peerckpt.errors import StateMismatch
 from peerckpt.manifest import META_KEY, ChunkRecord
-from peerckpt.messages.local import RankResumed, ReleaseStaging, WantChunks
+from peerckpt.messages.local import Arrived, RankResumed, ReleaseStaging, WantChunks
 from peerckpt.runtime import capture, twins
 from peerckpt.runtime.audit import FirstStepWatch
 from peerckpt.runtime.live import LiveState
@@ -95,6 +95,7 @@ class EpochTracking:
         pg: ProcessGroupLifecycle,
         check: Callable[[], None],
         staging: Callable[[int, int], tuple[str, list[ChunkRecord]]],
+        arrived: Callable[[int], Arrived],
         audit: AuditOnce,
         live: LiveState,
         policy: SnapshotPolicy,
@@ -104,6 +105,7 @@ class EpochTracking:
         self.channel, self.engine, self.pg = channel, engine, pg
         self.check = check  # raises MembershipChanged once the epoch has ended
         self._staging = staging  # (epoch, round) → the gathered segment's path and chunks
+        self._arrived = arrived  # epoch → where the agent put a state it pulled meanwhile
         self._audit = audit
         self.live = live  # the process's live tensors: a survivor restores from them
         self.policy = policy  # when to snapshot, agreed once per job (runtime/policy.py)
@@ -137,6 +139,8 @@ class EpochTracking:
         if a.mode is EpochMode.RESHARD:
             self._restore_resharded(state)
             return
+        if a.mode is EpochMode.SAME and a.arriving:
+            a = self._await_state()
         if a.mode is not EpochMode.SAME or a.restore_slot is None:
             return
         cost = RestoreCost()
@@ -167,6 +171,20 @@ class EpochTracking:
             adopted,
             len(alive),
         )
+
+    def _await_state(self) -> Assignment:
+        """Wait for the state the agent pulls while this process built its objects; from
+        then on the epoch restores from (and snapshots beside) the slot it arrived in."""
+        waited = time.perf_counter()
+        got = self._arrived(self.assignment.epoch)
+        self.assignment = self.assignment.arrived(got.slot, got.path, list(got.manifest.chunks))
+        self.engine.restored_into(got.slot, got.path)
+        log.info(
+            "the state of step %s arrived %.3f s after the restore asked for it",
+            self.assignment.restore_step,
+            time.perf_counter() - waited,
+        )
+        return self.assignment
 
     def _restore_resharded(self, state: dict[str, Any]) -> None:
         """Restore ``state`` into this epoch's new layout: say which boxes this rank needs,

@@ -54,6 +54,29 @@ def test_a_killed_rank_is_replaced_by_a_spare_from_peer_memory(tmp_path, referen
         assert pulls[rank]["source"] == pulls[rank]["node"] and pulls[rank]["bytes"] == 0
 
 
+def test_a_replacement_builds_its_objects_while_its_state_is_pulled(
+    tmp_path, reference_run
+) -> None:
+    """The spare taking rank 2's place starts its epoch before its state is there: its
+    function runs, and it waits only in ``ctx.track`` for the pull, here slowed to take
+    seconds (node 0, the source, sends at 0.1 MB/s)."""
+    run = run_job(
+        tmp_path,
+        script_args=["--steps", "30"],
+        spares=1,
+        chaos="slow node=0 at=10 rate=0.1 for=6; kill rank=2 at=10",
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    _assert_bit_exact(run, reference_run)
+    [event] = run.report["events"]
+    pulls = {p["rank"]: p for p in event["pulls"]}
+    assert pulls[2]["source"] == 0 and pulls[2]["seconds"] >= 1.0, pulls[2]
+    arrived = re.findall(r"state of step (\d+) arrived ([\d.]+) s after the restore asked", run.log)
+    assert [int(step) for step, _ in arrived] == [event["restore_step"]], run.log[-4000:]
+    # The restore asked while the pull still had most of its seconds to go.
+    assert float(arrived[0][1]) > 0.0
+
+
 def test_a_rank_stuck_in_an_aborted_epoch_is_restarted_in_place(tmp_path, reference_run) -> None:
     """Rank 1 never leaves step 11 (as a collective that cutting its connections does not
     release): when rank 2's loss aborts the epoch a second later, rank 1 gives up after its

@@ -8,7 +8,7 @@ handshake). Then::
     rank ── Restarting ────────▶ agent ── Granted ─────▶ rank
     rank ── SnapshotTaken / RankResumed / RankDone / RankError / WantChunks / ReleaseStaging
     rank ── Beat (every HEARTBEAT_S)
-    agent ─ Abort / EpochStart / Commit / Staging / Shutdown / Fenced ─▶ rank   (events)
+    agent ─ Abort / EpochStart / Arrived / Commit / Staging / Shutdown / Fenced ─▶ rank  (events)
 
 A request's reply travels as ``Reply``: the answer as its payload, or an error (the class
 name of the agent's exception and its message). ``AgentLost`` never crosses the wire: the
@@ -176,8 +176,10 @@ class RestorePlan(Message):
     """What a rank restores in its new epoch.
 
     ``SAME``: its committed snapshot ``step``, in own slot ``slot`` at ``path`` (described by
-    the event's manifest). ``RESHARD``: ``step`` of the old layout of ``old_world`` ranks,
-    through resharding rounds; ``previous_rank`` is the rank this process was (None: new).
+    the event's manifest); with ``arriving`` the agent is still pulling it from a peer and
+    says where it is with ``Arrived`` (the rank joins its group and builds its objects
+    meanwhile). ``RESHARD``: ``step`` of the old layout of ``old_world`` ranks, through
+    resharding rounds; ``previous_rank`` is the rank this process was (None: new).
     """
 
     mode: EpochMode
@@ -186,6 +188,7 @@ class RestorePlan(Message):
     path: str | None = None
     previous_rank: int | None = None
     old_world: int = 0
+    arriving: bool = False
 
 
 @message("restore_body")
@@ -213,6 +216,20 @@ class EpochStart(ToRank):
     hosts: list[str]
     restore: RestorePlan | None
     body: RestoreBody
+
+
+@message("arrived")
+@dataclass(frozen=True)
+class Arrived(ToRank):
+    """The committed snapshot an ``arriving`` restore waits for is verified in own slot
+    ``slot`` at ``path`` (``manifest``)."""
+
+    PAYLOAD = "manifest"
+
+    epoch: int
+    slot: int
+    path: str
+    manifest: SnapshotManifest
 
 
 @message("staging")
