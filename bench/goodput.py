@@ -1,12 +1,13 @@
-"""Goodput under repeated failures: the effective training time ratio (ETTR) of peerckpt and
-of a torchrun restart from DCP, on the same job, state size and fault schedule.
+"""Goodput under repeated failures: the effective training time ratio (ETTR) of peerckpt, of
+torchft and of a torchrun restart from DCP, on the same job, state size and fault schedule.
 
     python bench/goodput.py [--mib 64] [--minutes 3] [--fault-every 20] [--quick]
+                            [--systems peerckpt,dcp,torchft] [--torchft-join-ms 10000]
 
-Not part of ``make bench`` (its runs take about 15 minutes; ``make bench-goodput`` runs it).
+Not part of ``make bench`` (its runs take about 20 minutes; ``make bench-goodput`` runs it).
 
-The job: ``bench/jobs/cost_job.py`` (peerckpt) and ``bench/jobs/goodput_dcp_job.py`` (plain
-torchrun + DCP) train the same MLP under DDP with fused AdamW, its parameters and both moments
+The job: ``bench/jobs/cost_job.py`` (peerckpt), ``bench/jobs/goodput_torchft_job.py``
+(torchft) and ``bench/jobs/goodput_dcp_job.py`` (plain torchrun + DCP) train the same MLP under DDP with fused AdamW, its parameters and both moments
 ``--mib`` MiB per rank, 4 ranks on 2 nodes of this machine, each step's batch seeded by the
 step and the rank. First the plain loop (the DCP script saving nothing) measures a step; the
 job then has as many steps as fill ``--minutes`` of plain training. Each system runs them
@@ -18,6 +19,13 @@ first step:
   faults alternate a rank's SIGKILL and a whole node's (its agent, its ranks, its memory),
   over every rank in turn. The script asks for ``resilient(mtbf=<fault interval>)``: the
   runtime's overhead budget and Young/Daly choose the snapshot interval.
+* **torchft** 0.2.0 (``bench/jobs/goodput_torchft_job.py`` under ``goodput_torchft.py``):
+  ``torchft_lighthouse`` (min_replicas 1, as torchft's examples), 4 replica groups of one rank
+  (the layout whose numerics are the 4-rank DDP job's: torchft's DDP all-reduces across
+  replica groups only), each a ``Manager`` with ``ProcessGroupGloo`` and ``PGTransport``, and
+  a supervisor that restarts a replica process when it dies; the restarted one heals from a
+  live replica while the others step on with a smaller quorum. A replica process of each in
+  turn is SIGKILLed (one replica group of four: milder than peerckpt's node kills).
 * **DCP** (two torchrun "hosts", ``--max-restarts`` above the fault count): a worker of
   each host in turn is SIGKILLed; torchrun restarts every worker, which loads the latest
   checkpoint, saved every ``--ckpt-every`` steps (default 10; the JSON gives the save time
@@ -28,8 +36,13 @@ first step:
 step 12 (start-up and the overhead budget's calibration excluded) to the end of the last step;
 peerckpt's faulty run must end with the fault-free run's model and optimizer digest (or the
 target is not met); DCP's ``bit_exact`` is recorded (a restarted DDP's first buckets change
-gloo's summation order, which peerckpt's snapshots carry and a DCP restart does not). torchft
-is not measured here (see the JSON's ``torchft``). Results: ``bench/results/goodput.json``.
+gloo's summation order, which peerckpt's snapshots carry and a DCP restart does not).
+torchft's steps are its manager's committed steps (the quorum's count, the same number of
+steps as the others); they are not the same work, since a step under a smaller quorum
+averages fewer batches: ``ettr_batches`` counts the batches trained instead, and
+``bit_exact`` is false by design (see the JSON's ``torchft.reason``). ``peerckpt_vs_torchft``
+compares the two ETTRs of one run. Results: ``bench/results/goodput.json`` (a ``--systems``
+subset: ``goodput-<systems>.json``).
 """
 
 from __future__ import annotations
@@ -46,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import goodput_torchft
 from common import (
     HEARTBEAT_TIMEOUT_S,
     REPO,
@@ -218,6 +232,24 @@ def dcp_run(
     }
 
 
+# -- torchft ----------------------------------------------------------------------------------
+def torchft_run(
+    base: Path, mib: int, steps: int, faults: int, every_s: float, tag: str, join_ms: int
+) -> dict[str, Any]:
+    """The torchft job (``goodput_torchft.py``: a lighthouse, 4 replica groups of one rank,
+    a supervisor restarting the killed one) and what its rows say."""
+    out = base / f"torchft-{tag}"
+    args = ["--mib", str(mib), "--steps", str(steps)]
+    row = goodput_torchft.run(out, args, faults, every_s, replicas=WORLD, join_timeout_ms=join_ms)
+    kills = row.pop("kills")
+    row.update(goodput_torchft.summarise(out, _rows(out), kills, steps, WARMUP, WORLD))
+    row["window_s"] = window_s(out, steps)
+    return row
+
+
+SYSTEMS = ("peerckpt", "dcp", "torchft")
+
+
 def main() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     parser = bench_parser(__doc__)
@@ -225,7 +257,22 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=3.0, help="plain training per run")
     parser.add_argument("--fault-every", type=float, default=20.0, help="seconds")
     parser.add_argument("--ckpt-every", type=int, default=10, help="DCP: steps per save")
+    parser.add_argument(
+        "--torchft-join-ms",
+        type=int,
+        default=10000,
+        help="torchft_lighthouse --join_timeout_ms (torchft's README and examples: 10000)",
+    )
+    parser.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help=f"comma-separated, of {', '.join(SYSTEMS)} (default all; a subset writes "
+        "goodput-<systems>.json)",
+    )
     args = parser.parse_args()
+    chosen = [x.strip() for x in args.systems.split(",") if x.strip()]
+    if not chosen or set(chosen) - set(SYSTEMS):
+        parser.error(f"--systems {args.systems!r}: name one or more of {', '.join(SYSTEMS)}")
     minutes, every_s = (0.5, 10.0) if args.quick else (args.minutes, args.fault_every)
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("PEERCKPT_LOG_LEVEL", "WARNING")
@@ -233,6 +280,7 @@ def main() -> None:
     print(f"background load before starting: {load}", flush=True)
     result: dict[str, Any] = {
         "quick": args.quick,
+        "systems": chosen,
         "mib_per_rank": args.mib,
         "world": "2 nodes × 2 ranks",
         "fault_every_s": every_s,
@@ -247,16 +295,27 @@ def main() -> None:
         print(f"plain step {step_s:.3f} s: {steps} steps, {faults} faults", flush=True)
         result.update(plain_step_s=step_s, steps=steps, faults=faults)
         systems: dict[str, dict[str, Any]] = {}
-        clean = peerckpt_run(base, args.mib, steps, every_s, "")
-        print(f"  peerckpt, no faults: {clean}", flush=True)
-        faulty = peerckpt_run(base, args.mib, steps, every_s, peerckpt_chaos(faults, every_s))
-        print(f"  peerckpt, faults: {faulty}", flush=True)
-        systems["peerckpt"] = {"clean": clean, "faults": faulty}
-        clean = dcp_run(base, args.mib, steps, args.ckpt_every, 0, every_s, "clean")
-        print(f"  DCP, no faults: {clean}", flush=True)
-        faulty = dcp_run(base, args.mib, steps, args.ckpt_every, faults, every_s, "faults")
-        print(f"  DCP, faults: {faulty}", flush=True)
-        systems["dcp"] = {"clean": clean, "faults": faulty}
+        if "peerckpt" in chosen:
+            clean = peerckpt_run(base, args.mib, steps, every_s, "")
+            print(f"  peerckpt, no faults: {clean}", flush=True)
+            chaos = peerckpt_chaos(faults, every_s)
+            faulty = peerckpt_run(base, args.mib, steps, every_s, chaos)
+            print(f"  peerckpt, faults: {faulty}", flush=True)
+            systems["peerckpt"] = {"clean": clean, "faults": faulty}
+        if "dcp" in chosen:
+            clean = dcp_run(base, args.mib, steps, args.ckpt_every, 0, every_s, "clean")
+            print(f"  DCP, no faults: {clean}", flush=True)
+            faulty = dcp_run(base, args.mib, steps, args.ckpt_every, faults, every_s, "faults")
+            print(f"  DCP, faults: {faulty}", flush=True)
+            systems["dcp"] = {"clean": clean, "faults": faulty}
+        if "torchft" in chosen:
+            clean = torchft_run(base, args.mib, steps, 0, every_s, "clean", args.torchft_join_ms)
+            print(f"  torchft, no faults: {clean}", flush=True)
+            faulty = torchft_run(
+                base, args.mib, steps, faults, every_s, "faults", args.torchft_join_ms
+            )
+            print(f"  torchft, faults: {faulty}", flush=True)
+            systems["torchft"] = {"clean": clean, "faults": faulty}
     for name, runs in systems.items():
         clean, faulty = runs["clean"], runs["faults"]
         runs["ettr"] = clean["window_s"] / faulty["window_s"]
@@ -265,22 +324,42 @@ def main() -> None:
         )
         runs["bit_exact"] = clean["digest"] == faulty["digest"]
         result[name] = runs
-    dcp = systems["dcp"]
-    save_s = dcp["clean"].get("save_s")
-    if save_s:
-        dcp["young_daly_every"] = round(math.sqrt(2 * save_s * every_s) / step_s)
-    result["torchft"] = {
-        "measured": False,
-        "reason": (
-            "a torchft training job (lighthouse, Manager, one replica group per node, a "
-            "supervisor restarting the killed one) is not built into this benchmark; "
-            "recovery.json's torchft figure is its restart alone"
-        ),
-    }
+        result[f"ettr_{name}"] = runs["ettr"]
+    if "dcp" in systems:
+        dcp = systems["dcp"]
+        save_s = dcp["clean"].get("save_s")
+        if save_s:
+            dcp["young_daly_every"] = round(math.sqrt(2 * save_s * every_s) / step_s)
+    if "torchft" in systems:
+        goodput_torchft.notes(systems["torchft"], every_s, WARMUP)
+    if "peerckpt" in systems:
+        result["targets"] = {"ettr_peerckpt": _peerckpt_target(systems, every_s)}
+    if {"peerckpt", "torchft"} <= systems.keys():
+        peer, ft = systems["peerckpt"], systems["torchft"]
+        # in one run, each against its own fault-free run: the ETTRs compare, the windows not
+        result["peerckpt_vs_torchft"] = {
+            "ettr_ratio": peer["ettr"] / ft["ettr"],
+            "lost_per_fault_s": {
+                "peerckpt": peer["lost_per_fault_s"],
+                "torchft": ft["lost_per_fault_s"],
+            },
+        }
+    name = "goodput" if set(chosen) == set(SYSTEMS) else "goodput-" + "-".join(chosen)
+    path = write_result(name, result)
+    figures = ", ".join(f"{n} {r['ettr']:.3f}" for n, r in systems.items())
+    print(
+        f"ETTR over {steps} steps with a fault every {every_s:g} s: {figures} "
+        f"(goal for peerckpt ≥ {GOAL}); written {path}"
+    )
+
+
+def _peerckpt_target(systems: dict[str, dict[str, Any]], every_s: float) -> dict[str, Any]:
+    """peerckpt's ETTR against the goal, with the measured cause where it is missed."""
     peer = systems["peerckpt"]
-    result["ettr_peerckpt"] = peer["ettr"]
-    result["ettr_dcp"] = dcp["ettr"]
-    result["targets"] = {"ettr_peerckpt": target(peer["ettr"], GOAL, "higher")}
+    row = target(peer["ettr"], GOAL, "higher")
+    others = ", ".join(f"{n} {systems[n]['ettr']:.2f}" for n in ("torchft", "dcp") if n in systems)
+    if others:
+        row["beside"] = f"in the same run: {others}"
     if peer["ettr"] < GOAL:
         interval = peer["faults"].get("interval") or peer["clean"].get("interval") or {}
         why = ""
@@ -297,19 +376,15 @@ def main() -> None:
                 f"{interval['expected_lost_s']:.1f} s of steps on average; with such a "
                 f"snapshot cost no interval gets above {bound:.2f} (1 − sqrt(2·C/MTBF))"
             )
-        result["targets"]["ettr_peerckpt"]["reason"] = (
+        row["reason"] = (
             f"{peer['faults']['faults_fired']} faults cost {peer['lost_per_fault_s']:.2f} s "
             f"each against {every_s:g} s between them{why} (see docs/performance.md, "
             "“Goodput under failures”)"
         )
     if not peer["bit_exact"]:
-        result["targets"]["ettr_peerckpt"]["met"] = False
-        result["targets"]["ettr_peerckpt"]["reason"] = "the faulty run did not end bit-exact"
-    path = write_result("goodput", result)
-    print(
-        f"ETTR over {steps} steps with a fault every {every_s:g} s: peerckpt {peer['ettr']:.3f}, "
-        f"DCP restart {dcp['ettr']:.3f} (goal for peerckpt ≥ {GOAL}); written {path}"
-    )
+        row["met"] = False
+        row["reason"] = "the faulty run did not end bit-exact"
+    return row
 
 
 if __name__ == "__main__":
