@@ -133,9 +133,7 @@ class Preparer:
                     old_world=members.old_world,
                 )
         except Exception as exc:  # a rank left without its state would wait forever
-            if not isinstance(exc, RecoveryFailed):
-                log.exception("preparing rank %d for epoch %d failed", rank, members.epoch)
-            self._report(RankFailed(self.node, members.epoch, rank, type(exc).__name__, str(exc)))
+            self._failed(members, rank, exc)
             return
         if self._current_epoch() != members.epoch:
             return  # a newer epoch superseded this one while we were pulling
@@ -151,14 +149,19 @@ class Preparer:
         try:
             got, manifest = self._obtain(members, rank)
         except Exception as exc:  # the rank waits in its restore until the epoch ends
-            if not isinstance(exc, RecoveryFailed):
-                log.exception("preparing rank %d for epoch %d failed", rank, members.epoch)
-            self._report(RankFailed(self.node, members.epoch, rank, type(exc).__name__, str(exc)))
+            self._failed(members, rank, exc)
             return
         if self._current_epoch() != members.epoch:
             return  # a newer epoch superseded this one while we were pulling
         assert got.slot is not None and got.path is not None
         link.send(Arrived(members.epoch, got.slot, got.path, manifest))
+
+    def _failed(self, members: Membership, rank: int, exc: Exception) -> None:
+        """Readying ``rank`` failed: the coordinator decides (another source, storage, or the
+        job's end); a RecoveryFailed names every source already, anything else is logged."""
+        if not isinstance(exc, RecoveryFailed):
+            log.exception("preparing rank %d for epoch %d failed", rank, members.epoch)
+        self._report(RankFailed(self.node, members.epoch, rank, type(exc).__name__, str(exc)))
 
     def _epoch_start(
         self,

@@ -52,8 +52,11 @@ def test_a_killed_rank_is_replaced_by_a_spare_from_peer_memory(tmp_path, referen
     assert pulls[2]["node"] == 2 and pulls[2]["source"] == 0 and pulls[2]["bytes"] > 0
     for rank in (0, 1, 3):  # survivors restore from their own slot: no network
         assert pulls[rank]["source"] == pulls[rank]["node"] and pulls[rank]["bytes"] == 0
+    # The replacement started its epoch before its state was pulled and waited in ctx.track.
+    assert f"the state of step {event['restore_step']} arrived" in run.log
 
 
+@pytest.mark.slow
 def test_a_replacement_builds_its_objects_while_its_state_is_pulled(
     tmp_path, reference_run
 ) -> None:
