@@ -58,6 +58,9 @@ from peerckpt.runtime.tracking import AuditOnce, EpochTracking
 from peerckpt.states import EpochMode, ExitCode, ProcRole
 
 log = logging.getLogger("peerckpt.rank")
+# What a spare imports while it waits (``_warm_up``), and what a launcher's prefork server
+# imports once for every spare it forks (``peerckpt/launch/prefork.py``).
+WARM_MODULES = ("torch._dynamo", "torch.nn.parallel", "torch.distributed.algorithms")
 
 
 class JobEnded(Exception):
@@ -285,7 +288,7 @@ class RankRuntime:
         import importlib
 
         started = time.perf_counter()
-        for module in ("torch._dynamo", "torch.nn.parallel", "torch.distributed.algorithms"):
+        for module in WARM_MODULES:
             try:
                 importlib.import_module(module)
             except ImportError:

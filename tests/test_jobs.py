@@ -54,6 +54,8 @@ def test_a_killed_rank_is_replaced_by_a_spare_from_peer_memory(tmp_path, referen
         assert pulls[rank]["source"] == pulls[rank]["node"] and pulls[rank]["bytes"] == 0
     # The replacement started its epoch before its state was pulled and waited in ctx.track.
     assert f"the state of step {event['restore_step']} arrived" in run.log
+    # The spare was forked by the prefork server, its imports done before it was asked for.
+    assert len(re.findall(r"spare pid \d+ on node 2 forked by the prefork server", run.log)) == 1
 
 
 @pytest.mark.slow

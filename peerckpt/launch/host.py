@@ -114,6 +114,8 @@ class HostLauncher(LocalLauncher):
 
     def start(self) -> None:
         spec, procs, host = self.spec, self.procs, self.host
+        if host.spare_host:
+            procs.start_prefork()  # imports once for this host's spares
         if host.runs_coordinator:
             self._start_coordinator_at(host.rdzv_endpoint)
         else:

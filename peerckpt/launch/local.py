@@ -29,7 +29,7 @@ from peerckpt.faults import ENV as FAULTS_ENV
 from peerckpt.launch.base import JobResult, JobSpec, Launcher
 from peerckpt.launch.jobfile import JobClaim
 from peerckpt.launch.monitor import JobMonitor, MonitorServer
-from peerckpt.launch.processes import ProcessSet, coordinator_argv
+from peerckpt.launch.processes import Proc, ProcessSet, coordinator_argv
 from peerckpt.launch.progress import RecoveryProgress
 from peerckpt.launch.view import JobView
 from peerckpt.messages import encode
@@ -76,7 +76,7 @@ class LocalLauncher(Launcher):
         )
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.address = ""
-        self._ranks: dict[int, subprocess.Popen[bytes]] = {}  # the first epoch's rank processes
+        self._ranks: dict[int, Proc] = {}  # the first epoch's rank processes
         self._interrupted = threading.Event()
         self.rpc: RpcClient | None = None
         self._flushes: list[dict[str, Any]] = []
@@ -84,7 +84,7 @@ class LocalLauncher(Launcher):
         self._earlier_events: list[dict[str, Any]] = []  # failures seen by the coordinators before
         self._coordinator_where: list[str] = []  # where the coordinator listens (its flags)
         self._store_port = 0
-        self._spares: list[subprocess.Popen[bytes]] = []  # every spare process started
+        self._spares: list[Proc] = []  # every spare process started
         self._spare_node = -1
         self._fault_dir: str | None = None
         # Observers: metrics and the status page (--metrics-port), the timeline samples, and
@@ -102,6 +102,8 @@ class LocalLauncher(Launcher):
     def start(self) -> None:
         spec, procs = self.spec, self.procs
         world = spec.world
+        if spec.spares:
+            procs.start_prefork()  # imports once for every spare, while the rest starts
         self._start_coordinator([])
         for n in range(spec.nodes + (1 if spec.spares else 0)):
             procs.start_agent(n, self.address, ["--spare-node"] if n >= spec.nodes else [])

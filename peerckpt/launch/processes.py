@@ -20,15 +20,30 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from peerckpt.errors import PeerckptError
+from peerckpt.launch import prefork
 from peerckpt.names import RUN_ENV
 from peerckpt.states import MAX_RESTARTS, ExitCode
 
 log = logging.getLogger("peerckpt.launcher")
 READY_TIMEOUT_S = 60.0
+
+
+class Proc(Protocol):
+    """A training process: a ``subprocess.Popen``, or a spare the prefork server forked."""
+
+    pid: int
+    returncode: int | Any
+    stdout: IO[bytes] | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
 
 
 @dataclass
@@ -38,7 +53,7 @@ class Node:
     index: int
     agent: subprocess.Popen[bytes]
     socket: str
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    procs: list[Proc] = field(default_factory=list)
     alive: bool = True
     restarted: set[int] = field(default_factory=set)  # pids already replaced in place
 
@@ -69,6 +84,16 @@ class ProcessSet:
         self._restarts: dict[int, int] = {}  # pid -> in-place restarts its line has had
         self._ended: set[int] = set()  # training processes whose group was ended
         self.lock = threading.Lock()
+        self.prefork: prefork.PreforkClient | None = None
+
+    def start_prefork(self) -> None:
+        """Start this host's prefork server (``prefork.py``): the spares started from now on
+        are forked from it, their imports already done. ``PEERCKPT_PREFORK=0`` declines."""
+        if self.prefork is None and self.script and prefork.enabled(self.env()):
+            self.prefork = prefork.start_server(
+                self.spawn, self.rundir, self.env(), self.secret, self.job, self.script[0]
+            )
+            self.others.append(self.prefork.proc)
 
     def env(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -128,13 +153,18 @@ class ProcessSet:
             self.nodes[n] = node
         return node
 
-    def start_proc(self, n: int, role: str, **env: str) -> subprocess.Popen[bytes]:
+    def start_proc(self, n: int, role: str, **env: str) -> Proc:
+        """Start a training process of ``role`` on node ``n``: a spare is forked from the
+        prefork server where there is one, anything else is a fresh ``python script``."""
         node = self.nodes[n]
-        proc = self.spawn(
-            [sys.executable, *self.script],
-            self.env(PEERCKPT_AGENT=node.socket, PEERCKPT_NODE=str(n), PEERCKPT_ROLE=role, **env),
-            ready=False,
-        )
+        full = self.env(PEERCKPT_AGENT=node.socket, PEERCKPT_NODE=str(n), PEERCKPT_ROLE=role, **env)
+        proc: Proc | None = None
+        if role == "spare" and self.prefork is not None:
+            proc = self.prefork.fork(list(self.script), full)
+            if proc is not None:
+                log.info("spare pid %d on node %d forked by the prefork server", proc.pid, n)
+        if proc is None:
+            proc = self.spawn([sys.executable, *self.script], full, ready=False)
         node.procs.append(proc)
         return proc
 
@@ -205,18 +235,19 @@ class ProcessSet:
             with contextlib.suppress(ProcessLookupError):
                 proc.terminate()
         wait_all(self.others, 5.0)
-        for proc in [*procs, *agents, *self.others]:
-            if proc.poll() is None:
-                log.warning("pid %d did not stop in time; killing it", proc.pid)
+        everything: list[Proc] = [*procs, *agents, *self.others]
+        for one in everything:
+            if one.poll() is None:
+                log.warning("pid %d did not stop in time; killing it", one.pid)
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    os.killpg(one.pid, signal.SIGKILL)
                 with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=5.0)
-            if proc.stdout is not None:
-                proc.stdout.close()
+                    one.wait(timeout=5.0)
+            if one.stdout is not None:
+                one.stdout.close()
 
 
-def wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+def wait_all(procs: Sequence[Proc], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     for proc in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
