@@ -49,7 +49,7 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/coordinator.py
 	$(PY) bench/summary.py
 
-# Goodput under a fault every 20 s (ETTR, peerckpt against a DCP restart): about 15 minutes
+# Goodput under a fault every 20 s (ETTR: peerckpt twice, torchft, a DCP restart): about 40 minutes
 # more, so not part of `make bench` (kept under 25 minutes); the table picks its JSON up.
 bench-goodput: $(BENCH_STAMP)
 	$(PY) bench/goodput.py

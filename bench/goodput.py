@@ -4,7 +4,7 @@ torchft and of a torchrun restart from DCP, on the same job, state size and faul
     python bench/goodput.py [--mib 64] [--minutes 3] [--fault-every 20] [--quick]
                             [--systems peerckpt,dcp,torchft] [--torchft-join-ms 10000]
 
-Not part of ``make bench`` (its runs take about 20 minutes; ``make bench-goodput`` runs it).
+Not part of ``make bench`` (its eight runs take about 40 minutes; ``make bench-goodput`` runs it).
 
 The job: ``bench/jobs/cost_job.py`` (peerckpt), ``bench/jobs/goodput_torchft_job.py``
 (torchft) and ``bench/jobs/goodput_dcp_job.py`` (plain torchrun + DCP) train the same MLP under DDP with fused AdamW, its parameters and both moments

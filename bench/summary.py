@@ -91,7 +91,14 @@ LABELS: list[tuple[str, str, str]] = [
     (r"transfer_ratio_in_training_(\w+)", "recovery transfer, {0}, the DDP job: / socket", "ratio"),
     (
         r"ettr_peerckpt",
-        "ETTR under a fault every 20 s, 64 MiB × 4 ranks: fault-free / faulty time (make bench-goodput)",
+        "ETTR under a fault every 20 s, 64 MiB × 4 ranks, interval chosen: fault-free / faulty "
+        "time (make bench-goodput)",
+        "ratio",
+    ),
+    (
+        r"ettr_peerckpt_every_step",
+        "ETTR under a fault every 20 s, 64 MiB × 4 ranks, a snapshot every step: fault-free / "
+        "faulty time (make bench-goodput)",
         "ratio",
     ),
     (r"budget_stall_(\w+)", "training stall, {0} per rank, overhead=0.05 (n chosen)", "percent"),
