@@ -131,9 +131,15 @@ class _Server:
             return
         sys.stdout.flush()
         sys.stderr.flush()
+        ready_r, ready_w = os.pipe()
         pid = os.fork()
         if pid == 0:
-            self._child(conn, argv, env, cwd)
+            os.close(ready_r)
+            self._child(conn, argv, env, cwd, ready_w)
+        os.close(ready_w)
+        with contextlib.suppress(OSError):  # its own session first: the launcher kills the
+            os.read(ready_r, 1)  # group by its pid (EOF if the child died before)
+        os.close(ready_r)
         self.children[pid] = conn
         try:
             conn.send({"type": "forked", "pid": pid})
@@ -141,10 +147,14 @@ class _Server:
             with contextlib.suppress(OSError):
                 os.killpg(pid, signal.SIGKILL)
 
-    def _child(self, mine: Connection, argv: list[str], env: dict[str, str], cwd: str) -> NoReturn:
+    def _child(
+        self, mine: Connection, argv: list[str], env: dict[str, str], cwd: str, ready: int
+    ) -> NoReturn:
         code = 1
         try:
             os.setsid()  # a session and process group of its own, as start_new_session
+            os.write(ready, b"s")
+            os.close(ready)
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
