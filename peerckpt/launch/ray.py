@@ -382,7 +382,14 @@ class RayLauncher(Launcher):
             while host.done is None and not host.lost and time.monotonic() < deadline:
                 try:
                     self._poll_host(host)
-                except ray.exceptions.RayError:
+                except ray.exceptions.RayError as exc:  # not its actor's death: unreachable
+                    host.lost = True
+                    log.warning(
+                        "host %d is lost with its Ray node %s (%s)",
+                        host.rank,
+                        host.node_id[:12],
+                        type(exc).__name__,
+                    )
                     break
                 if host.done is None:
                     time.sleep(POLL_S)
