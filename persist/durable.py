@@ -39,6 +39,8 @@ from typing import Any
 
 import crc32c
 import fsspec
+import fsspec.utils
+from fsspec.implementations.local import LocalFileSystem
 
 from peerckpt.codec import pack, unpack
 from peerckpt.errors import CheckpointError, CorruptCheckpoint, MalformedManifest, NoCheckpoint
@@ -131,6 +133,12 @@ def _sync(f: Any) -> None:
 
 def _is_local(fs: Any) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def is_local_url(url: str) -> bool:
+    """Whether ``url`` names the local file system (``DurableStore(url).local``), from its
+    protocol alone: no file system is made, nothing imported."""
+    return fsspec.utils.get_protocol(url) in LocalFileSystem.protocol
 
 
 class HeldBytesChanged(CorruptCheckpoint):

@@ -21,18 +21,22 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-import fsspec.utils
 import psutil
 
 from peerckpt.errors import CheckpointError
 from peerckpt.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.messages.control import Flush, Flushed
 from peerckpt.persist.config import PersistConfig
-from peerckpt.persist.durable import DurableStore, HeldBytesChanged, Piece, copied
+from peerckpt.persist.durable import (
+    DurableStore,
+    HeldBytesChanged,
+    Piece,
+    copied,
+    is_local_url,
+)
 from peerckpt.replication.store import Slot, SlotStore
 
 log = logging.getLogger("peerckpt.agent")
-LOCAL_PROTOCOLS = ("file", "local")  # what DurableStore writes straight from the slots
 
 
 def _lower_priority(nice: int) -> None:
@@ -97,7 +101,7 @@ class Flusher:
         pace = _Pace(config.rate)
         try:
             pieces = self._share(event)
-            if self._copy_first or fsspec.utils.get_protocol(config.url) not in LOCAL_PROTOCOLS:
+            if self._copy_first or not is_local_url(config.url):
                 pieces = copied(pieces)
             _lower_priority(19 if self._copy_first else 5)
             DurableStore(config.url, mode=config.mode).write_part(step, self.node, pieces, pace)

@@ -20,7 +20,9 @@ from the OS (a fork would share the server's), default signal handlers, and the 
 as ``__main__`` with the interpreter's exit rules (the status of ``SystemExit``, a traceback
 and status 1 for an exception, non-daemon threads joined and ``atexit`` run before exit).
 
-The server answers with the child's pid at once and its exit status once it has reaped it;
+The server answers with the child's pid once the child has a session of its own (so that a
+kill of its process group by that pid cannot miss it), and with its exit status once it has
+reaped it;
 ``Forked`` is the launcher's handle, the part of ``subprocess.Popen`` a launcher uses. The
 server is single-threaded and runs no tensor operation, so no thread of its own is lost in
 the fork; it exits when its launcher does (it checks its parent), and a child outlives it
@@ -54,6 +56,7 @@ from typing import IO, Any, NoReturn
 import setproctitle
 
 from peerckpt.errors import PeerckptError
+from peerckpt.pidwatch import ProcessWatch
 from peerckpt.secret import secret_from_env
 from peerckpt.wire import Connection, client_handshake, server_handshake
 
@@ -272,16 +275,14 @@ class Forked:
     """A spare the prefork server forked: the part of ``subprocess.Popen`` a launcher uses.
 
     Its exit status comes from the server, which reaped it; if the server died first, a
-    pidfd of the process says when it exits (its status is then unknown: 255)."""
+    ``ProcessWatch`` of the process says when it exits (its status is then unknown: 255)."""
 
     stdout: IO[bytes] | None = None
 
     def __init__(self, conn: Connection, pid: int, args: list[str]) -> None:
         self.pid, self.args, self._conn = pid, args, conn
         self.returncode: int | None = None
-        self._pidfd: int | None = None
-        with contextlib.suppress(OSError):
-            self._pidfd = os.pidfd_open(pid)
+        self._watch = ProcessWatch(pid)
         self._server_gone = False
 
     def poll(self) -> int | None:
@@ -310,7 +311,8 @@ class Forked:
 
     def _check(self, timeout: float) -> None:
         if self._server_gone:
-            self._check_pidfd(timeout)
+            if self._watch.exited(timeout):
+                self._finish(255)
             return
         ready, _, _ = select.select([self._conn.sock], [], [], timeout)
         if not ready:
@@ -325,34 +327,13 @@ class Forked:
             return
         self._server_gone = True
         log.warning("the prefork server went away before spare pid %d exited", self.pid)
-        self._check_pidfd(0.0)
-
-    def _check_pidfd(self, timeout: float) -> None:
-        if self._pidfd is None:
-            exited = not _alive(self.pid)
-            if not exited:
-                time.sleep(min(timeout, 0.1))
-        else:
-            exited = bool(select.select([self._pidfd], [], [], timeout)[0])
-        if exited:
+        if self._watch.exited():
             self._finish(255)
 
     def _finish(self, code: int) -> None:
         self.returncode = code
         self._conn.sock.close()
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        self._watch.close()
 
 
 class PreforkClient:

@@ -89,9 +89,10 @@ class ProcessSet:
     def start_prefork(self) -> None:
         """Start this host's prefork server (``prefork.py``): the spares started from now on
         are forked from it, their imports already done. ``PEERCKPT_PREFORK=0`` declines."""
-        if self.prefork is None and self.script and prefork.enabled(self.env()):
+        env = self.env()
+        if self.prefork is None and self.script and prefork.enabled(env):
             self.prefork = prefork.start_server(
-                self.spawn, self.rundir, self.env(), self.secret, self.job, self.script[0]
+                self.spawn, self.rundir, env, self.secret, self.job, self.script[0]
             )
             self.others.append(self.prefork.proc)
 
