@@ -298,13 +298,18 @@ class RayLauncher(Launcher):
 
     def _poll_host(self, host: _Host) -> None:
         """Ask ``host``'s actor whether its launcher ended (``host.done``); an actor that died
-        with its Ray node marks the host lost."""
+        with its Ray node, or reports that node's raylet dead, marks the host lost."""
         import ray
 
         try:
             host.done = ray.get(host.actor.poll.remote(), timeout=30)
         except ray.exceptions.RayActorError:
             host.lost = True
+        else:
+            # A removed node's actor can outlive its raylet by seconds, long enough to report
+            # that its launcher (which watches the raylet) ended without a result.
+            host.lost = bool(host.done and host.done.get("node_lost"))
+        if host.lost:
             log.warning("host %d is lost with its Ray node %s", host.rank, host.node_id[:12])
 
     def _start_problem(self) -> str:

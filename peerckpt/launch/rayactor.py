@@ -36,6 +36,7 @@ class RayHost:
     def __init__(self) -> None:
         self.pid = 0  # the host launcher's (detached: not this actor's child)
         self.watch: ProcessWatch | None = None
+        self.raylet: ProcessWatch | None = None  # this node's raylet, where it is our parent
         self.result_path = ""
 
     def endpoint(self, addr: str) -> str:
@@ -59,6 +60,7 @@ class RayHost:
         full.update({"PEERCKPT_SECRET": secret_hex, ACTOR_ENV: str(os.getpid())})
         if "raylet" in _name(os.getppid()):
             full[RAYLET_ENV] = str(os.getppid())
+            self.raylet = ProcessWatch(os.getppid())
         cwd = env.get("PEERCKPT_RAY_CWD", "")
         starter = subprocess.Popen(
             [sys.executable, "-m", "peerckpt.launch.rayhost"],
@@ -79,14 +81,19 @@ class RayHost:
         return self.pid
 
     def poll(self) -> dict[str, Any] | None:
-        """None while the host launcher runs; then ``{"code", "result"}`` (its exit status
-        and its ``JobResult`` fields, None where it wrote none)."""
+        """None while the host launcher runs; then ``{"code", "result", "node_lost"}`` (its
+        exit status and its ``JobResult`` fields, None where it wrote none; ``node_lost``:
+        the launcher ended without a result because this node's raylet died, so the node is
+        being removed and this actor outlives it only until its worker notices)."""
         assert self.watch is not None
         if not self.watch.exited():
             return None
         done: dict[str, Any] = {"code": int(ExitCode.FAILED), "result": None}
         with contextlib.suppress(OSError, ValueError), open(self.result_path) as f:
             done = json.load(f)
+        done["node_lost"] = (
+            done.get("result") is None and self.raylet is not None and self.raylet.exited()
+        )
         with contextlib.suppress(OSError):
             os.unlink(self.result_path)
         return done
