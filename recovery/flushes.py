@@ -8,7 +8,8 @@ balanced) and sent to the agents; each writes its part and reports. When every w
 reported success, the scheduler merges the parts into the manifest and commits the step in a
 background thread (``DurableStore.commit``: manifest, marker, ``latest``, retention). A
 failed writer (full disk, a vanished slot) fails that flush only: it is logged, training goes
-on, and the next due step tries again.
+on, and the next due step tries again — once the failed flush's other writers have reported
+(or been lost): an agent still writing the failed step would refuse the next one.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ from peerckpt.states import FLUSH, FlushState
 
 log = logging.getLogger("peerckpt.coordinator")
 
+# How long a failed flush's other writers may hold off the next flush: a report lost on the
+# way (a coordinator that moved) must not stop the durable tier for good.
+DRAIN_LIMIT_S = 120.0
+
 
 @dataclass
 class FlushInProgress:
@@ -43,6 +48,11 @@ class FlushInProgress:
     state: FlushState = FlushState.WRITING
     error: str = ""
     committed_at: float | None = None
+    unreported: set[int] = field(default_factory=set)  # writers yet to report, or be lost
+    failed_at: float | None = None  # time.monotonic() of the failure
+
+    def __post_init__(self) -> None:
+        self.unreported = set(self.writers)
 
     def become(self, state: FlushState, error: str = "") -> None:
         self.state = FLUSH.check(self.state, state)
@@ -78,6 +88,15 @@ class FlushScheduler:
     def busy(self) -> bool:
         return self.current is not None and self.current.state.busy
 
+    def draining(self) -> set[int]:
+        """The nodes still writing a flush that already failed (another writer's error)."""
+        flush = self.current
+        if flush is None or flush.state is not FlushState.FAILED or flush.failed_at is None:
+            return set()
+        if time.monotonic() - flush.failed_at > DRAIN_LIMIT_S:
+            return set()
+        return set(flush.unreported)
+
     def _settled(self) -> None:
         if self.on_settled is not None:
             self.on_settled()
@@ -100,6 +119,17 @@ class FlushScheduler:
             log.warning(
                 "flush of step %d is still running; step %d is not flushed (lag)",
                 self.current.step,
+                step,
+            )
+            return False
+        if self.draining():
+            assert self.current is not None
+            self.skipped.append(step)
+            log.warning(
+                "flush of step %d failed and node(s) %s still write it; step %d is not "
+                "flushed (lag)",
+                self.current.step,
+                sorted(self.draining()),
                 step,
             )
             return False
@@ -142,7 +172,10 @@ class FlushScheduler:
     def written(self, msg: Flushed) -> None:
         """A writer reported; commit once all have succeeded."""
         flush = self.current
-        if flush is None or msg.step != flush.step or flush.state is not FlushState.WRITING:
+        if flush is None or msg.step != flush.step:
+            return
+        flush.unreported.discard(msg.node)
+        if flush.state is not FlushState.WRITING:
             return
         if not msg.ok:
             self._failed(flush, f"node {msg.node}: {msg.error or 'failed'}")
@@ -158,11 +191,14 @@ class FlushScheduler:
 
     def node_lost(self, node: int) -> None:
         flush = self.current
+        if flush is not None:
+            flush.unreported.discard(node)
         if flush is not None and flush.state is FlushState.WRITING and node in flush.writers:
             self._failed(flush, f"node {node}, one of its writers, was lost")
 
     def _failed(self, flush: FlushInProgress, why: str) -> None:
         flush.become(FlushState.FAILED, why)
+        flush.failed_at = time.monotonic()
         self.history.append(flush)
         log.warning(
             "flush of step %d failed (%s); training goes on, the next flush tries again; the "
