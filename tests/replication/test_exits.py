@@ -25,8 +25,27 @@ time.sleep(30)
 """
 
 
-def _fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
+def _open_files() -> set[str]:
+    """What this process's descriptors point at ("pipe:[inode]", "anon_inode:[pidfd]", …):
+    other tests' threads may open and close descriptors meanwhile, so the test compares the
+    watcher's own objects, not descriptor numbers."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue  # closed meanwhile
+    return out
+
+
+def _pidfds() -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
+        except OSError:
+            continue
+    return count
 
 
 def test_an_exit_is_reported_while_a_child_still_holds_the_processes_socket() -> None:
@@ -61,8 +80,9 @@ def test_an_exit_is_reported_while_a_child_still_holds_the_processes_socket() ->
 
 
 def test_an_unwatched_process_is_never_reported_and_stop_closes_everything() -> None:
-    before = _fds()
+    pidfds = _pidfds()
     watcher = ExitWatcher()
+    pipe = {os.readlink(f"/proc/self/fd/{fd}") for fd in (watcher._wake_r, watcher._wake_w)}
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     calls: list[int] = []
     try:
@@ -78,4 +98,5 @@ def test_an_unwatched_process_is_never_reported_and_stop_closes_everything() -> 
     finally:
         watcher.stop()
     assert calls == []
-    assert _fds() == before, "the watcher left descriptors open"
+    assert not pipe & _open_files(), "the watcher left its wake-up pipe open"
+    assert _pidfds() <= pidfds, "the watcher left pidfds open"
