@@ -115,6 +115,7 @@ def test_a_lost_node_is_replaced_by_two_spares_from_peer_memory(tmp_path, refere
         assert pulls[rank]["node"] == 2 and pulls[rank]["source"] == 0 and pulls[rank]["bytes"] > 0
 
 
+@pytest.mark.slow  # make test's campaign recovers six faults in one run, rank and node kills
 def test_a_rank_then_a_whole_node_lost_in_one_run(tmp_path, reference_run) -> None:
     """Two failures, three epochs: the second recovery starts from state the first rebuilt."""
     chaos = "kill rank=1 at=8; kill node=1 at=16"
