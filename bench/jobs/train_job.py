@@ -1,8 +1,8 @@
 """A CPU training loop for the stall and memory benchmarks: an MLP whose parameters and AdamW
 state together hold about ``--mib`` MiB per rank, one snapshot per step under peerckpt.
 
-usage: train_job.py OUT_DIR --mib M --batch B [--steps N] [--plain-steps P] [--plain]
-                    [--ddp] [--no-dedup]
+usage: train_job.py OUT_DIR --mib M --batch B [--steps N] [--plain-steps P]
+                    [--plain-after A] [--plain] [--ddp] [--no-dedup]
 
 Each rank trains its own model (no collectives: the figure is what snapshotting costs the
 loop, not what a gradient all-reduce costs), one thread, fused AdamW; with ``--ddp`` the
@@ -10,9 +10,11 @@ ranks train one model under DistributedDataParallel (the redundancy-aware replic
 ``bench/memory.py``; ``--no-dedup``: ``resilient(dedup=False)``). Under ``peerckpt run``
 the function first runs ``--plain-steps`` steps before ``ctx.track`` (nothing tracked, no
 snapshot: the baseline, in the same processes at the same moment), then ``--steps`` steps of
-``ctx.steps`` (a snapshot after every one). With ``--plain`` the whole loop runs without
+``ctx.steps`` (a snapshot after every one), then ``--plain-after`` steps outside ``ctx.steps``
+again (no snapshot: the baseline's second half, so that a change of the machine's speed
+during the run shows rather than counting as overhead). With ``--plain`` the whole loop runs without
 peerckpt, as rank ``$RANK`` (default 0). Step times go to
-OUT_DIR/steps-<peerckpt|plain>-rank<r>.json: ``plain_times``, ``times`` (with snapshots), and
+OUT_DIR/steps-<peerckpt|plain>-rank<r>.json: ``plain_times``, ``times`` (with snapshots), ``plain_after_times``, and
 before and after every step of each (``plain_probes``, ``probes``): the time the loop has been
 blocked by the snapshot engine, and the CPU seconds used by the rank process and by the job's
 agents.
@@ -93,6 +95,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--plain-steps", type=int, default=0)
+    parser.add_argument("--plain-after", type=int, default=0)
     parser.add_argument("--plain", action="store_true")
     parser.add_argument(
         "--overhead", type=float, default=None, help="resilient(overhead=F); default: every step"
@@ -136,9 +139,11 @@ def main() -> None:
             plain, plain_probes = loop(tracked, optim_, x, range(args.plain_steps), probe)
             ctx.track(model=tracked, optim=optim_)
             times, probes = loop(tracked, optim_, x, ctx.steps(args.steps), probe)
+            after, _ = loop(tracked, optim_, x, range(args.plain_after))
             return {
                 "plain_times": plain,
                 "times": times,
+                "plain_after_times": after,
                 "plain_probes": plain_probes,
                 "probes": probes,
             }
