@@ -3,17 +3,20 @@
 
 One 2-node × 1-rank job (k = 1) of ``bench/jobs/train_job.py --overhead 0.05``: first
 ``PLAIN`` steps with nothing tracked (the baseline's first half), then ``STEPS`` steps of
-``ctx.steps``, of which the first 9 measure what a snapshot costs and choose n
+``ctx.steps``, of which the first 10 measure what a snapshot costs and choose n
 (``runtime/policy.py``), then ``PLAIN`` steps outside ``ctx.steps`` (no snapshot: the
-baseline's second half). The figure is the mean step after the choice (every step from
-``SKIP`` on, snapshot steps included: a median would hide them) against the mean baseline
-step, before and after together, so that the machine slowing down or speeding up during the
-run is not counted as overhead; ``plain_drift`` says by how much it did. The window is
-longer than n wherever n ≤ ``STEPS`` − ``SKIP``, and the JSON says n.
+baseline's second half). The figure is the mean step over whole intervals (every step from
+just after a multiple of n, at least ``SETTLED`` — past the calibration and the snapshot of
+the step the ranks agreed at —, to the last multiple of n: one snapshot per n steps, snapshot
+steps included, as a median would hide them) against the mean baseline step, before and
+after together, so that the machine slowing down or speeding up during the run is not
+counted as overhead; ``plain_drift`` says by how much it did. The JSON says n and how many
+intervals were measured (a window cut at an arbitrary step counted a snapshot too many or
+too few: +17 % at n = 31 over 49 steps with two snapshots in them).
 
-``budget_runs`` repeats it (2 runs in ``make bench``) and takes the mean. Alone:
-``python bench/budget.py [--mib 64] [--batch B] [--runs 2]`` (the batch calibrated as the stall
-benchmark does when left out) prints the row.
+``budget_runs`` repeats it and takes the mean. Alone:
+``python bench/budget.py [--mib 64] [--batch B] [--runs 1]`` (the batch calibrated as the
+stall benchmark does when left out) prints the row.
 """
 
 from __future__ import annotations
@@ -27,15 +30,29 @@ from typing import Any
 from common import HEARTBEAT_TIMEOUT_S, job_name, leftover_segments, run_peerckpt
 
 JOB = Path(__file__).resolve().parent / "jobs" / "train_job.py"
-PLAIN, STEPS, SKIP = 12, 60, 11  # SKIP: the calibration's 9 steps, its last snapshot, one more
+PLAIN, STEPS = 12, 130
+SETTLED = 15  # the calibration's 10 steps, the agreed step's snapshot and its 4 steps' spread
+
+
+def whole_intervals(every: int, steps: int) -> tuple[int, int]:
+    """The window ``[first, last]`` of step indices (``times[i]`` holds step i, with what
+    the snapshot after step i - 1 cost the loop) covering whole intervals of ``every``."""
+    start = -(-SETTLED // every) * every  # the first multiple of n at or past SETTLED
+    end = (steps - 1) // every * every
+    if end <= start:
+        raise RuntimeError(
+            f"n = {every} leaves no whole interval between step {SETTLED} and {steps}: raise STEPS"
+        )
+    return start + 1, end
 
 
 def budget_runs(
-    mib: int, batch: int, base: Path, runs: int = 2, overhead: float = 0.05
+    mib: int, batch: int, base: Path, runs: int = 1, overhead: float = 0.05
 ) -> dict[str, Any]:
-    """``runs`` jobs with the overhead budget: the mean of their stalls, and each run. On 2
-    cores the plain step alone moved by up to ±20 % between the baseline's halves of one run
-    (2026-11-26), more than the budget: one run cannot tell 5 % from 10 %."""
+    """``runs`` jobs with the overhead budget: the mean of their stalls, and each run (one in
+    ``make bench``: its window of whole intervals is about 100 steps). On 2 cores the plain
+    step alone moved by up to ±20 % between the baseline's halves of a 60-step run
+    (2026-11-26), more than the budget."""
     rows = [budget_run(mib, batch, base / f"run{i}", overhead) for i in range(runs)]
     out = dict(rows[-1])
     for key in ("step_s_plain", "step_s_plain_before", "step_s_plain_after", "step_s_budget"):
@@ -68,12 +85,16 @@ def budget_run(mib: int, batch: int, base: Path, overhead: float = 0.05) -> dict
     # replication: left out, as the first two before it are (warm-up).
     behind = statistics.mean(t for r in ranks for t in r["plain_after_times"][2:])
     plain = (before + behind) / 2
-    after = statistics.mean(t for r in ranks for t in r["times"][SKIP:])
     chosen = re.findall(r"snapshot every (\d+) step\(s\) \((\w[\w-]*)\): (.*?);", proc.stderr)
-    every = re.findall(r"the ranks agreed on every (\d+) step", proc.stderr)
+    agreed = re.findall(r"the ranks agreed on every (\d+) step", proc.stderr)
+    if not agreed:
+        raise RuntimeError("the job's log does not say which interval the ranks agreed on")
+    every = int(agreed[0])
+    first, last = whole_intervals(every, STEPS)
+    after = statistics.mean(t for r in ranks for t in r["times"][first : last + 1])
     return {
         "overhead": overhead,
-        "every": int(every[0]) if every else None,
+        "every": every,
         "choices": [" ".join(c) for c in chosen],
         "step_s_plain": plain,
         "step_s_plain_before": before,
@@ -81,7 +102,8 @@ def budget_run(mib: int, batch: int, base: Path, overhead: float = 0.05) -> dict
         "plain_drift": behind / before - 1,
         "step_s_budget": after,
         "stall_fraction": after / plain - 1,
-        "measured_steps": STEPS - SKIP,
+        "measured_steps": last + 1 - first,
+        "intervals": (last + 1 - first) // every,
     }
 
 
@@ -95,7 +117,7 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--step-ms", type=float, default=200.0)  # as stall.py
-    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=1)
     args = parser.parse_args()
     batch = args.batch or calibrate(args.mib, args.step_ms / 1000)[0]
     with tempfile.TemporaryDirectory(prefix="peerckpt-budget-") as scratch:

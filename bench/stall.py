@@ -1,6 +1,7 @@
 """Training stall: what snapshotting every step costs a CPU training loop.
 
     python bench/stall.py [--sizes 64,256,1024] [--runs 5] [--step-ms 200] [--quick]
+                          [--budget-only]
 
 The loop (``bench/jobs/train_job.py``): an MLP whose parameters and AdamW state hold the
 state size per rank, fused AdamW, one thread, the batch chosen so that a step takes about
@@ -24,7 +25,9 @@ the rest of the extra time is the agents' work taking CPU from the ranks. The so
 crc32c ceilings are measured in the same run.
 
 Results: ``bench/results/stall.json``; key ``stall_fraction`` per size (replicated), each
-topology's rows under ``replicated`` and ``local``.
+topology's rows under ``replicated`` and ``local``; the overhead budget's rows
+(``bench/budget.py``) under ``budget``. ``--budget-only`` measures those again into the
+existing file.
 """
 
 from __future__ import annotations
@@ -210,6 +213,46 @@ def reason(row: dict[str, Any], local: dict[str, Any] | None, ceilings: dict[str
     return text
 
 
+def budget(result: dict[str, Any], sizes: list[int], step_ms: float) -> None:
+    """The overhead budget's rows (``bench/budget.py``) and targets, into ``result``."""
+    result["budget"] = {}
+    with scratch_dir("budget") as scratch:
+        for mib in sizes:
+            batch, _ = calibrate(mib, step_ms / 1000)
+            print(f"{mib} MiB with resilient(overhead=0.05)", flush=True)
+            row = budget_runs(mib, batch, Path(scratch))
+            print(
+                f"  every {row['every']} step(s): {row['step_s_plain'] * 1e3:.0f} ms → "
+                f"{row['step_s_budget'] * 1e3:.0f} ms ({row['stall_fraction']:+.1%}; the plain "
+                f"step drifted {row['plain_drift']:+.1%} from before to after)",
+                flush=True,
+            )
+            result["budget"][f"{mib}MiB"] = row
+            t = target(row["stall_fraction"], row["overhead"], "at most")
+            if not t["met"]:
+                t["reason"] = (
+                    f"n = {row['every']} chosen from {row['choices']}; the mean step over "
+                    f"{row['measured_steps']} steps after the choice ({row['intervals']} whole "
+                    f"interval(s)) includes {row['intervals']} snapshot(s); the "
+                    f"plain steps before and after it differ by {row['plain_drift']:+.1%} "
+                    f"(mean of {len(row['runs'])} run(s): "
+                    f"{', '.join(format(r['stall_fraction'], '+.1%') for r in row['runs'])})"
+                )
+            result.setdefault("targets", {})[f"budget_stall_{mib}MiB"] = t
+
+
+def budget_only(sizes: list[int], step_ms: float) -> None:
+    """``--budget-only``: measure the budget's rows again into the existing stall.json (its
+    other figures and their date kept; ``budget_measured_at`` says when)."""
+    path = Path(__file__).resolve().parent / "results" / "stall.json"
+    result = json.loads(path.read_text())
+    budget(result, sizes, step_ms)
+    result["budget_measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    result["budget_background_load"] = background_load()
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"updated the budget rows of {path}")
+
+
 def main() -> None:
     parser = bench_parser(__doc__)
     parser.add_argument("--sizes", default="64,256,1024", help="MiB of state per rank")
@@ -219,8 +262,16 @@ def main() -> None:
     parser.add_argument(
         "--local-runs", type=int, default=1, help="runs of the 1-node topology (a profile)"
     )
+    parser.add_argument(
+        "--budget-only",
+        action="store_true",
+        help="only the overhead budget's rows, into stall.json",
+    )
     args = parser.parse_args()
     sizes = [64] if args.quick else [int(x) for x in args.sizes.split(",")]
+    if args.budget_only:
+        budget_only([m for m in sizes if m <= 256], args.step_ms)
+        return
     runs = 2 if args.quick else args.runs
     local_runs = 1 if args.quick else args.local_runs
     if args.quick:
@@ -269,30 +320,7 @@ def main() -> None:
         elif not t["met"]:
             t["reason"] = reason(row, result["local"].get(key), ceilings)
         result["targets"][f"stall_fraction_{key}"] = t
-    result["budget"] = {}
-    with scratch_dir("budget") as scratch:
-        for mib in [m for m in sizes if m <= 256]:
-            batch, _ = calibrate(mib, args.step_ms / 1000)
-            print(f"{mib} MiB with resilient(overhead=0.05)", flush=True)
-            row = budget_runs(mib, batch, Path(scratch))
-            print(
-                f"  every {row['every']} step(s): {row['step_s_plain'] * 1e3:.0f} ms → "
-                f"{row['step_s_budget'] * 1e3:.0f} ms ({row['stall_fraction']:+.1%}; the plain "
-                f"step drifted {row['plain_drift']:+.1%} from before to after)",
-                flush=True,
-            )
-            result["budget"][f"{mib}MiB"] = row
-            t = target(row["stall_fraction"], row["overhead"], "at most")
-            if not t["met"]:
-                t["reason"] = (
-                    f"n = {row['every']} chosen from {row['choices']}; the mean step over "
-                    f"{row['measured_steps']} steps after the choice includes "
-                    f"{row['measured_steps'] // max(row['every'] or 1, 1)} snapshot(s); the "
-                    f"plain steps before and after it differ by {row['plain_drift']:+.1%} "
-                    f"(mean of {len(row['runs'])} runs: "
-                    f"{', '.join(format(r['stall_fraction'], '+.1%') for r in row['runs'])})"
-                )
-            result["targets"][f"budget_stall_{mib}MiB"] = t
+    budget(result, [m for m in sizes if m <= 256], args.step_ms)
     path = write_result("stall", result)
     print()
     print(

@@ -5,8 +5,10 @@ step time. What a snapshot costs a step depends on the machine — on a GPU node
 on a side stream and the agents have cores of their own (+0.3 % measured on an H100); on a
 CPU machine whose cores the ranks keep busy the agents' checksums and sends take CPU from
 training (+20 % to +250 % measured here with a snapshot every step). So the runtime measures
-it over the first steps of a job (``Calibration``): steps without a snapshot, then steps with
-one after each; the cost C of a snapshot is the difference of their median step times, and
+it over the first steps of a job (``Calibration``): steps without a snapshot (T, their
+median), then one snapshot and the steps its copy and replication share the cores with, then
+the wait for its commit; the cost C of a snapshot is what those steps took beyond T, plus
+that wait, and
 
     n = ceil(C / (f · T))                      (T: the step time without snapshots)
 
@@ -36,15 +38,20 @@ log = logging.getLogger("peerckpt.policy")
 
 MAX_EVERY = 1000  # a bound on n whatever the measurement (a noisy step time near zero)
 # Offsets from the first step of the calibration: snapshots after 0 and 1 (both slots are
-# allocated: first touches); before 2 the loop waits once for the commit of 1, so that no
-# snapshot work is left when 2..4 run without one (the plain steps measured); then one after
-# each of 5..8 (6..8 measured: each runs while the previous snapshot is replicated, and ends
-# by handing its own to the copy thread).
-SNAPSHOT_AT = frozenset({0, 1, 5, 6, 7, 8})
+# allocated: first touches); before 2 the loop waits for the commit of 1, so that no
+# snapshot work is left when 2..4 run without one (the plain steps measured); then one
+# snapshot after 5 (its capture and hand-off end step 5), whose copy and replication share
+# the cores with the steps after it, 6..9 at least, and on until its commit is seen (at
+# most to 24: there the loop waits for it, and the wait is part of its cost). The commit's
+# own latency adds steps, not cost: steps that run after the work is done cost nothing more
+# than plain ones. A snapshot after every step (as this measured first) hid half the cost on
+# 2 cores: the agents fell behind, and the backlog landed after the measured steps.
+SNAPSHOT_AT = frozenset({0, 1, 5})
 QUIET_AT = 2
 PLAIN = (2, 3, 4)
-WITH_SNAPSHOT = (6, 7, 8)
-DECIDE_AT = 9
+MEASURED = 5  # the snapshot measured; its spread is the steps from it to its commit
+DECIDE_FROM = 10  # the earliest offset the interval is chosen before
+DECIDE_BY = 25  # the latest: the loop waits for the commit first
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,7 @@ class Calibration:
     def __init__(self, start: int) -> None:
         self.start = start
         self.durations: dict[int, float] = {}
+        self.waits: dict[int, float] = {}  # offset → seconds waited for a commit before it
 
     def snapshot_due(self, step: int) -> bool:
         return step - self.start in SNAPSHOT_AT
@@ -119,27 +127,29 @@ class Calibration:
 
     def quiet_before(self, step: int) -> bool:
         """Should the loop wait for the last snapshot's commit before ``step`` runs?"""
-        return step - self.start == QUIET_AT
+        return step - self.start in (QUIET_AT, DECIDE_BY)
 
-    def ready(self, step: int) -> bool:
-        """All measured: the interval can be chosen before ``step`` runs."""
-        return step - self.start >= DECIDE_AT and all(
-            o in self.durations for o in PLAIN + WITH_SNAPSHOT
-        )
+    def waited(self, step: int, seconds: float) -> None:
+        self.waits[step - self.start] = seconds
+
+    def ready(self, step: int, committed: int | None) -> bool:
+        """All measured: the interval can be chosen before ``step`` runs (``committed``: the
+        newest step committed, as the rank knows it now)."""
+        offset = step - self.start
+        if offset < DECIDE_FROM or any(o not in self.durations for o in range(offset)):
+            return False
+        return offset >= DECIDE_BY or (committed is not None and committed >= self.start + MEASURED)
 
     def costs(self) -> tuple[float, float]:
-        """(C, T): a snapshot's cost and the plain step time, medians against medians.
-
-        Measuring C against the slowest plain step (as this did first) biased it low by the
-        plain steps' spread: on 2 cores the chosen n then overran the budget (+6 to +10 %
-        against 5 %, bench/budget.py, 2026-11-26). An unbiased C errs the other way only by
-        noise, and a C below f · T still gives n = 1."""
-        plain = [self.durations[o] for o in PLAIN]
-        snap = [self.durations[o] for o in WITH_SNAPSHOT]
-        return (
-            max(0.0, statistics.median(snap) - statistics.median(plain)),
-            statistics.median(plain),
-        )
+        """(C, T): a snapshot's cost and the plain step time. T is the plain steps' median;
+        C what the measured snapshot's steps — its own, and each after it until its commit
+        was seen — took beyond T, and any wait for the commit. (C against the slowest plain
+        step, as this did first, was biased low by their spread.) Noise errs either way; a C
+        below f · T still gives n = 1."""
+        plain = statistics.median(self.durations[o] for o in PLAIN)
+        spread = [d for o, d in self.durations.items() if o >= MEASURED]
+        extra = sum(d - plain for d in spread)
+        return max(0.0, extra + self.waits.get(DECIDE_BY, 0.0)), plain
 
 
 class SnapshotPolicy:
@@ -156,7 +166,7 @@ class SnapshotPolicy:
             raise ConfigurationError(
                 f"resilient(mtbf={mtbf_s}): give the mean time between failures in seconds (> 0)"
             )
-        choose_interval(0.0, 1.0, overhead)  # checks the budget now, not after 9 steps
+        choose_interval(0.0, 1.0, overhead)  # checks the budget now, not after 10 steps
         self.fixed = every
         self.overhead, self.mtbf_s = overhead, mtbf_s
         self.every: int | None = every
@@ -184,11 +194,16 @@ class SnapshotPolicy:
         if self._calibration is not None:
             self._calibration.record(step, seconds)
 
-    def ready(self, step: int) -> bool:
-        return self._calibration is not None and self._calibration.ready(step)
+    def ready(self, step: int, committed: int | None) -> bool:
+        return self._calibration is not None and self._calibration.ready(step, committed)
 
     def quiet_before(self, step: int) -> bool:
         return self._calibration is not None and self._calibration.quiet_before(step)
+
+    def waited(self, step: int, seconds: float) -> None:
+        """The loop waited ``seconds`` for a commit before ``step`` (``quiet_before``)."""
+        if self._calibration is not None:
+            self._calibration.waited(step, seconds)
 
     def local_choice(self) -> Interval:
         assert self._calibration is not None

@@ -260,12 +260,15 @@ class EpochTracking:
         policy.begin_epoch(start, (self._restored or {}).get("every"))
         for step in range(start, total):
             self.check()
-            if policy.ready(step):
-                self._agree_interval(step)
-            elif policy.quiet_before(step) and self.engine.last_taken is not None:
+            if policy.quiet_before(step) and self.engine.last_taken is not None:
                 # the plain steps about to be measured must not share the cores with the
-                # replication of the last one
+                # replication of the last one; the wait for the measured snapshot's commit
+                # is part of what it costs
+                waiting = time.perf_counter()
                 self.engine.wait_committed(self.engine.last_taken, self.engine.commit_timeout_s)
+                policy.waited(step, time.perf_counter() - waiting)
+            if policy.ready(step, self.engine.committed_step):
+                self._agree_interval(step)
             self.step = step
             began = time.perf_counter()
             yield step

@@ -27,5 +27,6 @@ def test_overhead_budget_picks_an_interval_and_a_kill_still_recovers_exactly(
     agreed = {int(n) for n in re.findall(r"the ranks agreed on every (\d+) step", run.log)}
     assert agreed and min(agreed) > 1, "the budget did not space the snapshots out"
     [event] = run.report["events"]
-    assert event["kind"] == "rank" and event["restore_step"] <= 9  # a calibration snapshot
+    # a calibration snapshot, or that of the step the ranks agreed at (10 at the earliest)
+    assert event["kind"] == "rank" and event["restore_step"] <= 10
     assert_same_digests(run, reference_run)
