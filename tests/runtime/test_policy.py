@@ -127,23 +127,23 @@ def test_a_snapshot_whose_replication_outlasts_the_calibration_counts_the_wait()
     assert choose_interval(cost, step, 0.05).every == 80
 
 
+def _costs(plain: tuple[float, ...], spread: tuple[float, ...]) -> tuple[float, float]:
+    """(C, T) of a calibration whose plain steps and measured snapshot's steps took these."""
+    calibration = Calibration(0)
+    for o, seconds in zip(PLAIN, plain, strict=True):
+        calibration.record(o, seconds)
+    for o, seconds in enumerate(spread, start=MEASURED):
+        calibration.record(o, seconds)
+    return calibration.costs()
+
+
 def test_a_snapshots_cost_is_measured_against_the_median_plain_step() -> None:
-    free = Calibration(0)
-    for o, seconds in zip(PLAIN, (0.20, 0.26, 0.21), strict=True):
-        free.record(o, seconds)
-    for o, seconds in zip(range(MEASURED, 10), (0.22, 0.20, 0.21, 0.20, 0.21), strict=True):
-        free.record(o, seconds)
-    cost, step = free.costs()
+    cost, step = _costs((0.20, 0.26, 0.21), (0.22, 0.20, 0.21, 0.20, 0.21))
     assert (cost, step) == (pytest.approx(0.0), pytest.approx(0.21))
     assert choose_interval(cost, step, 0.05).every == 1
     # One slow plain step is not taken for the plain step time (against the slowest one,
     # as measured first, this snapshot cost nothing and n = 1 overran the budget).
-    costly = Calibration(0)
-    for o, seconds in zip(PLAIN, (0.20, 0.26, 0.20), strict=True):
-        costly.record(o, seconds)
-    for o, seconds in zip(range(MEASURED, 10), (0.26, 0.22, 0.22, 0.20, 0.20), strict=True):
-        costly.record(o, seconds)
-    cost, step = costly.costs()
+    cost, step = _costs((0.20, 0.26, 0.20), (0.26, 0.22, 0.22, 0.20, 0.20))
     assert cost == pytest.approx(0.10)
     assert choose_interval(cost, step, 0.05).every == 10
 
