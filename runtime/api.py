@@ -112,7 +112,7 @@ def resilient(
     (``peerckpt run --spares S``).
 
     Snapshots: ``every=n`` takes one after every n-th step. Otherwise the runtime measures
-    over its first 10 or more steps what a snapshot adds to a step here, and snapshots every n steps
+    over its first 10 steps what a snapshot adds to a step here, and snapshots every n steps
     with n the smallest that keeps that below ``overhead`` (a fraction of the step time,
     default 0.05); given ``mtbf`` (the mean time between failures, seconds) it snapshots less
     often where the Young/Daly interval sqrt(2 · cost · mtbf) is longer. The choice and the

@@ -41,17 +41,16 @@ MAX_EVERY = 1000  # a bound on n whatever the measurement (a noisy step time nea
 # allocated: first touches); before 2 the loop waits for the commit of 1, so that no
 # snapshot work is left when 2..4 run without one (the plain steps measured); then one
 # snapshot after 5 (its capture and hand-off end step 5), whose copy and replication share
-# the cores with the steps after it, 6..9 at least, and on until its commit is seen (at
-# most to 24: there the loop waits for it, and the wait is part of its cost). The commit's
-# own latency adds steps, not cost: steps that run after the work is done cost nothing more
-# than plain ones. A snapshot after every step (as this measured first) hid half the cost on
-# 2 cores: the agents fell behind, and the backlog landed after the measured steps.
+# the cores with 6..9; before 10 the loop waits for its commit, and that wait is part of its
+# cost (work that would otherwise have slowed later steps). The offsets are fixed, never
+# when a rank happens to see the commit: the ranks agree on n by a collective, at the same
+# step on every rank. A snapshot after every step (as this measured first) hid half the cost
+# on 2 cores: the agents fell behind, and the backlog landed after the measured steps.
 SNAPSHOT_AT = frozenset({0, 1, 5})
-QUIET_AT = 2
+QUIET_AT = frozenset({2, 10})
 PLAIN = (2, 3, 4)
-MEASURED = 5  # the snapshot measured; its spread is the steps from it to its commit
-DECIDE_FROM = 10  # the earliest offset the interval is chosen before
-DECIDE_BY = 25  # the latest: the loop waits for the commit first
+SPREAD = (5, 6, 7, 8, 9)  # the measured snapshot's step and the steps its work shares
+DECIDE_AT = 10
 
 
 @dataclass(frozen=True)
@@ -127,29 +126,24 @@ class Calibration:
 
     def quiet_before(self, step: int) -> bool:
         """Should the loop wait for the last snapshot's commit before ``step`` runs?"""
-        return step - self.start in (QUIET_AT, DECIDE_BY)
+        return step - self.start in QUIET_AT
 
     def waited(self, step: int, seconds: float) -> None:
         self.waits[step - self.start] = seconds
 
-    def ready(self, step: int, committed: int | None) -> bool:
-        """All measured: the interval can be chosen before ``step`` runs (``committed``: the
-        newest step committed, as the rank knows it now)."""
-        offset = step - self.start
-        if offset < DECIDE_FROM or any(o not in self.durations for o in range(offset)):
-            return False
-        return offset >= DECIDE_BY or (committed is not None and committed >= self.start + MEASURED)
+    def ready(self, step: int) -> bool:
+        """All measured: the interval can be chosen before ``step`` runs."""
+        return step - self.start >= DECIDE_AT and all(o in self.durations for o in PLAIN + SPREAD)
 
     def costs(self) -> tuple[float, float]:
         """(C, T): a snapshot's cost and the plain step time. T is the plain steps' median;
-        C what the measured snapshot's steps — its own, and each after it until its commit
-        was seen — took beyond T, and any wait for the commit. (C against the slowest plain
-        step, as this did first, was biased low by their spread.) Noise errs either way; a C
-        below f · T still gives n = 1."""
+        C what the measured snapshot's step and the four after it took beyond T each, and
+        the wait for its commit after them. (C against the slowest plain step, as this did
+        first, was biased low by their spread.) Noise errs either way; a C below f · T still
+        gives n = 1."""
         plain = statistics.median(self.durations[o] for o in PLAIN)
-        spread = [d for o, d in self.durations.items() if o >= MEASURED]
-        extra = sum(d - plain for d in spread)
-        return max(0.0, extra + self.waits.get(DECIDE_BY, 0.0)), plain
+        extra = sum(self.durations[o] - plain for o in SPREAD)
+        return max(0.0, extra + self.waits.get(DECIDE_AT, 0.0)), plain
 
 
 class SnapshotPolicy:
@@ -194,8 +188,8 @@ class SnapshotPolicy:
         if self._calibration is not None:
             self._calibration.record(step, seconds)
 
-    def ready(self, step: int, committed: int | None) -> bool:
-        return self._calibration is not None and self._calibration.ready(step, committed)
+    def ready(self, step: int) -> bool:
+        return self._calibration is not None and self._calibration.ready(step)
 
     def quiet_before(self, step: int) -> bool:
         return self._calibration is not None and self._calibration.quiet_before(step)

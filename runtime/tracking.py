@@ -267,7 +267,7 @@ class EpochTracking:
                 waiting = time.perf_counter()
                 self.engine.wait_committed(self.engine.last_taken, self.engine.commit_timeout_s)
                 policy.waited(step, time.perf_counter() - waiting)
-            if policy.ready(step, self.engine.committed_step):
+            if policy.ready(step):
                 self._agree_interval(step)
             self.step = step
             began = time.perf_counter()

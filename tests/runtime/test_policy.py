@@ -9,13 +9,10 @@ import pytest
 
 from peerckpt.errors import ConfigurationError
 from peerckpt.runtime.policy import (
-    DECIDE_BY,
-    DECIDE_FROM,
     MAX_EVERY,
-    MEASURED,
     PLAIN,
-    QUIET_AT,
     SNAPSHOT_AT,
+    SPREAD,
     Calibration,
     SnapshotPolicy,
     choose_interval,
@@ -72,67 +69,58 @@ def test_bad_intervals_and_mtbf_are_refused() -> None:
         SnapshotPolicy(mtbf_s=-1.0)
 
 
-def test_calibration_measures_plain_steps_then_one_snapshot_until_its_commit() -> None:
-    """Plain steps of 0.20 s; the snapshot's step and those after it take 0.26 s until its
-    commit is seen before step 12 (7 steps, +0.42 s), then 0.20 s: C = 0.42 s, n = 42."""
+def test_calibration_measures_plain_steps_then_one_snapshots_whole_cost_then_decides() -> None:
+    """Plain steps of 0.20 s; the snapshot's step and the four it shares the cores with take
+    0.26 s each (+0.30 s), and its commit came 0.10 s after them: C = 0.40 s, n = 40."""
     policy = SnapshotPolicy(overhead=0.05)
     policy.begin_epoch(start=5, restored_every=None)
+    durations = {o: 0.20 for o in PLAIN} | {o: 0.26 for o in SPREAD}
     due, quiet = [], []
-    step = 5
-    for step in range(5, 40):
-        offset = step - 5
-        committed = 5 + MEASURED if offset >= 12 else 5 + 1
+    for step in range(5, 15):
         if policy.quiet_before(step):
             quiet.append(step)
             policy.waited(step, 0.5)  # before the plain steps: not a cost
-        if policy.ready(step, committed):
-            break
+        assert not policy.ready(step)
         due.append(policy.due(step))
-        policy.record(step, 0.20 if offset in PLAIN else 0.26 if offset >= MEASURED else 0.3)
-    assert step == 5 + 12
-    assert [s for s, d in zip(range(5, 17), due, strict=True) if d] == [
+        policy.record(step, durations.get(step - 5, 0.3))
+    assert [s for s, d in zip(range(5, 15), due, strict=True) if d] == [
         5 + o for o in sorted(SNAPSHOT_AT)
     ]
-    assert quiet == [5 + QUIET_AT] and MEASURED in SNAPSHOT_AT and not set(PLAIN) & SNAPSHOT_AT
+    assert quiet == [5 + PLAIN[0]]
+    assert not set(PLAIN) & SNAPSHOT_AT and SPREAD[0] in SNAPSHOT_AT
+    assert not set(SPREAD[1:]) & SNAPSHOT_AT
+    # once the snapshot's spread is over, the loop waits for its commit, then decides: at
+    # a fixed step, the same on every rank (the agreement is a collective)
+    assert policy.quiet_before(15)
+    policy.waited(15, 0.10)
+    assert policy.ready(15)
     mine = policy.local_choice()
-    assert (mine.snapshot_cost_s, mine.step_s) == pytest.approx((0.42, 0.20))
-    assert mine.every == 42
-    policy.agree(45, mine, 17)  # another rank measured more
-    assert not policy.ready(18, 17) and not policy.quiet_before(7)
+    assert (mine.snapshot_cost_s, mine.step_s) == pytest.approx((0.40, 0.20))
+    assert mine.every == 40
+    policy.agree(45, mine, 15)  # another rank measured more
+    assert not policy.ready(16) and not policy.quiet_before(7) and not policy.quiet_before(15)
     # after the step it was agreed before (its snapshot carries n), then every 45th
-    assert [s for s in range(17, 100) if policy.due(s)] == [17, 45, 90]
+    assert [s for s in range(15, 100) if policy.due(s)] == [15, 45, 90]
 
 
-def test_a_snapshot_committed_at_once_is_still_measured_over_five_steps() -> None:
-    calibration = Calibration(0)
-    for o in range(DECIDE_FROM):
-        assert not calibration.ready(o, committed=MEASURED)
-        calibration.record(o, 0.2)
-    assert DECIDE_FROM - MEASURED == 5 and calibration.ready(DECIDE_FROM, committed=MEASURED)
-
-
-def test_a_snapshot_whose_replication_outlasts_the_calibration_counts_the_wait() -> None:
+def test_a_snapshot_whose_replication_outlasts_the_measured_steps_still_counts_whole() -> None:
     """On 2 busy cores the agents fall behind: the steps look cheap, the wait for the
-    commit at the calibration's end does not (a snapshot after every step, as measured
-    first, hid it)."""
+    commit does not (a snapshot after every step, as measured first, hid it)."""
     calibration = Calibration(0)
-    for o in range(DECIDE_BY):
-        assert not calibration.ready(o, committed=1)
-        calibration.record(o, 0.20 if o < MEASURED else 0.21)
-    assert calibration.quiet_before(DECIDE_BY)
-    calibration.waited(DECIDE_BY, 0.60)
-    assert calibration.ready(DECIDE_BY, committed=1)
+    for o in PLAIN:
+        calibration.record(o, 0.20)
+    for o in SPREAD:
+        calibration.record(o, 0.21)
+    calibration.waited(SPREAD[-1] + 1, 0.60)
     cost, step = calibration.costs()
-    assert cost == pytest.approx(0.60 + 0.01 * (DECIDE_BY - MEASURED))
-    assert choose_interval(cost, step, 0.05).every == 80
+    assert cost == pytest.approx(0.65)
+    assert choose_interval(cost, step, 0.05).every == 65
 
 
 def _costs(plain: tuple[float, ...], spread: tuple[float, ...]) -> tuple[float, float]:
     """(C, T) of a calibration whose plain steps and measured snapshot's steps took these."""
     calibration = Calibration(0)
-    for o, seconds in zip(PLAIN, plain, strict=True):
-        calibration.record(o, seconds)
-    for o, seconds in enumerate(spread, start=MEASURED):
+    for o, seconds in zip(PLAIN + SPREAD, plain + spread, strict=True):
         calibration.record(o, seconds)
     return calibration.costs()
 
@@ -151,7 +139,7 @@ def test_a_snapshots_cost_is_measured_against_the_median_plain_step() -> None:
 def test_a_restored_interval_or_a_fixed_one_is_used_without_measuring() -> None:
     policy = SnapshotPolicy(overhead=0.05)
     policy.begin_epoch(start=31, restored_every=10)
-    assert not policy.ready(41, 40) and [s for s in range(31, 61) if policy.due(s)] == [40, 50, 60]
+    assert not policy.ready(41) and [s for s in range(31, 61) if policy.due(s)] == [40, 50, 60]
     fixed = SnapshotPolicy(every=3)
     fixed.begin_epoch(start=0, restored_every=10)
     assert [s for s in range(0, 10) if fixed.due(s)] == [0, 3, 6, 9]
