@@ -29,8 +29,9 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 	touch $(BENCH_STAMP)
 
 # Benchmarks: each writes bench/results/<name>.json; bench/summary.py writes the table at the
-# top of docs/performance.md from them. Under 25 minutes on 2 shared cores (docs/performance.md):
-# the torchrun and Ray comparisons run once each, at one size; stall and recovery 3 runs each.
+# top of docs/performance.md from them. About 32 minutes on 2 cores, over the 25-minute goal
+# (docs/performance.md says where the time goes): the torchrun and Ray comparisons run once
+# each, at one size; stall and recovery 3 runs each.
 bench: $(BENCH_STAMP)
 	$(PY) bench/ceilings.py
 	$(PY) bench/replication.py
