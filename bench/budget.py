@@ -59,7 +59,7 @@ def budget_runs(
         out[key] = statistics.mean(r[key] for r in rows)
     out["stall_fraction"] = statistics.mean(r["stall_fraction"] for r in rows)
     out["plain_drift"] = statistics.mean(r["plain_drift"] for r in rows)
-    out["every"] = sorted(r["every"] or 0 for r in rows)[len(rows) // 2]
+    out["every"] = sorted(r["every"] for r in rows)[len(rows) // 2]
     out["runs"] = [
         {k: r[k] for k in ("every", "stall_fraction", "plain_drift", "choices")} for r in rows
     ]

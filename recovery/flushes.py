@@ -48,7 +48,7 @@ class FlushInProgress:
     state: FlushState = FlushState.WRITING
     error: str = ""
     committed_at: float | None = None
-    unreported: set[int] = field(default_factory=set)  # writers yet to report, or be lost
+    unreported: set[int] = field(init=False)  # writers yet to report, or be lost
     failed_at: float | None = None  # time.monotonic() of the failure
 
     def __post_init__(self) -> None:
@@ -122,14 +122,15 @@ class FlushScheduler:
                 step,
             )
             return False
-        if self.draining():
+        draining = self.draining()
+        if draining:
             assert self.current is not None
             self.skipped.append(step)
             log.warning(
                 "flush of step %d failed and node(s) %s still write it; step %d is not "
                 "flushed (lag)",
                 self.current.step,
-                sorted(self.draining()),
+                sorted(draining),
                 step,
             )
             return False
@@ -191,9 +192,10 @@ class FlushScheduler:
 
     def node_lost(self, node: int) -> None:
         flush = self.current
-        if flush is not None:
-            flush.unreported.discard(node)
-        if flush is not None and flush.state is FlushState.WRITING and node in flush.writers:
+        if flush is None:
+            return
+        flush.unreported.discard(node)
+        if flush.state is FlushState.WRITING and node in flush.writers:
             self._failed(flush, f"node {node}, one of its writers, was lost")
 
     def _failed(self, flush: FlushInProgress, why: str) -> None:

@@ -304,13 +304,21 @@ class RayLauncher(Launcher):
         try:
             host.done = ray.get(host.actor.poll.remote(), timeout=30)
         except ray.exceptions.RayActorError:
-            host.lost = True
-        else:
-            # A removed node's actor can outlive its raylet by seconds, long enough to report
-            # that its launcher (which watches the raylet) ended without a result.
-            host.lost = bool(host.done and host.done.get("node_lost"))
-        if host.lost:
-            log.warning("host %d is lost with its Ray node %s", host.rank, host.node_id[:12])
+            self._lost(host)
+            return
+        # A removed node's actor can outlive its raylet by seconds, long enough to report
+        # that its launcher (which watches the raylet) ended without a result.
+        if host.done and host.done.get("node_lost"):
+            self._lost(host)
+
+    def _lost(self, host: _Host, cause: str = "") -> None:
+        host.lost = True
+        log.warning(
+            "host %d is lost with its Ray node %s%s",
+            host.rank,
+            host.node_id[:12],
+            f" ({cause})" if cause else "",
+        )
 
     def _start_problem(self) -> str:
         """Why the job cannot start, if a host that brings ranks ended before it did (the
@@ -388,13 +396,7 @@ class RayLauncher(Launcher):
                 try:
                     self._poll_host(host)
                 except ray.exceptions.RayError as exc:  # not its actor's death: unreachable
-                    host.lost = True
-                    log.warning(
-                        "host %d is lost with its Ray node %s (%s)",
-                        host.rank,
-                        host.node_id[:12],
-                        type(exc).__name__,
-                    )
+                    self._lost(host, type(exc).__name__)
                     break
                 if host.done is None:
                     time.sleep(POLL_S)
