@@ -37,17 +37,16 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/replication.py
 	$(PY) bench/cpu.py
 	$(PY) bench/tls.py
-	$(PY) bench/stall.py --runs 3
-	$(PY) bench/recovery.py --runs 3
+	$(PY) bench/stall.py --runs 2
+	$(PY) bench/recovery.py --runs 2 --cost-runs 3
 	$(PY) bench/memory.py
-	$(PY) bench/memory.py --dedup-only --runs 2
-	$(PY) bench/reshard.py
-	$(PY) bench/flush.py
+	$(PY) bench/reshard.py --runs 2
+	$(PY) bench/flush.py --steps 40
 	$(PY) bench/torchrun.py --sizes 256 --runs 1
-	$(PY) bench/hosts.py --runs 2
+	$(PY) bench/hosts.py --runs 1
 	$(PY) bench/ray_recovery.py --runs 1
-	if [ -f bench/planner.py ]; then $(PY) bench/planner.py; fi
-	$(PY) bench/coordinator.py
+	$(PY) bench/planner.py --runs 3
+	$(PY) bench/coordinator.py --steps 30
 	$(PY) bench/summary.py
 
 # Goodput under a fault every 20 s (ETTR: peerckpt twice, torchft, a DCP restart): about 40 minutes

@@ -287,7 +287,7 @@ def main() -> None:
     note = None
     if runs < 5:
         note = (
-            f"{runs} runs, to keep `make bench` under 20 minutes: the figures are the same to "
+            f"{runs} runs, to keep `make bench` under 25 minutes: the figures are the same to "
             "the third digit from run to run (shared memory is allocated, not sampled noise)"
         )
     load = background_load()

@@ -269,7 +269,7 @@ def read_floor_s(case: dict[str, Any]) -> float:
     return time.perf_counter() - start
 
 
-def tables_from_records_s(case: dict[str, Any], step: int = 10) -> float:
+def tables_from_records_s(case: dict[str, Any], step: int = 20) -> float:
     """Read every ``step``-th rank's chunks, as decoded chunk records (the coordinator's
     messages: lists whose strings and lists are objects of their own), into tables; the
     time scaled to every rank."""

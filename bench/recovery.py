@@ -1,6 +1,6 @@
 """Recovery of one lost rank: peerckpt against what a user can do today.
 
-    python bench/recovery.py [--sizes 256,1024] [--runs 5] [--quick]
+    python bench/recovery.py [--sizes 256,1024] [--runs 5] [--cost-runs 3] [--quick]
 
 The state is ``bench/jobs/state_job.py``'s: frozen float32 DTensors, ``Shard(0)``, the given
 MiB per rank, checked bit for bit after every restore. Per size, in one run:
@@ -440,9 +440,13 @@ def main() -> None:
     parser.add_argument(
         "--cold-runs", type=int, default=0, help="DCP restarts with the page cache dropped too"
     )
+    parser.add_argument(
+        "--cost-runs", type=int, default=3, help="jobs measuring the time a failure costs"
+    )
     args = parser.parse_args()
     sizes = [64] if args.quick else [int(x) for x in args.sizes.split(",")]
     runs = 2 if args.quick else args.runs
+    cost_runs = 2 if args.quick else args.cost_runs
     cold_runs = min(1, args.cold_runs) if args.quick else args.cold_runs
     load = background_load()
     print(f"background load before starting: {load}", flush=True)
@@ -459,7 +463,7 @@ def main() -> None:
         result["cold_runs_note"] = (
             f"{cold_runs} DCP restarts with the page cache dropped per size (--cold-runs; a "
             "reference, not the compared figure: bench/reshard.py measures dcp.load from a "
-            "cold cache), to keep `make bench` under 20 minutes"
+            "cold cache), to keep `make bench` under 25 minutes"
         )
     rows: dict[str, Any] = {}
     with scratch_dir("recovery") as scratch:
@@ -472,7 +476,7 @@ def main() -> None:
         if 256 in sizes or args.quick:
             mib = 64 if args.quick else 256
             print(f"the time a failure costs, {mib} MiB × 4 ranks (bench/cost.py)", flush=True)
-            failure = {"mib": mib, **cost.measure(mib, min(runs, 3), Path(scratch))}
+            failure = {"mib": mib, **cost.measure(mib, cost_runs, Path(scratch))}
             result["failure_cost"] = failure
     result["sizes"] = rows
     for key in ("peerckpt_s", "dcp_restart_s", "torchft_s", "speedup_vs_dcp"):

@@ -298,7 +298,7 @@ def main() -> None:
     if local_runs < 5:
         result["local_runs_note"] = (
             f"the 1-node topology is a profile (what the snapshot copy costs without "
-            f"replication): {local_runs} runs, to keep `make bench` under 20 minutes"
+            f"replication): {local_runs} runs, to keep `make bench` under 25 minutes"
         )
     with scratch_dir("stall") as scratch:
         base = Path(scratch)

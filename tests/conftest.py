@@ -168,6 +168,7 @@ def run_job(out: Path, *args: Any, timeout: float = 240.0, **kwargs: Any) -> Job
         os.killpg(proc.pid, signal.SIGINT)  # the launcher cleans up on Ctrl-C
         log, _ = proc.communicate(timeout=60)
         pytest.fail(f"job did not finish in {timeout} s; log tail:\n{log[-4000:]}")
+    (out / "launcher.log").write_text(log)  # kept for a failure's post-mortem (--basetemp)
     report_path = out / "report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else {}
     return JobRun(proc.returncode, report, out, log)

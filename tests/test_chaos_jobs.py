@@ -21,6 +21,7 @@ def _one_recovery(run: JobRun, kind: str) -> dict:
     return event
 
 
+@pytest.mark.slow  # make test: fencing in tests/replication/test_fencing.py
 def test_a_hung_rank_is_declared_lost_replaced_and_fenced_when_it_wakes(tmp_path) -> None:
     # SIGSTOP rank 2 for 6 s; its agent declares it lost after 1.5 s without a heartbeat, a
     # spare replaces it, and the job is still training when it wakes up.
@@ -55,6 +56,7 @@ def test_a_killed_agent_loses_its_node_and_its_ranks_are_replaced(tmp_path, refe
     assert run.log.count("the node agent is gone (node lost); this rank process exits") == 2
 
 
+@pytest.mark.slow  # make test: node losses in test_jobs, the campaign
 def test_a_long_partition_loses_the_node_and_the_job_goes_on_without_it(
     tmp_path, reference_run
 ) -> None:

@@ -54,7 +54,7 @@ def _cold_start_4_to_2(tmp_path, url: str) -> None:
     assert DurableStore(url).latest_step() > step  # and it goes on writing checkpoints
 
 
-@pytest.mark.slow  # make test runs the S3 case of the same path; local storage is in the next
+@pytest.mark.slow  # make test runs the S3 case of the same path; local storage: test_durable_jobs
 def test_a_restarted_job_loads_the_latest_local_checkpoint_into_fewer_ranks(tmp_path) -> None:
     _cold_start_4_to_2(tmp_path, f"file://{tmp_path}/ckpt")
 
@@ -91,6 +91,7 @@ def test_a_restarted_job_loads_the_latest_s3_checkpoint_into_fewer_ranks(tmp_pat
     _cold_start_4_to_2(tmp_path, s3_url)
 
 
+@pytest.mark.slow  # make test: tests/persist/test_untrusted.py, test_fuzz.py (damaged manifests)
 def test_a_damaged_checkpoint_is_refused_by_name_and_allow_older_falls_back(tmp_path) -> None:
     url = f"file://{tmp_path}/ckpt"
     first = tmp_path / "first"

@@ -124,6 +124,7 @@ def test_a_full_disk_mid_flush_warns_keeps_training_and_the_next_flush_succeeds(
     assert DurableStore(url).latest_step() == max(committed)
 
 
+@pytest.mark.slow  # make test: tests/persist/test_durable.py (a step missing a writer never commits)
 def test_a_writer_killed_mid_flush_never_commits_that_step(tmp_path) -> None:
     root = tmp_path / "ckpt"
     root.mkdir()

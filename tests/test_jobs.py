@@ -108,8 +108,14 @@ def test_a_lost_node_is_replaced_by_two_spares_from_peer_memory(tmp_path, refere
     run = run_job(tmp_path, script_args=["--steps", "30"], spares=2, chaos="kill node=1 at=12")
     assert run.returncode == 0, run.log[-4000:]
     _assert_bit_exact(run, reference_run)
-    [event] = run.report["events"]
+    event, *restarts = run.report["events"]
     assert event["kind"] == "node" and event["ranks"] == [2, 3] and event["nodes"] == [1]
+    # Under heavy load a survivor can stay inside gloo's collective after its sockets are cut;
+    # its watchdog then restarts it in place from its node's memory (docs/failure-model.md),
+    # and the bits above still equal the fault-free run's. Nothing else may follow the loss.
+    for restart in restarts:
+        assert "restarted in place" in restart["reason"], run.report["events"]
+        assert restart["ranks"][0] in (0, 1), run.report["events"]
     pulls = {p["rank"]: p for p in event["pulls"]}
     for rank in (2, 3):  # node 1's memory is gone: both come from node 0, over TCP
         assert pulls[rank]["node"] == 2 and pulls[rank]["source"] == 0 and pulls[rank]["bytes"] > 0

@@ -124,6 +124,7 @@ def test_sharded_state_restores_into_the_shrunk_world(tmp_path, kind, chaos, wor
     _assert_full_restore_matches(tmp_path, world=world, log=run.log)
 
 
+@pytest.mark.slow  # make test: tests/runtime/test_sampler.py
 def test_the_sampler_delivers_every_index_once_across_a_shrink_and_a_grow(tmp_path) -> None:
     """4 ranks → 2 (node lost) → 4 (node joins); a 160-sample dataset, 4 samples per rank per
     step. Steps re-executed after a restore count once: in the last epoch that ran them."""
