@@ -77,6 +77,7 @@ class Node:
         self.reported_at = float("-inf")  # the last report the coordinator took
         self.beat_skip_s = 0.0  # heartbeat_timeout / 5: a report this recent stands for a beat
         self.lost = False
+        self.layouts_owed = True  # as the agent: until a report with them was taken
 
     async def join(self, heartbeat_interval: float, until: list[float]) -> None:
         await self.rpc.call(
@@ -134,7 +135,7 @@ class Node:
                 [self.node, *place[r]],
                 1 << 20,
                 64,
-                layout=_layout(r) if step == 0 else None,
+                layout=_layout(r) if self.layouts_owed else None,
             )
             for r in self.ranks
         ]
@@ -147,6 +148,7 @@ class Node:
                 sent = time.monotonic()
                 calls.append(asyncio.ensure_future(self.rpc.call(msg, timeout=30.0)))
             await asyncio.gather(*calls)
+        self.layouts_owed = False  # a report that failed leaves them owed, as the agent does
         self.reported_at = time.monotonic()
         return sent
 

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from peerckpt.errors import PeerckptError
@@ -61,6 +62,10 @@ class CoordinatorLink:
         self._lock = threading.Lock()
         self._ready: list[Replicated] = []  # reports waiting for the one on its way
         self._reporting = False  # a thread is sending reports
+        # (epoch, rank) → the chunk layout a report carried that the coordinator did not
+        # take: Mirroring sends a layout once per epoch, and without every rank's the
+        # coordinator commits nothing more in that epoch, so the next report carries it.
+        self._layouts_owed: dict[tuple[int, int], list[Any]] = {}
         # When the coordinator last took a replicated-snapshot report from this node: it
         # counts as a heart-beat, so a training node sends few others.
         self.reported_at = float("-inf")
@@ -104,16 +109,30 @@ class CoordinatorLink:
         try:
             while True:
                 with self._lock:
-                    ready, self._ready = self._ready, []
+                    ready, self._ready = list(map(self._with_layout, self._ready)), []
                     if not ready:
                         self._reporting = False
                         return
                 if self.report(ready[0] if len(ready) == 1 else ReplicatedMany(self.node, ready)):
                     self.reported_at = time.monotonic()  # it counts as a heart-beat
+                    continue
+                with self._lock:  # not taken (refused, timed out): the layouts are owed
+                    for msg in ready:
+                        if msg.layout is not None:
+                            self._layouts_owed[(msg.epoch, msg.rank)] = msg.layout
         except BaseException:
             with self._lock:
                 self._reporting = False
             raise
+
+    def _with_layout(self, msg: Replicated) -> Replicated:
+        """``msg``, carrying its rank's layout if an earlier report of the epoch failed with
+        it (a layout of its own supersedes it). Holds ``_lock``."""
+        owed = self._layouts_owed
+        for key in [k for k in owed if k[0] < msg.epoch]:
+            del owed[key]  # an epoch that is over needs none
+        layout = owed.pop((msg.epoch, msg.rank), None)
+        return replace(msg, layout=layout) if msg.layout is None and layout else msg
 
     def rejoin(
         self,

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
-from peerckpt.errors import StaleEpoch
+from peerckpt.errors import PeerckptError, StaleEpoch
 from peerckpt.messages.control import Replicated, ReplicatedMany, ReplicatedReply
 from peerckpt.replication.coordlink import CoordinatorLink
 
@@ -70,3 +71,44 @@ def test_only_a_report_the_coordinator_took_stands_for_a_heartbeat() -> None:
     before = time.monotonic()
     link.report_replicated(_report(1))
     assert link.reported_at >= before
+
+
+class FlakyRpc(SlowRpc):
+    """Refuses (as a timed-out call) the calls whose number is in ``fail``; takes the rest."""
+
+    def __init__(self, fail: set[int]) -> None:
+        super().__init__()
+        self.fail = fail
+
+    def call(self, msg: Any, timeout: float = 10.0) -> ReplicatedReply:
+        self.calls.append(msg)
+        if len(self.calls) in self.fail:
+            raise PeerckptError("deadline exceeded")
+        return ReplicatedReply(None)
+
+
+def test_a_layout_the_coordinator_did_not_take_travels_on_the_next_report() -> None:
+    """The layout goes once per epoch; lost, the coordinator could commit nothing more."""
+    link = CoordinatorLink("127.0.0.1:1", b"s" * 32, "j", 0, threading.Event())
+    link.rpc.close()
+    rpc = FlakyRpc(fail={1})
+    link.rpc = rpc  # type: ignore[assignment]
+    layout = [["w", "float32", [4], [0], [4], 0, 16]]
+    link.report_replicated(replace(_report(0), layout=layout))  # refused
+    link.report_replicated(replace(_report(0), step=6))
+    link.report_replicated(replace(_report(0), step=7))
+    assert [c.layout for c in rpc.calls] == [layout, layout, None]  # taken once: not again
+    assert rpc.calls[1].step == 6
+
+
+def test_an_owed_layout_is_dropped_with_its_epoch_and_a_new_layout_supersedes_it() -> None:
+    link = CoordinatorLink("127.0.0.1:1", b"s" * 32, "j", 0, threading.Event())
+    link.rpc.close()
+    rpc = FlakyRpc(fail={1, 2})
+    link.rpc = rpc  # type: ignore[assignment]
+    old, new = [["a", "float32", [4], [0], [4], 0, 16]], [["b", "float32", [8], [0], [8], 0, 32]]
+    link.report_replicated(replace(_report(0), layout=old))  # epoch 0, refused
+    link.report_replicated(replace(_report(1), layout=old))  # rank 1, refused
+    link.report_replicated(replace(_report(1), step=6, layout=new))  # its own layout wins
+    link.report_replicated(replace(_report(0), epoch=1, step=9))  # epoch 0 is over
+    assert [c.layout for c in rpc.calls] == [old, old, new, None]
