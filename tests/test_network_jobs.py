@@ -51,6 +51,7 @@ def test_no_listener_on_a_wildcard_address_during_a_job(tmp_path, monkeypatch, t
     assert not wild, f"listeners on a wildcard address: {wild}"
 
 
+@pytest.mark.slow  # make test: tests/replication/test_tls.py, tests/recovery/test_rpc_auth.py
 def test_a_job_with_tls_forced_replicates_and_recovers_bit_exact(
     tmp_path, monkeypatch, reference_run: JobRun
 ) -> None:
