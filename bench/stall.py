@@ -214,10 +214,11 @@ def reason(row: dict[str, Any], local: dict[str, Any] | None, ceilings: dict[str
 
 
 def budget(result: dict[str, Any], sizes: list[int], step_ms: float) -> None:
-    """The overhead budget's rows (``bench/budget.py``) and targets, into ``result``."""
+    """The overhead budget's rows (``bench/budget.py``) and targets, into ``result``: for
+    the sizes up to 256 MiB."""
     result["budget"] = {}
     with scratch_dir("budget") as scratch:
-        for mib in sizes:
+        for mib in [m for m in sizes if m <= 256]:
             batch, _ = calibrate(mib, step_ms / 1000)
             print(f"{mib} MiB with resilient(overhead=0.05)", flush=True)
             row = budget_runs(mib, batch, Path(scratch))
@@ -270,7 +271,7 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [64] if args.quick else [int(x) for x in args.sizes.split(",")]
     if args.budget_only:
-        budget_only([m for m in sizes if m <= 256], args.step_ms)
+        budget_only(sizes, args.step_ms)
         return
     runs = 2 if args.quick else args.runs
     local_runs = 1 if args.quick else args.local_runs
@@ -320,7 +321,7 @@ def main() -> None:
         elif not t["met"]:
             t["reason"] = reason(row, result["local"].get(key), ceilings)
         result["targets"][f"stall_fraction_{key}"] = t
-    budget(result, [m for m in sizes if m <= 256], args.step_ms)
+    budget(result, sizes, args.step_ms)
     path = write_result("stall", result)
     print()
     print(
