@@ -103,7 +103,11 @@ class HostLauncher(LocalLauncher):
             claim=host.runs_coordinator,
         )
         self.host = host
-        self._check_chaos()
+        try:
+            self._check_chaos()
+        except ConfigurationError:
+            self.stop()  # nothing started yet: removes the run directory, frees the name
+            raise
         self._silent_since: float | None = None
         self._next_probe = 0.0
         self._last_status: JobStatus | None = None

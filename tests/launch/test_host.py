@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 
 from peerckpt.errors import ConfigurationError
@@ -49,13 +51,17 @@ def test_a_multi_host_job_needs_its_name(tmp_path) -> None:
     ],
 )
 def test_a_host_refuses_chaos_for_another_host_before_starting(
-    tmp_path, chaos: str, node_rank: int, message: str
+    tmp_path, monkeypatch, chaos: str, node_rank: int, message: str
 ) -> None:
     script = tmp_path / "train.py"
     script.write_text("")
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     host = HostSpec(2, node_rank, "10.0.0.1:29400", "10.0.0.3")
     with pytest.raises(ConfigurationError, match=message):
         HostLauncher(JobSpec(script=str(script), job="j", chaos=chaos), host, b"s" * 32)
+    assert list(temp.iterdir()) == []  # the run directory it had made is gone with it
 
 
 def test_a_host_takes_its_own_node_faults_and_ranks_anywhere(tmp_path) -> None:
