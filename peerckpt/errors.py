@@ -48,7 +48,15 @@ class StateMismatch(PeerckptError):
 
 
 class RecoveryFailed(PeerckptError):
-    """No surviving copy of some state could be found; the job cannot continue from memory."""
+    """No surviving copy of some state could be found; the job cannot continue from memory.
+
+    ``unreachable``: some source could not be reached at all, rather than holding no valid
+    copy; its node may be dying, its loss not yet declared (the coordinator then waits for
+    that loss before failing the job)."""
+
+    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 class CommitTimeout(PeerckptError):

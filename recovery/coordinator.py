@@ -494,7 +494,14 @@ class Coordinator:
                 msg.message, partial=False
             ):
                 return Ok()
-            self.life.fail(f"rank {msg.rank} raised: {msg.error}: {msg.message}")
+            failure = f"rank {msg.rank} raised: {msg.error}: {msg.message}"
+            if msg.unreachable and m is not None and msg.epoch == m.epoch:
+                log.warning(
+                    "%s; failing the job unless a loss supersedes epoch %d", failure, m.epoch
+                )
+                self.clocks.hold_failure(time.monotonic(), msg.epoch, failure)
+                return Ok()
+            self.life.fail(failure)
             return Ok()
 
     def stop(self, msg: Stop) -> Ok:

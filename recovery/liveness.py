@@ -5,7 +5,9 @@ that does not end, spares that do not come, agents that do not come back.
 which calls it a few times a second under its lock, acts on the answer. A node whose agent
 stops heart-beating (a hang or a partition) is declared lost; a snapshot that could not be
 mirrored to a buddy that still looks alive after one heartbeat timeout fails the job rather
-than wait forever; a finished job waits at most ``FINISH_FLUSH_S`` for its last durable
+than wait forever; a rank whose recovery found no copy to read fails the job only if no newer
+epoch began within ``HOLD_FACTOR`` heartbeat timeouts (a source it read from may have been dying,
+its loss not yet declared, and the epoch that loss starts plans from what is really left); a finished job waits at most ``FINISH_FLUSH_S`` for its last durable
 flush; a restarted coordinator waits ``REBUILD_WAIT_FACTOR`` heartbeat timeouts for agents.
 """
 
@@ -20,6 +22,7 @@ from peerckpt.states import JobState
 
 FINISH_FLUSH_S = 300.0  # how long a finished job waits for its last flush
 REBUILD_WAIT_FACTOR = 2.0  # a restarted coordinator waits this many heartbeat timeouts for agents
+HOLD_FACTOR = 1.5  # a failed recovery waits this many heartbeat timeouts for a newer epoch
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,15 @@ class StuckReplication:
     message: str
 
 
+@dataclass(frozen=True)
+class HeldFailure:
+    """A rank's recovery that found no copy to read, in an epoch a loss may still supersede."""
+
+    deadline: float
+    epoch: int
+    message: str
+
+
 @dataclass
 class Expired:
     """What ``Clocks.expired`` found overdue."""
@@ -40,7 +52,7 @@ class Expired:
     finish: bool = False  # the last flush took too long: end the job anyway
     rebuild: bool = False  # agents had their time to come back to a restarted coordinator
     spare_wait: bool = False  # a recovery waited long enough for spares
-    failures: list[str] = field(default_factory=list)  # stuck replications: fail the job
+    failures: list[str] = field(default_factory=list)  # stuck replications, held failures
     silent: dict[int, float] = field(default_factory=dict)  # node → seconds without heartbeat
 
 
@@ -50,6 +62,7 @@ class Clocks:
     def __init__(self, heartbeat_timeout: float) -> None:
         self.heartbeat_timeout = heartbeat_timeout
         self.stuck: list[StuckReplication] = []
+        self.held: list[HeldFailure] = []
         self.finishing_since: float | None = None
         self.rebuild_deadline: float | None = None  # until then, agents may still come back
 
@@ -63,6 +76,14 @@ class Clocks:
         self.stuck.append(
             StuckReplication(since + self.heartbeat_timeout, epoch, step, buddy, message)
         )
+
+    def hold_failure(self, now: float, epoch: int, message: str) -> None:
+        """A rank of ``epoch`` could not recover (``message``). Two nodes killed together
+        are declared lost one after the other: a spare replacing the first one's rank may
+        read from the second and fail on its closed connection before that loss is known.
+        The job fails with ``message`` only if no loss started a newer epoch meanwhile."""
+        since = max(now, self.rebuild_deadline or now)
+        self.held.append(HeldFailure(since + HOLD_FACTOR * self.heartbeat_timeout, epoch, message))
 
     def start_rebuild(self, now: float) -> None:
         if self.rebuild_deadline is None:
@@ -98,6 +119,12 @@ class Clocks:
                 out.failures.append(
                     f"{entry.message}; the buddy still looks alive, so the step can never commit"
                 )
+        for held in list(self.held):
+            if state.ended or membership is None or held.epoch != membership.epoch:
+                self.held.remove(held)  # superseded: a newer epoch planned from what is left
+            elif now > held.deadline:
+                self.held.remove(held)
+                out.failures.append(held.message)
         if state not in (JobState.STARTING, JobState.RUNNING, JobState.FINISHING):
             return out  # the job ended: agents stop heart-beating as they exit
         if self.rebuild_deadline is not None:

@@ -275,6 +275,7 @@ def assemble(store: SlotStore, job: GatherJob, connect: Callable[[int], Connecti
             remote.setdefault(r.source_node, []).append(r)
     pulled: dict[int, int] = {}
     errors: list[str] = []
+    unreachable: list[int] = []  # source nodes that did not answer (they may be dying)
 
     def pull(source: int, items: list[Read]) -> None:
         try:
@@ -296,6 +297,8 @@ def assemble(store: SlotStore, job: GatherJob, connect: Callable[[int], Connecti
                 conn.close()
         except Exception as exc:  # reported below, naming the source
             errors.append(f"node {source}: {type(exc).__name__}: {exc}")
+            if isinstance(exc, (PeerUnavailable, OSError)):
+                unreachable.append(source)
 
     def read_storage(items: list[Read]) -> None:
         try:
@@ -337,7 +340,8 @@ def assemble(store: SlotStore, job: GatherJob, connect: Callable[[int], Connecti
     if errors:
         store.release_where(lambda s: s is slot)
         raise RecoveryFailed(
-            f"rank {rank} could not gather its state for the new layout: " + "; ".join(errors)
+            f"rank {rank} could not gather its state for the new layout: " + "; ".join(errors),
+            unreachable=bool(unreachable),
         )
     manifest = SnapshotManifest(rank, step, epoch, tuple(layout), used)
     slot.manifest = manifest

@@ -53,6 +53,7 @@ def obtain_committed(
     its own slots. A source's copy lacking the data-parallel chunks is completed from the
     first of ``twins`` ([node, twin rank] pairs) that has them (``replication/twinfill.py``)."""
     failures = []
+    unreachable = False  # some source's node did not answer (it may be dying)
     for source in sources:
         start = time.monotonic()
         try:
@@ -66,15 +67,18 @@ def obtain_committed(
         except PeerckptError as exc:
             log.error("cannot restore rank %d step %d from node %d: %s", rank, step, source, exc)
             failures.append(f"node {source}: {exc}")
+            unreachable |= isinstance(exc, PeerUnavailable)
             continue
         except Exception as exc:  # a bad manifest or a reset mid-frame: try the next source
             log.exception("cannot restore rank %d step %d from node %d", rank, step, source)
             failures.append(f"node {source}: {type(exc).__name__}: {exc}")
+            unreachable |= isinstance(exc, OSError)
             continue
         assert slot.manifest is not None
         return Obtained(slot, slot.manifest, source, nbytes, time.monotonic() - start)
     raise RecoveryFailed(
-        f"no valid copy of rank {rank} step {step} could be read: " + "; ".join(failures)
+        f"no valid copy of rank {rank} step {step} could be read: " + "; ".join(failures),
+        unreachable=unreachable,
     )
 
 

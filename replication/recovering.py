@@ -161,7 +161,7 @@ class Preparer:
         job's end); a RecoveryFailed names every source already, anything else is logged."""
         if not isinstance(exc, RecoveryFailed):
             log.exception("preparing rank %d for epoch %d failed", rank, members.epoch)
-        self._report(RankFailed(self.node, members.epoch, rank, type(exc).__name__, str(exc)))
+        self._report(_rank_failed(self.node, members.epoch, rank, exc))
 
     def _epoch_start(
         self,
@@ -216,7 +216,7 @@ class Preparer:
             got = assemble(self.store, job, self._connect(members))
         except Exception as exc:
             log.error("gathering rank %d's state failed: %s", rank, exc)
-            self._report(RankFailed(self.node, members.epoch, rank, type(exc).__name__, str(exc)))
+            self._report(_rank_failed(self.node, members.epoch, rank, exc))
             return
         pulls = []
         if got.local_bytes:
@@ -249,3 +249,8 @@ class Preparer:
             EpochMode.SAME, members.restore_step, got.slot.index, got.slot.segment.path
         )
         return plan, got.manifest
+
+
+def _rank_failed(node: int, epoch: int, rank: int, exc: Exception) -> RankFailed:
+    unreachable = isinstance(exc, RecoveryFailed) and exc.unreachable
+    return RankFailed(node, epoch, rank, type(exc).__name__, str(exc), unreachable)

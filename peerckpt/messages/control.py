@@ -274,13 +274,15 @@ class Done(Request[Ok]):
 @message("RankFailed")
 @dataclass(frozen=True)
 class RankFailed(Request[Ok]):
-    """A rank (or its agent preparing it) raised. ``error`` is the exception class's name."""
+    """A rank (or its agent preparing it) raised. ``error`` is the exception class's name;
+    ``unreachable``: a RecoveryFailed that could not reach some source (``errors.py``)."""
 
     node: int
     epoch: int
     rank: int
     error: str
     message: str
+    unreachable: bool = False
 
 
 @message("ReplicationFailed")

@@ -19,6 +19,7 @@ from peerckpt.messages.control import (
     ProcJoined,
     ProcLost,
     ProcReport,
+    RankFailed,
     RegisterAgent,
     RejoinState,
     Replicated,
@@ -114,6 +115,49 @@ def test_a_lost_node_takes_its_ranks_and_needs_as_many_spares() -> None:
     m = _events(c, 0)[-1].membership
     assert m.ranks[2].node == 2 and m.ranks[3].node == 2
     assert m.sources[2] == [0] and m.sources[3] == [0]  # node 1's copies are gone
+
+
+def test_a_recovery_failing_on_a_node_not_yet_declared_lost_waits_for_that_loss() -> None:
+    """Nodes 0 and 1 die together; node 0's loss is declared first, and its ranks' spares
+    read from node 1, whose closed connections fail them. The job must fail because every
+    copy is gone (what node 1's loss then shows), not with a connection error."""
+    c = _job(spares=4)
+    _commit(c, 0, 3)
+    c.lose_node(0, "test")
+    assert c.epochs.membership.epoch == 1 and c.life.state is JobState.RUNNING
+    c.rank_failed(
+        RankFailed(2, 1, 0, "RecoveryFailed", "node 1: connection closed by peer", unreachable=True)
+    )
+    c.check_heartbeats()
+    assert c.life.state is JobState.RUNNING and len(c.clocks.held) == 1
+    c.lose_node(1, "test")
+    assert c.life.state is JobState.FAILED
+    assert "no surviving copy of the committed snapshot of rank(s) [0, 1" in c.life.reason
+    c.check_heartbeats()
+    assert c.clocks.held == []
+
+
+def test_a_recovery_failing_while_every_source_looks_alive_fails_the_job_after_the_hold() -> None:
+    c = _job(spares=2)
+    _commit(c, 0, 3)
+    c.lose_node(1, "test")
+    c.rank_failed(RankFailed(2, 1, 2, "RecoveryFailed", "node 0: no answer", unreachable=True))
+    assert c.life.state is JobState.RUNNING
+    for node in (0, 2):
+        c.heartbeat(Heartbeat(node, 1))
+    [held] = c.clocks.held
+    c.clocks.held = [replace(held, deadline=time.monotonic() - 0.1)]  # the hold is over
+    c.check_heartbeats()
+    assert c.life.state is JobState.FAILED
+    assert c.life.reason == "rank 2 raised: RecoveryFailed: node 0: no answer"
+
+
+def test_a_recovery_whose_every_source_answered_with_a_bad_copy_fails_the_job_at_once() -> None:
+    c = _job(spares=2)
+    _commit(c, 0, 3)
+    c.lose_node(1, "test")
+    c.rank_failed(RankFailed(2, 1, 2, "RecoveryFailed", "node 0: checksum mismatch"))
+    assert c.life.state is JobState.FAILED and c.clocks.held == []
 
 
 def test_without_a_spare_the_job_fails_with_a_reason() -> None:

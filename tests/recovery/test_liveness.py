@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from peerckpt.membership import Membership
 from peerckpt.recovery.commits import CommitTracker
-from peerckpt.recovery.liveness import REBUILD_WAIT_FACTOR, Clocks
+from peerckpt.recovery.liveness import HOLD_FACTOR, REBUILD_WAIT_FACTOR, Clocks
 from peerckpt.recovery.registry import AgentInfo, Registry
 from peerckpt.states import JobState
 
@@ -50,3 +52,21 @@ def test_a_rebuilding_coordinator_waits_for_the_missing_nodes_before_failing_a_r
     registry.agents[0].alive = False  # the coordinator declares it lost
     assert clocks.expired(end + TIMEOUT + 1.0, *args).failures == []
     assert clocks.stuck == []
+
+
+def test_a_failed_recovery_fails_the_job_only_if_no_newer_epoch_supersedes_it() -> None:
+    registry, membership, tracker = _state(0.0)
+    clocks = Clocks(TIMEOUT)
+    args = (JobState.RUNNING, registry, membership, tracker, None)
+    clocks.hold_failure(0.0, 0, "rank 1 raised: RecoveryFailed: node 1: connection closed")
+    end = HOLD_FACTOR * TIMEOUT
+    registry.agents[0].last_heartbeat = registry.agents[1].last_heartbeat = end
+    assert clocks.expired(end - 0.1, *args).failures == []
+    assert clocks.expired(end + 0.1, *args).failures == [
+        "rank 1 raised: RecoveryFailed: node 1: connection closed"
+    ]
+    assert clocks.held == []  # said once
+    clocks.hold_failure(10.0, 0, "rank 0 raised: RecoveryFailed: twin on node 1")
+    newer = replace(membership, epoch=1)  # node 1's loss was declared meanwhile
+    assert clocks.expired(10.0 + end + 1.0, *args[:2], newer, tracker, None).failures == []
+    assert clocks.held == []

@@ -104,10 +104,21 @@ def test_when_every_copy_is_bad_recovery_fails_naming_each_source(peers, job) ->
     peers[1].store.find(0, 0, 6).segment.view[0] ^= 0x80
     with pytest.raises(
         RecoveryFailed, match=r"node 0: .*fails verification.*node 1: .*fails verification"
-    ):
+    ) as failed:
         obtain_committed(
             peers[2].store, 2, 1, 0, rank=0, step=6, sources=[0, 1], connect=_connect(peers, job)
         )
+    assert not failed.value.unreachable  # every source answered: nothing to wait for
+
+
+def test_a_source_that_does_not_answer_marks_the_failure_unreachable(peers, job) -> None:
+    """Its node may be dying: the coordinator waits for that loss before failing the job."""
+    write_snapshot(peers[0].store, rank=0, step=6)
+    closed = _connect(peers, job)
+    peers[1].server.stop()
+    with pytest.raises(RecoveryFailed, match=r"node 1: ") as failed:
+        obtain_committed(peers[2].store, 2, 1, 0, rank=0, step=6, sources=[1], connect=closed)
+    assert failed.value.unreachable
 
 
 def _push_step(peers, job, rank: int, step: int, committed: int | None) -> None:
