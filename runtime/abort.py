@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import threading
 from collections.abc import Callable
 
@@ -76,3 +77,27 @@ class AbortWatchdog:
                 self._cut_harder()
             else:
                 self._give_up(self.grace_s + wait_s)
+
+
+def exit_if_still_inside(stopped: threading.Event, wait_s: float, why: str) -> threading.Thread:
+    """Ends the process if ``stopped`` is not set within ``wait_s``: a rank told that the job
+    ended (failed or stopped) whose function is still inside a join or a restore the abort did
+    not release (seen: a spare joining a group whose other members had just died) would
+    otherwise stay until its launcher kills it, with nothing said about where it was."""
+
+    def run() -> None:
+        if stopped.wait(wait_s):
+            return
+        faulthandler.dump_traceback(all_threads=True)
+        log.error(
+            "%s, and this rank is still inside it after %.0f s (the threads' stacks are "
+            "above); it exits",
+            why,
+            wait_s,
+        )
+        logging.shutdown()
+        os._exit(ExitCode.FAILED)
+
+    thread = threading.Thread(target=run, name="peerckpt-end-watchdog", daemon=True)
+    thread.start()
+    return thread

@@ -46,7 +46,7 @@ from peerckpt.messages.local import (
     Staging,
 )
 from peerckpt.runtime import capture
-from peerckpt.runtime.abort import AbortWatchdog, exit_code
+from peerckpt.runtime.abort import AbortWatchdog, exit_code, exit_if_still_inside
 from peerckpt.runtime.channel import AgentChannel
 from peerckpt.runtime.config import DEFAULTS, ResilientConfig
 from peerckpt.runtime.env import LaunchEnv, RankFilter
@@ -55,7 +55,7 @@ from peerckpt.runtime.pg import ProcessGroupLifecycle
 from peerckpt.runtime.snapshot import SnapshotEngine
 from peerckpt.runtime.state import Assignment, RankState, check_transition
 from peerckpt.runtime.tracking import AuditOnce, EpochTracking
-from peerckpt.states import EpochMode, ExitCode, ProcRole
+from peerckpt.states import EpochMode, ExitCode, JobState, ProcRole
 
 log = logging.getLogger("peerckpt.rank")
 # What a spare imports while it waits (``_warm_up``), and what a launcher's prefork server
@@ -148,6 +148,12 @@ class RankRuntime:
         self.engine.abort()
         if self.state in (RankState.RUNNING, RankState.JOINING):
             self.pg.abort()
+        if event.state is not JobState.SUCCEEDED:
+            exit_if_still_inside(
+                self._stop,
+                self.config.abort_grace_s,
+                f"the job ended ({event.state.value}) during epoch {self._latest_epoch}",
+            )
 
     def _on_fenced(self, event: Fenced) -> None:
         # Declared lost while this process was stopped or frozen, and replaced. Whatever it

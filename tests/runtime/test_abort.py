@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+import time
+
+import pytest
 
 from peerckpt.runtime.abort import AbortWatchdog, exit_code
 from peerckpt.states import MAX_RESTARTS, ExitCode
@@ -67,3 +72,36 @@ def test_a_stuck_process_restarts_in_place_until_the_limit() -> None:
     assert exit_code(MAX_RESTARTS, announce) is ExitCode.GAVE_UP
     assert len(announced) == 2  # past the limit the agent is not even asked
     assert exit_code(0, lambda: False) is ExitCode.GAVE_UP  # the agent did not hear it
+
+
+_ENDED = """
+import threading, time
+from peerckpt.runtime.abort import exit_if_still_inside
+stopped = threading.Event()
+exit_if_still_inside(stopped, {wait}, "the job ended (failed) during epoch 1")
+if {unwinds}:
+    stopped.set()
+time.sleep(30)  # a join the abort did not release
+"""
+
+
+def _ended(wait: float, unwinds: bool) -> subprocess.CompletedProcess[str]:
+    code = _ENDED.format(wait=wait, unwinds=unwinds)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_a_rank_still_inside_the_library_after_the_job_ended_exits_with_its_stacks() -> None:
+    started = time.monotonic()
+    stuck = _ended(0.2, unwinds=False)
+    assert stuck.returncode == ExitCode.FAILED and time.monotonic() - started < 20
+    assert "still inside it after 0 s" in stuck.stderr
+    assert 'File "<string>", line 8' in stuck.stderr  # where it was: the stacks
+
+
+def test_a_rank_that_unwound_after_the_job_ended_is_left_alone() -> None:
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run(
+            [sys.executable, "-c", _ENDED.format(wait=0.2, unwinds=True)], timeout=2, check=False
+        )
