@@ -204,15 +204,31 @@ def scratch_dir(name: str) -> tempfile.TemporaryDirectory[str]:
 
 
 def bench_parser(doc: str | None) -> Any:
-    """An argument parser with the flags every benchmark has: ``--runs`` and ``--quick``."""
+    """An argument parser with the flags every benchmark has: ``--runs``, ``--large-runs``
+    (``runs_for``) and ``--quick``."""
     import argparse
 
     parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5, help="repetitions of each measurement")
     parser.add_argument(
+        "--large-runs",
+        type=int,
+        default=None,
+        help=f"repetitions at {LARGE_MIB} MiB per rank and more (default: --runs)",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="a smoke run: small sizes, 2 runs (not figures)"
     )
     return parser
+
+
+LARGE_MIB = 1024  # sizes from here on may take fewer runs (--large-runs): each job is long
+
+
+def runs_for(mib: int, runs: int, args: Any) -> int:
+    """How many runs a size gets: ``runs``, or ``--large-runs`` from ``LARGE_MIB`` up."""
+    large = getattr(args, "large_runs", None)
+    return min(runs, large) if mib >= LARGE_MIB and large is not None else runs
 
 
 def background_load() -> dict[str, Any]:

@@ -64,6 +64,7 @@ from common import (
     job_name,
     leftover_segments,
     run_peerckpt,
+    runs_for,
     scratch_dir,
     socket_gbps,
     target,
@@ -455,6 +456,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "quick": args.quick,
         "runs": runs,
+        "large_runs": args.large_runs,  # at 1 GiB and more (None: as many as runs)
         "kill_at_step": KILL_AT,
         "heartbeat_timeout_s": float(HEARTBEAT_TIMEOUT_S),
         "socket_gbps": socket,
@@ -471,7 +473,7 @@ def main() -> None:
             print(f"{mib} MiB per rank", flush=True)
             sub = Path(scratch) / str(mib)
             sub.mkdir()
-            rows[f"{mib}MiB"] = measure(mib, runs, cold_runs, sub, socket)
+            rows[f"{mib}MiB"] = measure(mib, runs_for(mib, runs, args), cold_runs, sub, socket)
         failure = None
         if 256 in sizes or args.quick:
             mib = 64 if args.quick else 256

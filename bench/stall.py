@@ -54,6 +54,7 @@ from common import (
     job_name,
     leftover_segments,
     run_peerckpt,
+    runs_for,
     scratch_dir,
     socket_gbps,
     steady,
@@ -288,6 +289,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "quick": args.quick,
         "step_ms_target": args.step_ms,
+        "large_runs": args.large_runs,  # at 1 GiB and more (None: as many as runs)
         "steps": args.steps,
         "plain_steps": args.plain_steps,
         "warmup_steps": {"plain": PLAIN_WARMUP, "snapshot": SNAPSHOT_WARMUP},
@@ -308,7 +310,7 @@ def main() -> None:
             print(f"{mib} MiB: batch {batch} (batch 1 takes {floor_s * 1e3:.0f} ms)", flush=True)
             for name, nodes in TOPOLOGIES.items():
                 print(f" {name} ({nodes} node(s) × 1 rank)", flush=True)
-                n = runs if name == "replicated" else local_runs
+                n = runs_for(mib, runs if name == "replicated" else local_runs, args)
                 row = measure(mib, batch, nodes, n, args, base)
                 row["step_s_batch1_alone"] = floor_s
                 result[name][f"{mib}MiB"] = row
