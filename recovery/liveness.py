@@ -5,10 +5,11 @@ that does not end, spares that do not come, agents that do not come back.
 which calls it a few times a second under its lock, acts on the answer. A node whose agent
 stops heart-beating (a hang or a partition) is declared lost; a snapshot that could not be
 mirrored to a buddy that still looks alive after one heartbeat timeout fails the job rather
-than wait forever; a rank whose recovery found no copy to read fails the job only if no newer
-epoch began within ``HOLD_FACTOR`` heartbeat timeouts (a source it read from may have been dying,
-its loss not yet declared, and the epoch that loss starts plans from what is really left); a finished job waits at most ``FINISH_FLUSH_S`` for its last durable
-flush; a restarted coordinator waits ``REBUILD_WAIT_FACTOR`` heartbeat timeouts for agents.
+than wait forever; a rank whose recovery could not reach a source fails the job only if no
+newer epoch began within ``HOLD_FACTOR`` heartbeat timeouts (the source may have been dying,
+its loss not yet declared; the epoch that loss starts plans from what is really left); a
+finished job waits at most ``FINISH_FLUSH_S`` for its last durable flush; a restarted
+coordinator waits ``REBUILD_WAIT_FACTOR`` heartbeat timeouts for agents.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class StuckReplication:
 
 @dataclass(frozen=True)
 class HeldFailure:
-    """A rank's recovery that found no copy to read, in an epoch a loss may still supersede."""
+    """A rank's recovery that could not reach a source, in an epoch a loss may supersede."""
 
     deadline: float
     epoch: int

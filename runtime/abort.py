@@ -80,18 +80,19 @@ class AbortWatchdog:
 
 
 def exit_if_still_inside(stopped: threading.Event, wait_s: float, why: str) -> threading.Thread:
-    """Ends the process if ``stopped`` is not set within ``wait_s``: a rank told that the job
-    ended (failed or stopped) whose function is still inside a join or a restore the abort did
-    not release (seen: a spare joining a group whose other members had just died) would
-    otherwise stay until its launcher kills it, with nothing said about where it was."""
+    """Ends the process if ``stopped`` is not set within ``wait_s`` of ``why`` (the job ended,
+    failed or stopped). A rank still inside a join or a restore that the abort did not release
+    (seen: a spare joining a group whose other members had just died, gloo connecting to them
+    until its timeout) would otherwise stay until its launcher kills it, 20 s on, with nothing
+    said about where it was. The user's own cleanup (``finally``) gets ``wait_s`` too."""
 
     def run() -> None:
         if stopped.wait(wait_s):
             return
         faulthandler.dump_traceback(all_threads=True)
         log.error(
-            "%s, and this rank is still inside it after %.0f s (the threads' stacks are "
-            "above); it exits",
+            "%s %.0f s ago, and this rank has not finished (the threads' stacks are above); "
+            "it exits",
             why,
             wait_s,
         )

@@ -143,12 +143,13 @@ class RankRuntime:
     def _on_shutdown(self, event: Shutdown) -> None:
         self.channel.expect_close()
         with self._cond:
+            already_told = self._shutdown is not None  # the coordinator may say it again
             self._shutdown = event
             self._cond.notify_all()
         self.engine.abort()
         if self.state in (RankState.RUNNING, RankState.JOINING):
             self.pg.abort()
-        if event.state is not JobState.SUCCEEDED:
+        if event.state is not JobState.SUCCEEDED and not already_told:
             exit_if_still_inside(
                 self._stop,
                 self.config.abort_grace_s,

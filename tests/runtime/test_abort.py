@@ -96,7 +96,7 @@ def test_a_rank_still_inside_the_library_after_the_job_ended_exits_with_its_stac
     started = time.monotonic()
     stuck = _ended(0.2, unwinds=False)
     assert stuck.returncode == ExitCode.FAILED and time.monotonic() - started < 20
-    assert "still inside it after 0 s" in stuck.stderr
+    assert "the job ended (failed) during epoch 1 0 s ago, and this rank has not" in stuck.stderr
     assert 'File "<string>", line 8' in stuck.stderr  # where it was: the stacks
 
 
