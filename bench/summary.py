@@ -4,7 +4,8 @@
 
 Every figure with a target, from every benchmark's result: its value, the target, whether it
 is met, and what it was measured on (date, machine, whether other work kept the machine busy
-meanwhile); then, for every missed target, the reason the benchmark measured. The table
+meanwhile); then, for every missed target, the reason the benchmark measured and what would
+remove it (``bench/remedies.py``). The table
 replaces what lies between the two ``bench-summary`` markers in the page (they are added
 under its first paragraph when missing); everything else in the page is left as it is.
 Results of ``--quick`` runs are never used.
@@ -21,6 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, RESULTS
+from remedies import remedy
 
 PAGE = REPO / "docs" / "performance.md"
 START, END = "<!-- bench-summary:start -->", "<!-- bench-summary:end -->"
@@ -286,8 +288,10 @@ def build() -> str:
                 f"| {_fmt_target(t['target'], kind)} "
                 f"| {met} | {_machine(r)} |"
             )
-            if t.get("met") is False and t.get("reason"):
-                reasons.append(f"- **{label}**: {t['reason']}")
+            if t.get("met") is False:
+                why = (t.get("reason") or "not recorded").rstrip(".")
+                fix = remedy(name, key) or "not known yet"
+                reasons.append(f"- **{label}**: {why}. *What would remove it*: {fix}.")
     lines.append("")
     lines.append(
         "Every value is a median of the runs its JSON lists, against a figure measured in the "
@@ -301,7 +305,11 @@ def build() -> str:
             + (f"; `make bench-goodput` {extra_s / 60:.1f} more." if extra_s else ".")
         )
     if reasons:
-        lines += ["", "Why the missed targets are missed (measured by the benchmark, in its JSON):"]
+        lines += [
+            "",
+            "Why the missed targets are missed (measured by the benchmark, in its JSON), and "
+            "what would remove each (`bench/remedies.py`):",
+        ]
         lines += ["", *reasons]
     lines.append(END)
     return "\n".join(lines)
