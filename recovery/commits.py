@@ -74,6 +74,7 @@ class CommitTracker:
         self.committed_twins: dict[int, tuple[int, ...]] = {}
         self.committed_absent: dict[int, tuple[int, ...]] = {}  # rank → chunks its partials lack
         self.short: list[tuple[int, int]] = []  # (rank, step) found short by the last record
+        self.layouts_owed: list[int] = []  # ranks whose layout the last complete step lacked
 
     def __repr__(self) -> str:
         return (
@@ -141,7 +142,7 @@ class CommitTracker:
         by_rank[rank] = complete_nodes(report)
         if meta_nbytes is not None:
             self._meta.setdefault(step, {})[rank] = meta_nbytes
-        self.short = []
+        self.short, self.layouts_owed = [], []
         if len(by_rank) != len(self.ranks):  # only members are counted: every one has it
             return None
         reports = self._twin_reports[step]
@@ -150,9 +151,12 @@ class CommitTracker:
             self.short = [(r, step) for r in verdict.short]
             return None
         if not self._all_layouts:
-            missing = sorted(r for r in self.ranks if r not in self._layouts)
-            if missing:
-                raise StaleEpoch(f"no chunk layout was reported for rank(s) {missing}")
+            # A report carrying a layout was not taken (timed out): its agent sends the layout
+            # with the rank's next report (``CoordinatorLink``), and a later step commits.
+            # Refusing this report would blame a rank that reported everything.
+            self.layouts_owed = sorted(r for r in self.ranks if r not in self._layouts)
+            if self.layouts_owed:
+                return None
             self._all_layouts = True
         self.committed_step = step
         self.committed_gen = self.gen

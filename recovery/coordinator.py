@@ -380,6 +380,13 @@ class Coordinator:
                 partial=msg.partial,
                 absent=msg.absent,
             )
+            if tracker.layouts_owed:
+                log.warning(
+                    "step %d is replicated by every rank but not committed: rank(s) %s owe "
+                    "their chunk layout (a report was lost; it comes with their next one)",
+                    msg.step,
+                    tracker.layouts_owed,
+                )
             self._twins.reported(msg, tracker, committed)
             key = (msg.rank, msg.step, msg.digest)
             if self._digests_file is not None and msg.digest and key not in self._digests_seen:

@@ -24,10 +24,17 @@ def test_a_step_commits_when_every_rank_has_it_replicated() -> None:
 
 
 def test_a_step_cannot_commit_without_every_rank_layout() -> None:
+    """Rank 1's first report (with its layout) was lost; its next report is taken and
+    completes step 1, which must not commit, nor be refused: rank 1's agent sends the layout
+    it owes with its next report, and that step commits."""
     tracker = CommitTracker(epoch=0, ranks=frozenset({0, 1}))
     tracker.record(0, 0, 1, [0, 1], ["a"])
-    with pytest.raises(StaleEpoch, match=r"no chunk layout was reported for rank\(s\) \[1\]"):
-        tracker.record(0, 1, 1, [1, 0])
+    assert tracker.record(0, 1, 1, [1, 0]) is None
+    assert tracker.layouts_owed == [1] and tracker.committed_step is None
+    assert tracker.record(0, 0, 2, [0, 1]) is None
+    assert tracker.layouts_owed == []
+    assert tracker.record(0, 1, 2, [1, 0], ["b"]) == 2
+    assert tracker.committed_layouts == {0: ["a"], 1: ["b"]}
 
 
 def test_reports_of_another_epoch_are_fenced_off() -> None:
