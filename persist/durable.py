@@ -131,10 +131,6 @@ def _sync(f: Any) -> None:
         pass
 
 
-def _is_local(fs: Any) -> bool:
-    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-
-
 def is_local_url(url: str) -> bool:
     """Whether ``url`` names the local file system (``DurableStore(url).local``), from its
     protocol alone: no file system is made, nothing imported."""
@@ -187,7 +183,7 @@ class DurableStore:
         self.mode = localfs.check_mode(mode)
         self.fs, self.root = fsspec.core.url_to_fs(url, **storage_options)
         self.root = self.root.rstrip("/")
-        self.local = _is_local(self.fs)
+        self.local = is_local_url(url)
 
     def _path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
