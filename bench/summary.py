@@ -5,9 +5,9 @@
 Every figure with a target, from every benchmark's result: its value, the target, whether it
 is met, and what it was measured on (date, machine, whether other work kept the machine busy
 meanwhile); then, for every missed target, the reason the benchmark measured and what would
-remove it (``bench/remedies.py``). The table
-replaces what lies between the two ``bench-summary`` markers in the page (they are added
-under its first paragraph when missing); everything else in the page is left as it is.
+remove it (``bench/remedies.py``). The table replaces what lies between the two
+``bench-summary`` markers in the page (they are added under its first paragraph when
+missing); everything else in the page is left as it is.
 Results of ``--quick`` runs are never used.
 """
 
