@@ -100,7 +100,7 @@ REMEDIES: list[tuple[str, str]] = [
         r"goodput:ettr_peerckpt(_every_step)?",
         "a GPU: snapshots every step cost +0.3 % there, so a fault costs the recovery (0.1–0.3 "
         "s) and at most one step: 1 − 0.5 s / 20 s ≈ 0.975. On these 2 cores the snapshots' "
-        "own cost caps it: Young/Daly's 1 − sqrt(2·C/MTBF) = 0.91 for the chosen interval",
+        "own cost caps it, at Young/Daly's 1 − sqrt(2·C/MTBF) for the chosen interval",
     ),
 ]
 
