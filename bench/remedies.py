@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import re
 
-_RECOVERY_COPY = (
+_REPLACEMENT_COPY = (
     "restoring the replacement without a copy into fresh memory (its tensors made on the "
     "slot's pages, or the state received straight into the tensors it builds), a spare node's "
-    "agent creating and touching its spares' slots while they wait, and survivors that keep "
-    "their model across an epoch whose world size did not change instead of building it "
-    "again and copying their state back on the same cores (docs/performance.md, “Recovery of "
-    "one rank”); not built"
+    "agent creating and touching its spares' slots while they wait"
+)
+_RECOVERY_COPY = (
+    _REPLACEMENT_COPY + ", and survivors that keep their model across an epoch whose world "
+    "size did not change instead of building it again and copying their state back on the "
+    "same cores (docs/performance.md, “Recovery of one rank”); not built"
 )
 
 # (result name : target key, as a regular expression) → what would remove the miss
@@ -67,7 +69,7 @@ REMEDIES: list[tuple[str, str]] = [
         "step lags the live one (the interval the budget chose), the more steps are re-done. "
         "Survivors that keep their model across an epoch whose world size did not change "
         "(their copy 0.024 s instead of 0.14 s at 256 MiB), and a snapshot every step where "
-        "snapshots are cheap (the GPU path); " + _RECOVERY_COPY.split(", and survivors")[0],
+        "snapshots are cheap (the GPU path); " + _REPLACEMENT_COPY,
     ),
     (
         r"reshard:.*dcp\.load.*",
