@@ -39,6 +39,12 @@ class PeerUnavailable(PeerckptError):
     """A peer agent could not be reached or stopped answering."""
 
 
+def no_answer(exc: BaseException) -> bool:
+    """Whether ``exc`` says a peer did not answer (refused, reset, closed) rather than what
+    it sent was wrong: its node may be dying (``RecoveryFailed.unreachable``)."""
+    return isinstance(exc, (PeerUnavailable, OSError))
+
+
 class InsufficientMemory(PeerckptError):
     """Host memory (or /dev/shm) is too small for the snapshot slots that were asked for."""
 

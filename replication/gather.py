@@ -30,6 +30,7 @@ from peerckpt.errors import (
     PeerUnavailable,
     ProtocolError,
     RecoveryFailed,
+    no_answer,
 )
 from peerckpt.manifest import ChunkRecord, SnapshotManifest, align, chunk_name
 from peerckpt.messages import decode
@@ -297,7 +298,7 @@ def assemble(store: SlotStore, job: GatherJob, connect: Callable[[int], Connecti
                 conn.close()
         except Exception as exc:  # reported below, naming the source
             errors.append(f"node {source}: {type(exc).__name__}: {exc}")
-            if isinstance(exc, (PeerUnavailable, OSError)):
+            if no_answer(exc):
                 unreachable.append(source)
 
     def read_storage(items: list[Read]) -> None:

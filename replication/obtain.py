@@ -15,7 +15,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from peerckpt.errors import ChecksumMismatch, PeerckptError, PeerUnavailable, RecoveryFailed
+from peerckpt.errors import (
+    ChecksumMismatch,
+    PeerckptError,
+    PeerUnavailable,
+    RecoveryFailed,
+    no_answer,
+)
 from peerckpt.manifest import SnapshotManifest
 from peerckpt.replication.dedup import sent_bytes
 from peerckpt.replication.store import Slot, SlotStore
@@ -67,12 +73,12 @@ def obtain_committed(
         except PeerckptError as exc:
             log.error("cannot restore rank %d step %d from node %d: %s", rank, step, source, exc)
             failures.append(f"node {source}: {exc}")
-            unreachable |= isinstance(exc, PeerUnavailable)
+            unreachable |= no_answer(exc)
             continue
         except Exception as exc:  # a bad manifest or a reset mid-frame: try the next source
             log.exception("cannot restore rank %d step %d from node %d", rank, step, source)
             failures.append(f"node {source}: {type(exc).__name__}: {exc}")
-            unreachable |= isinstance(exc, OSError)
+            unreachable |= no_answer(exc)
             continue
         assert slot.manifest is not None
         return Obtained(slot, slot.manifest, source, nbytes, time.monotonic() - start)
