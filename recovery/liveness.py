@@ -70,21 +70,21 @@ class Clocks:
     def replication_stuck(
         self, now: float, epoch: int, step: int, buddy: int, message: str
     ) -> None:
-        # A restarted coordinator learns which nodes are gone only once its agents had their
-        # time to come back (a moved one: the dead host's never do): until then, and one
-        # heart-beat timeout more, a buddy that does not answer may be one of those.
-        since = max(now, self.rebuild_deadline or now)
-        self.stuck.append(
-            StuckReplication(since + self.heartbeat_timeout, epoch, step, buddy, message)
-        )
+        self.stuck.append(StuckReplication(self._after(now, 1.0), epoch, step, buddy, message))
 
     def hold_failure(self, now: float, epoch: int, message: str) -> None:
         """A rank of ``epoch`` could not recover (``message``). Two nodes killed together
         are declared lost one after the other: a spare replacing the first one's rank may
         read from the second and fail on its closed connection before that loss is known.
         The job fails with ``message`` only if no loss started a newer epoch meanwhile."""
-        since = max(now, self.rebuild_deadline or now)
-        self.held.append(HeldFailure(since + HOLD_FACTOR * self.heartbeat_timeout, epoch, message))
+        self.held.append(HeldFailure(self._after(now, HOLD_FACTOR), epoch, message))
+
+    def _after(self, now: float, timeouts: float) -> float:
+        """``timeouts`` heartbeat timeouts from now, or from the end of a rebuild. A restarted
+        coordinator learns which nodes are gone only once its agents had their time to come
+        back (a moved one: the dead host's never do): until then a node that does not answer
+        may be one of those."""
+        return max(now, self.rebuild_deadline or now) + timeouts * self.heartbeat_timeout
 
     def start_rebuild(self, now: float) -> None:
         if self.rebuild_deadline is None:
