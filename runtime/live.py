@@ -121,8 +121,13 @@ def adopt(owner: Any, live: torch.Tensor) -> bool:
         return False
     dst = _target(owner)
     if dst.data_ptr() != live.data_ptr():
-        with torch.no_grad():
-            dst.set_(live.untyped_storage(), 0, live.shape, live.stride())
+        # ``.data =``, never ``set_``: ``set_`` gives a leaf parameter a new gradient
+        # accumulator, and the hooks on the old one — DDP's reducer's, which all-reduce the
+        # gradients — never fire again. A survivor restored from a snapshot without DDP's
+        # rebuilt buckets (the step-0 snapshot: nothing re-creates its reducer) then trained
+        # alone, silently, and its spare waited in the all-reduce forever (measured, torch
+        # 2.13: ``set_`` → a new AccumulateGrad node, hooks silent; ``.data =`` → the same).
+        dst.data = live
     return True
 
 

@@ -107,3 +107,19 @@ def test_a_view_into_a_larger_buffer_is_copied_into_never_re_pointed() -> None:
     assert not live.adopt(plain, value.double())
     assert live.adopt(plain, value) and plain.data_ptr() == value.data_ptr()
     assert plain.requires_grad and plain.is_leaf
+
+
+def test_an_adopted_parameter_keeps_its_gradient_hooks() -> None:
+    # DDP's reducer all-reduces from hooks on each parameter's gradient accumulator, set when
+    # the DDP is built — before ``ctx.track`` adopts the live tensors. Adopting must keep
+    # that accumulator, or the restored rank trains alone without a word (a spare beside it
+    # then waits in the all-reduce forever).
+    param = nn.Parameter(torch.ones(4))
+    accumulator = param.view_as(param).grad_fn.next_functions[0][0]
+    fired: list[int] = []
+    accumulator.register_hook(lambda *args: fired.append(1))
+    kept = torch.full((4,), 3.0)
+    assert live.adopt(param, kept)
+    assert param.data_ptr() == kept.data_ptr()  # no byte copied
+    (param * 2).sum().backward()
+    assert fired == [1] and torch.equal(param.grad, torch.full((4,), 2.0))
