@@ -212,7 +212,9 @@ class Agent:
     def start(self) -> None:
         self.data.start()
         self.control.start()
-        config = self.coordinator.call(self._registration())
+        # A spare node or joiner may start while the coordinator is away (the launcher
+        # restarts a dead one): it waits for it as long as a registered agent would.
+        config = self.coordinator.register(self._registration(), COORDINATOR_GRACE_S)
         self.heartbeat_timeout = config.heartbeat_timeout
         self.mirroring.retry_s = 2 * self.heartbeat_timeout
         self.heartbeat_interval = max(0.05, min(0.5, self.heartbeat_timeout / 5))

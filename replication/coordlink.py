@@ -4,6 +4,12 @@ A coordinator restarted in place answers where the last one did; one that moved 
 host because its own died answers at the next endpoint of the job's succession
 (``peerckpt/succession.py``): ``rejoin`` tries them in that order.
 
+An agent that starts while the coordinator is away (a spare node or a joiner the launcher
+started just before the coordinator died) is in the same position as one that lost it:
+``register`` waits and retries for the coordinator's grace period, as ``rejoin`` does,
+instead of failing the node (and with it the launcher's job) at the first refused connection.
+Only silence is waited out: a coordinator that answers with a refusal is final.
+
 Every report is a typed request (``peerckpt/messages/control.py``). While the chaos harness
 partitions the node, reports wait until it heals (a partitioned node's coordinator hears
 nothing). The last report of each kind per rank is kept, and sent again when the agent
@@ -19,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from peerckpt.errors import PeerckptError
+from peerckpt.errors import PeerckptError, PeerUnavailable
 from peerckpt.faults import NetHooks
 from peerckpt.messages.control import (
     AgentConfig,
@@ -34,6 +40,8 @@ from peerckpt.rpc import EventStream, RpcClient
 
 log = logging.getLogger("peerckpt.agent")
 R = TypeVar("R")
+RETRY_S = 0.2  # between two registrations while the coordinator is away
+REGISTER_TIMEOUT_S = 10.0  # one registration call, the coordinator answering
 
 
 class CoordinatorLink:
@@ -72,6 +80,46 @@ class CoordinatorLink:
 
     def call(self, msg: Request[R], timeout: float = 10.0) -> R:
         return self.rpc.call(msg, timeout=timeout)
+
+    def register(self, msg: RegisterAgent, grace_s: float) -> AgentConfig:
+        """Register this node's agent for the first time. While the coordinator does not
+        answer (the launcher may be restarting it), wait and retry for up to ``grace_s``;
+        a refusal raises at once. Raises ``PeerUnavailable`` naming the wait if it never
+        answered, ``PeerckptError`` if the agent is told to stop meanwhile."""
+        began = time.monotonic()
+        deadline = began + grace_s
+        waiting = False
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                config = self.rpc.call(msg, timeout=max(1.0, min(REGISTER_TIMEOUT_S, left)))
+                break
+            except PeerUnavailable as exc:
+                if time.monotonic() + RETRY_S > deadline:
+                    raise PeerUnavailable(
+                        f"node {self.node}'s agent could not register: the coordinator at "
+                        f"{self.address} did not answer for {grace_s:.0f} s ({exc}). Is the "
+                        "job's coordinator running there? A restarted one is back within "
+                        "seconds; check its log and the --coordinator address"
+                    ) from None
+                if not waiting:
+                    log.warning(
+                        "the coordinator at %s does not answer (it may be restarting): "
+                        "retrying for up to %.0f s",
+                        self.address,
+                        grace_s,
+                    )
+                    waiting = True
+            if self._stopping.wait(RETRY_S):
+                raise PeerckptError(
+                    f"node {self.node}'s agent was stopped while it waited for the coordinator"
+                )
+        if waiting:
+            log.warning(
+                "registered with the coordinator after waiting %.1f s for it",
+                time.monotonic() - began,
+            )
+        return config
 
     def watch(self) -> EventStream:
         return self.rpc.stream(Watch(self.node))

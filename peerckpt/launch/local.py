@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from peerckpt.errors import ConfigurationError, PeerckptError
+from peerckpt.errors import ConfigurationError, PeerckptError, PeerUnavailable
 from peerckpt.faults import ENV as FAULTS_ENV
 from peerckpt.launch.base import JobResult, JobSpec, Launcher
 from peerckpt.launch.jobfile import JobClaim
@@ -364,9 +364,23 @@ class LocalLauncher(Launcher):
             restart=True,
         )
 
+    def _restart_if_exited(self, events: list[RecoveryEvent]) -> None:
+        """Restart the coordinator if it exited while the launcher waits on something else
+        (``events``: the failures it had reported, kept for the report)."""
+        if self.coordinator is None or self.coordinator.poll() is None:
+            return
+        if self._restarts >= MAX_COORDINATOR_RESTARTS:
+            raise PeerckptError("the coordinator exited unexpectedly")
+        self._earlier_events = self._all_events(events)
+        self._restart_coordinator()
+
     def _replenish(self, status: JobStatus) -> None:
         """Keep ``--spares`` spares in reserve, as a cluster's pool of hot spares does: one
-        for every spare that took a rank or died."""
+        for every spare that took a rank or died.
+
+        The coordinator may die on the way: a call it does not answer is tried again at the
+        next status, and while a new spare node's agent waits for it (``CoordinatorLink.
+        register``) this restarts it, as ``_watch`` would; neither fails the job."""
         assigned = {pid for _, pid in status.ranks.values()}
         waiting = [p for p in self._spares if p.poll() is None and p.pid not in assigned]
         missing = self.spec.spares - len(waiting)
@@ -374,15 +388,23 @@ class LocalLauncher(Launcher):
             return
         assert self.rpc is not None
         hosts_ranks = any(node == self._spare_node for node, _ in status.ranks.values())
-        if hosts_ranks or not status.nodes.get(self._spare_node, False):
-            # A spare node that now runs ranks is a failure domain of the job: new spares go
-            # to a fresh one, so that losing it does not take the reserve with it.
-            node = self.rpc.call(AllocateNode()).node
-            agent = self.procs.start_agent(node, self.address, ["--spare-node"])
-            self.procs.await_ready(agent.agent, f"agent of node {node}")
-            self._spare_node = node
-            log.info("node %d is the new spare node", node)
-        self.rpc.call(SparesStarting(missing))
+        try:
+            if hosts_ranks or not status.nodes.get(self._spare_node, False):
+                # A spare node that now runs ranks is a failure domain of the job: new spares
+                # go to a fresh one, so that losing it does not take the reserve with it.
+                node = self.rpc.call(AllocateNode()).node
+                agent = self.procs.start_agent(node, self.address, ["--spare-node"])
+                self.procs.await_ready(
+                    agent.agent,
+                    f"agent of node {node}",
+                    lambda: self._restart_if_exited(status.events),
+                )
+                self._spare_node = node
+                log.info("node %d is the new spare node", node)
+            self.rpc.call(SparesStarting(missing))
+        except PeerUnavailable as exc:
+            log.warning("spares not replenished yet (tried again at the next status): %s", exc)
+            return
         for _ in range(missing):
             self._spares.append(
                 self.procs.start_proc(self._spare_node, "spare", WORLD_SIZE=str(self.spec.world))

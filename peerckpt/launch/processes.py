@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
@@ -31,6 +31,7 @@ from peerckpt.states import MAX_RESTARTS, ExitCode
 
 log = logging.getLogger("peerckpt.launcher")
 READY_TIMEOUT_S = 60.0
+MEANWHILE_S = 0.1  # how often ``await_ready`` lets its caller act while it waits
 
 
 class Proc(Protocol):
@@ -114,8 +115,15 @@ class ProcessSet:
             start_new_session=True,
         )
 
-    def await_ready(self, proc: subprocess.Popen[bytes], what: str) -> dict[str, Any]:
-        """Wait for a service's ``READY {json}`` line; return what it said."""
+    def await_ready(
+        self,
+        proc: subprocess.Popen[bytes],
+        what: str,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> dict[str, Any]:
+        """Wait for a service's ``READY {json}`` line; return what it said. ``meanwhile`` is
+        called every ``MEANWHILE_S`` while waiting (what must go on: an agent becomes ready
+        only once the coordinator, which the caller restarts, answers it)."""
         assert proc.stdout is not None
         result: dict[str, Any] = {}
 
@@ -124,9 +132,15 @@ class ProcessSet:
             if line.startswith("READY "):
                 result.update(json.loads(line[6:]))
 
-        reader = threading.Thread(target=read, args=(proc.stdout,), daemon=True)
+        reader = threading.Thread(
+            target=read, args=(proc.stdout,), name=f"peerckpt-ready-{proc.pid}", daemon=True
+        )
         reader.start()
-        reader.join(READY_TIMEOUT_S)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while reader.is_alive() and time.monotonic() < deadline:
+            reader.join(MEANWHILE_S if meanwhile is not None else READY_TIMEOUT_S)
+            if meanwhile is not None and reader.is_alive():
+                meanwhile()
         if not result:
             raise PeerckptError(
                 f"the {what} did not start (exit status {proc.poll()}); see its log above"

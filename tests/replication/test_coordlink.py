@@ -1,4 +1,5 @@
-"""The agent's reports of replicated snapshots: those ready while one is on its way go together."""
+"""The agent's link to the coordinator: reports of replicated snapshots (those ready while one
+is on its way go together), and a first registration while the coordinator is away."""
 
 from __future__ import annotations
 
@@ -7,8 +8,16 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from peerckpt.errors import PeerckptError, StaleEpoch
-from peerckpt.messages.control import Replicated, ReplicatedMany, ReplicatedReply
+import pytest
+
+from peerckpt.errors import AuthenticationError, PeerckptError, PeerUnavailable, StaleEpoch
+from peerckpt.messages.control import (
+    AgentConfig,
+    RegisterAgent,
+    Replicated,
+    ReplicatedMany,
+    ReplicatedReply,
+)
 from peerckpt.replication.coordlink import CoordinatorLink
 
 
@@ -112,3 +121,56 @@ def test_an_owed_layout_is_dropped_with_its_epoch_and_a_new_layout_supersedes_it
     link.report_replicated(replace(_report(1), step=6, layout=new))  # its own layout wins
     link.report_replicated(replace(_report(0), epoch=1, step=9))  # epoch 0 is over
     assert [c.layout for c in rpc.calls] == [old, old, new, None]
+
+
+class AwayRpc(SlowRpc):
+    """A coordinator that does not answer the first ``away`` calls, then registers."""
+
+    def __init__(self, away: int, error: PeerckptError | None = None) -> None:
+        super().__init__()
+        self.away = away
+        self.error = error
+
+    def call(self, msg: Any, timeout: float = 10.0) -> Any:
+        self.calls.append(msg)
+        if self.error is not None:
+            raise self.error
+        if len(self.calls) <= self.away:
+            raise PeerUnavailable("coordinator at 127.0.0.1:1 did not answer RegisterAgent")
+        return AgentConfig(1, 5.0)
+
+
+def test_a_first_registration_waits_while_the_coordinator_does_not_answer() -> None:
+    link = CoordinatorLink("127.0.0.1:1", b"s" * 32, "j", 4, threading.Event())
+    link.rpc.close()
+    link.rpc = AwayRpc(away=3)  # type: ignore[assignment]
+    assert link.register(RegisterAgent(4, "127.0.0.1:9", True), grace_s=30.0) == AgentConfig(1, 5.0)
+    assert len(link.rpc.calls) == 4
+
+
+def test_a_coordinator_that_answers_with_a_refusal_is_not_waited_for() -> None:
+    link = CoordinatorLink("127.0.0.1:1", b"s" * 32, "j", 4, threading.Event())
+    link.rpc.close()
+    link.rpc = AwayRpc(away=0, error=AuthenticationError("wrong job secret"))  # type: ignore[assignment]
+    with pytest.raises(AuthenticationError, match="wrong job secret"):
+        link.register(RegisterAgent(4, "127.0.0.1:9"), grace_s=30.0)
+    assert len(link.rpc.calls) == 1
+
+
+def test_a_coordinator_silent_for_the_whole_grace_period_fails_the_agent_naming_the_fix() -> None:
+    link = CoordinatorLink("127.0.0.1:1", b"s" * 32, "j", 4, threading.Event())
+    link.rpc.close()
+    link.rpc = AwayRpc(away=1 << 30)  # type: ignore[assignment]
+    with pytest.raises(PeerUnavailable, match=r"node 4's agent could not register.*--coordinator"):
+        link.register(RegisterAgent(4, "127.0.0.1:9"), grace_s=0.5)
+
+
+def test_an_agent_told_to_stop_while_it_waits_for_the_coordinator_stops_waiting() -> None:
+    stopping = threading.Event()
+    link = CoordinatorLink("127.0.0.1:1", b"s" * 32, "j", 4, stopping)
+    link.rpc.close()
+    link.rpc = AwayRpc(away=1 << 30)  # type: ignore[assignment]
+    stopping.set()
+    with pytest.raises(PeerckptError, match="stopped while it waited"):
+        link.register(RegisterAgent(4, "127.0.0.1:9"), grace_s=30.0)
+    assert len(link.rpc.calls) == 1
