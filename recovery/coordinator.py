@@ -42,7 +42,6 @@ from peerckpt.messages.control import (
     AllocateNode,
     Commit,
     Done,
-    EpochOpened,
     Flushed,
     Heartbeat,
     HeartbeatReply,
@@ -148,7 +147,7 @@ class Coordinator:
         )
         self.clocks = Clocks(heartbeat_timeout)
         self._twins = DedupWatch(self.registry.send)  # redundancy-aware replication's follow-up
-        self.rebuilt = False  # restarted: state rebuilt from the agents' reports
+        self.rebuilt_epoch: int | None = None  # restarted: the epoch rebuilt from the agents
         self.rebuild_lost: set[int] = set()  # ranks found gone while rebuilding
         self.rebuild_digests: dict[int, str] = {}  # rank → twin digest of its committed copies
         # Moved here because the coordinator's host died (``peerckpt/succession.py``): the
@@ -187,8 +186,8 @@ class Coordinator:
             if agent is None:
                 raise ConfigurationError(f"node {msg.node} watched before registering")
             events = agent.events
-            if self.epochs.membership is not None:
-                events.put(EpochOpened(self.epochs.membership))
+            for event in rebuild.catch_up(self):
+                events.put(event)
         try:
             async for data in events.stream():
                 yield data
@@ -346,6 +345,8 @@ class Coordinator:
                         f"no heartbeat for {silent_s:.1f} s "
                         f"(timeout {self.settings.heartbeat_timeout} s)",
                     )
+            if expired.rebuild:  # after the losses: an epoch they opened forms its own group
+                rebuild.regroup_unformed(self)
 
     def _end_rebuild(self) -> None:
         """The agents had their time to come back: recover what was lost while we were away."""

@@ -10,6 +10,17 @@ membership whose agent has not come back yet count as alive until their heartbea
 otherwise; ranks whose process is gone are recovered together once every agent had
 ``REBUILD_WAIT_FACTOR`` heartbeat timeouts to come back (``Coordinator._end_rebuild``).
 
+An agent lost just before the coordinator: if the coordinator died before it opened the epoch
+that replaces the lost node, that node is in the rebuilt membership, never comes back, and is
+declared lost by its silence once the wait ends. If it had opened it, the ranks may have been
+forming its process group on the rendezvous store, which lives in the coordinator's process
+and died with it: a rank connected to it fails, or waits for peers that failed, and nobody
+says so. Every agent replays its ranks' last ``Resumed`` report; the ranks of the rebuilt
+epoch that never reported stepping in it when the wait ends form its group again in a new
+epoch (``regroup_unformed``). An agent that comes back after a step committed without it
+hears that commit first on its event stream (``catch_up``): its ranks wait for it before
+they snapshot again.
+
 A coordinator that moved to another host because its own died (``peerckpt/succession.py``,
 ``--moved-from HOST``) waits for no node of that host: they are silent from the start, and
 the wait ends as soon as every other node of the membership is back, and the dead host's nodes
@@ -23,8 +34,9 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from peerckpt.messages.control import RejoinState
+from peerckpt.messages.control import Commit, EpochOpened, RejoinState
 from peerckpt.recovery.commits import CommitTracker
+from peerckpt.recovery.decide import Loss
 from peerckpt.recovery.registry import AgentInfo
 from peerckpt.recovery.twins import domains_of, twins_by_digest
 from peerckpt.states import JobState, ProcRole
@@ -53,7 +65,8 @@ def adopt(c: Coordinator, node: int, state: RejoinState) -> None:
                 registry.add_proc(a.node, a.pid, ProcRole.RANK, rank)
         if c.life.state is JobState.STARTING:
             c.life.become(JobState.RUNNING)
-        c.rebuilt = True
+        c.rebuilt_epoch = m.epoch
+        epochs.resumed.clear()  # ranks report stepping in this epoch (replayed ``Resumed``)
     tracker = epochs.tracker
     committed = state.committed_step
     log.info(
@@ -117,6 +130,61 @@ def adopt(c: Coordinator, node: int, state: RejoinState) -> None:
         expected = set(members.node_addrs) - on_host(members.node_addrs, c.moved_from)
         if expected <= c.rebuild_back:  # every node that can come back did: end the wait
             c.clocks.rebuild_deadline = time.monotonic()
+
+
+def catch_up(c: Coordinator) -> list[EpochOpened | Commit]:
+    """What an agent's event stream hears first: the current epoch, and the step committed in
+    it since it opened. An agent back after a coordinator restart missed the commits broadcast
+    before it registered, and its ranks wait for that one before they overwrite their older
+    snapshot slot: without it the job stalls until the commit timeout. Both are idempotent
+    for an agent that already knows them."""
+    m, tracker = c.epochs.membership, c.epochs.tracker
+    if m is None:
+        return []
+    step = tracker.committed_step if tracker is not None and tracker.epoch == m.epoch else None
+    if step is None or step == m.restore_step:
+        return [EpochOpened(m)]
+    largest = max(c.epochs.snapshot_bytes.values(), default=0)
+    return [EpochOpened(m), Commit(m.epoch, step, largest)]
+
+
+def regroup_unformed(c: Coordinator) -> None:
+    """The agents had their time to come back: ranks of the rebuilt epoch that never formed
+    its process group (``unformed``) form it again, the same ranks, in a new epoch."""
+    m = c.epochs.membership
+    ranks = unformed(c)
+    if m is None or not ranks:
+        return
+    reason = (
+        f"rank(s) {sorted(ranks)} never reported stepping in epoch {m.epoch}: its process "
+        "group was forming on the rendezvous store of the coordinator that died; the same "
+        "ranks form it again"
+    )
+    log.warning("%s", reason)
+    c.epochs.recover(Loss("rendezvous", frozenset(), frozenset(), reason, time.time()))
+
+
+def unformed(c: Coordinator) -> set[int]:
+    """Once the agents had their time to come back: the live ranks of the rebuilt epoch that
+    never reported stepping in it (each agent replays its ranks' last ``Resumed``). They were
+    forming the epoch's process group on the rendezvous store of the coordinator that died
+    (its loss resets their store connection: ``init_process_group`` fails, or waits for peers
+    that failed), so they never will. Empty if a newer epoch opened since (it forms its own
+    group), under torchrun (whose workers restart on such an error) and if every rank steps.
+
+    A rank still restoring a large state then counts as unformed too: the new epoch costs it
+    a restore, never a wrong bit (it restores the same committed step)."""
+    m = c.epochs.membership
+    if m is None or m.epoch != c.rebuilt_epoch or c.settings.restart_based:
+        return set()
+    procs = c.registry.procs
+    return {
+        rank
+        for rank, a in m.ranks.items()
+        if rank not in c.epochs.resumed
+        and (p := procs.get((a.node, a.pid))) is not None
+        and p.alive
+    }
 
 
 def on_host(node_addrs: dict[int, str], host: str) -> set[int]:

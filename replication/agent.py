@@ -414,7 +414,10 @@ class Agent:
 
     def _on_resumed(self, msg: RankResumed, link: ProcLink) -> None:
         pulls, holds = self.preparer.take_pulls(msg.epoch, msg.rank)
-        self.coordinator.report(Resumed(self.node, msg.epoch, msg.rank, pulls, holds))
+        resumed = Resumed(self.node, msg.epoch, msg.rank, pulls, holds)
+        # Replayed to a restarted coordinator: it tells it the epoch's group formed here.
+        self.coordinator.remember(("Resumed", msg.rank), resumed)
+        self.coordinator.report(resumed)
 
     def _on_done(self, msg: RankDone, link: ProcLink) -> None:
         done = Done(self.node, msg.epoch, msg.rank)
