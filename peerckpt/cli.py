@@ -34,6 +34,7 @@ def _run(args: argparse.Namespace) -> int:
         nodes=args.nodes,
         nproc_per_node=args.nproc_per_node,
         spares=args.spares,
+        keep_spares=args.keep_spares,
         replicas=args.replicas,
         chaos=args.chaos or "",
         heartbeat_timeout=args.heartbeat_timeout,
@@ -320,6 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--nodes", type=int, default=1, help="simulated nodes (failure domains)")
     run.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node")
     run.add_argument("--spares", type=int, default=0, help="hot spare processes, on a spare node")
+    run.add_argument(
+        "--keep-spares",
+        action="store_true",
+        help="keep --spares in reserve, as a cluster's pool of hot spares: start a new spare "
+        "(on a fresh spare node once the last one runs ranks) for every one used or lost "
+        "(a local job; under --ray spare nodes are always replenished)",
+    )
     run.add_argument(
         "--replicas",
         type=int,

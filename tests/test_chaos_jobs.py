@@ -3,7 +3,7 @@
 The job is ``tests/jobs/ddp_job.py`` (2 nodes × 2 ranks unless said). Each test compares every
 digest any rank recorded — steps trained again after a restore included — and the final state
 with a fault-free run of the same job; the leak check of ``conftest.py`` then asserts that no
-process, socket or shared-memory file is left. Five of them run in ``make test``; the rest
+process, socket or shared-memory file is left. Four of them run in ``make test``; the rest
 (marked slow) in ``make test-all``.
 """
 
@@ -149,6 +149,28 @@ def test_a_killed_coordinator_is_restarted_and_the_job_goes_on(tmp_path, referen
     assert run.report["events"] == []  # nothing was lost: no recovery, no step trained again
     assert "rebuilding from the agents: epoch 0, 4 ranks" in run.log
     assert run.log.count("registered again with the restarted coordinator") == 2
+    assert_same_digests(run, reference_run)
+
+
+def test_a_coordinator_killed_just_after_an_agent_comes_back_and_the_job_goes_on(
+    tmp_path, reference_run
+) -> None:
+    # Node 1's agent dies: its ranks go to the two spares, and the launcher (--keep-spares, as
+    # in a chaos campaign) starts a fresh spare node for the reserve. Two steps later the
+    # coordinator dies too: while that node's agent registers (it waits for the restarted
+    # coordinator instead of failing the job), or while the new epoch's group forms on the
+    # rendezvous store that died with it (the restarted one re-forms it), or after both.
+    run = run_job(
+        tmp_path,
+        script_args=["--steps", "30"],
+        spares=2,
+        chaos="kill agent node=1 at=8; kill coordinator at=10",
+        extra=["--keep-spares"],
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    assert all(c.get("fired_at") for c in run.report["chaos"]), run.report["chaos"]
+    assert "rebuilding from the agents" in run.log
+    assert "did not come back" not in run.log and "could not register" not in run.log
     assert_same_digests(run, reference_run)
 
 
