@@ -86,6 +86,7 @@ class LocalLauncher(Launcher):
         self._store_port = 0
         self._spares: list[Proc] = []  # every spare process started
         self._spare_node = -1
+        self._spares_announced = 0  # spares the coordinator was told are starting, not started
         self._fault_dir: str | None = None
         # Observers: metrics and the status page (--metrics-port), the timeline samples, and
         # whatever else wants every status the launcher polls (progress, a campaign's bar).
@@ -357,6 +358,7 @@ class LocalLauncher(Launcher):
         epoch, their ranks and their copies, register again and it rebuilds its state from
         what they report; the ranks go on training meanwhile."""
         self._restarts += 1
+        self._spares_announced = 0  # told the last coordinator only
         port = self.address.rpartition(":")[2]
         log.warning("the coordinator exited; restarting it (restart %d)", self._restarts)
         self._start_coordinator(
@@ -376,7 +378,8 @@ class LocalLauncher(Launcher):
 
     def _replenish(self, status: JobStatus) -> None:
         """Keep ``--spares`` spares in reserve, as a cluster's pool of hot spares does: one
-        for every spare that took a rank or died.
+        for every spare that took a rank or died. The coordinator hears that they are starting
+        before anything starts, so that a loss meanwhile waits for them.
 
         The coordinator may die on the way: a call it does not answer is tried again at the
         next status, and while a new spare node's agent waits for it (``CoordinatorLink.
@@ -389,6 +392,9 @@ class LocalLauncher(Launcher):
         assert self.rpc is not None
         hosts_ranks = any(node == self._spare_node for node, _ in status.ranks.values())
         try:
+            # First: a loss while they start (a new spare node takes a second) waits for them
+            # instead of failing the job for want of spares.
+            self._announce_spares(missing)
             if hosts_ranks or not status.nodes.get(self._spare_node, False):
                 # A spare node that now runs ranks is a failure domain of the job: new spares
                 # go to a fresh one, so that losing it does not take the reserve with it.
@@ -401,7 +407,7 @@ class LocalLauncher(Launcher):
                 )
                 self._spare_node = node
                 log.info("node %d is the new spare node", node)
-            self.rpc.call(SparesStarting(missing))
+            self._announce_spares(missing)  # again if the coordinator restarted meanwhile
         except PeerUnavailable as exc:
             log.warning("spares not replenished yet (tried again at the next status): %s", exc)
             return
@@ -409,7 +415,16 @@ class LocalLauncher(Launcher):
             self._spares.append(
                 self.procs.start_proc(self._spare_node, "spare", WORLD_SIZE=str(self.spec.world))
             )
+        self._spares_announced = 0
         log.info("started %d spare(s) on node %d to replace those used", missing, self._spare_node)
+
+    def _announce_spares(self, count: int) -> None:
+        """Tell the coordinator that ``count`` spares are starting, once per coordinator (a
+        restarted one knows only the spares its agents report: ``_restart_coordinator``)."""
+        assert self.rpc is not None
+        if self._spares_announced < count:
+            self.rpc.call(SparesStarting(count - self._spares_announced))
+            self._spares_announced = count
 
     def _start_problem(self, waited: float) -> str:
         """Why the first epoch cannot open, if it cannot (a rank died or never connected)."""
