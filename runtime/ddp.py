@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
@@ -66,6 +67,17 @@ def apply_bucket_layout(module: DistributedDataParallel, buckets: list[list[int]
     finally:
         dist._compute_bucket_assignment_by_size = original
     return True
+
+
+def settle_buckets(module: DistributedDataParallel) -> None:
+    """Rebuild ``module``'s buckets now where its next forward would (DDP's own
+    ``_pre_forward`` step: after its first iteration, once)."""
+    if getattr(module, "_has_rebuilt_buckets", False) or not torch.is_grad_enabled():
+        return
+    if module.reducer._rebuild_buckets():
+        module._has_rebuilt_buckets = True
+        if module.logger is not None:  # what ``bucket_layout`` reads is updated here
+            module.logger.set_runtime_stats_and_log()
 
 
 class DdpLayouts:
@@ -119,13 +131,20 @@ class DdpLayouts:
         return list(found.items())
 
     def layouts(self) -> dict[str, list[list[int]]]:
-        """The layout of every known DDP, for the snapshot of this step."""
+        """The layout of every known DDP, for the snapshot of this step. A DDP that ran an
+        iteration but has not rebuilt its buckets yet (it would at its next forward) rebuilds
+        them now, so that the snapshot carries the layout the next step uses: restored from
+        this snapshot into a new DDP, that step then reduces in the same buckets. (Without
+        it, a restore from the snapshot of step 0 ran step 1 in the initial buckets and its
+        bits differed.) Every rank snapshots the same steps, so the broadcast of the layout
+        that rebuilding does pairs up as it would have in the forward."""
         found = dict(self._found)
         for name, obj in self.tracked.items():
             if isinstance(obj, DistributedDataParallel):
                 found.setdefault(name, obj)
         out = {}
         for name, module in found.items():
+            settle_buckets(module)
             layout = bucket_layout(module) or self._applied.get(name)
             if layout is not None:
                 out[name] = layout
