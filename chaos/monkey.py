@@ -1,9 +1,14 @@
 """The chaos monkey: fires the actions of a chaos spec at a running job, from outside it.
 
-It watches the coordinator's status (committed step, who is which rank) and, when an action's
-step comes, carries it out through the launcher, which owns the processes. Faults come from
-outside the training processes, as real ones do: a kill lands wherever the rank happens to be,
-often in the middle of a collective.
+An action's step S comes when the job's ranks reach training step S: a rank announces it at
+a step point (``chaos/points.py``: the first rank about to run S), or, where the ranks are on
+another machine (the Ray driver's node faults), the coordinator's status says so (the live
+step in the agents' heartbeats, or S-1 committed). The monkey then carries the action out
+through the launcher, which owns the processes, and lets the ranks, which wait at the end of
+step S, go on. Faults come from outside the training processes, as real ones do: a kill
+lands wherever the rank is in step S, often in the middle of a collective. However rarely
+snapshots are taken, the action fires in step S; one that cannot (its target gone, the
+job ended first) is named by ``unfired``, and the run fails.
 
 An action with ``during=PHASE`` is timed from inside: when it is due the monkey arms a phase
 point (``chaos/points.py``), waits until a process is struck there (holding still inside the
@@ -12,6 +17,7 @@ phase), fires the kill, then releases the point.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -19,6 +25,7 @@ import threading
 import time
 from typing import Any, Protocol
 
+from peerckpt.chaos.points import ENDED, LOOP, read_json, released_path
 from peerckpt.chaos.spec import ChaosAction
 from peerckpt.errors import PeerckptError
 from peerckpt.messages.control import JobStatus, Status
@@ -75,7 +82,8 @@ class StatusSource(Protocol):
 
 
 class ChaosMonkey:
-    """Fires each action once, in order, when the job reaches its step."""
+    """Fires each action once, when the job reaches its step; actions fire in step order
+    (those of one step in the order given)."""
 
     def __init__(
         self,
@@ -84,13 +92,18 @@ class ChaosMonkey:
         target: FaultTarget,
         poll_s: float = 0.01,
     ) -> None:
-        self.actions = list(actions)
+        self.actions = sorted(actions, key=lambda a: a.at)  # stable: a step's keep their order
         self.fired: list[dict[str, Any]] = []
+        self.reached = -1  # the highest step the job was seen to reach
+        self.total: int | None = None  # the script's ``ctx.steps(total)``, once a rank said
+        self.refusal: str | None = None  # why an action can never fire, once known
         self._status = status
         self._target = target
         self._poll_s = poll_s
         self._stop = threading.Event()
         self._armed: dict[int, float] = {}  # action index → when its phase point was armed
+        self._released: set[int] = set()
+        self._records: dict[int, dict[str, Any]] = {}  # action index → what firing it did
         self._thread = threading.Thread(target=self._run, name="peerckpt-chaos", daemon=True)
 
     def start(self) -> None:
@@ -101,6 +114,68 @@ class ChaosMonkey:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2.0)
+        self._release(set(a.at for a in self.actions))  # no rank may wait for a stopped monkey
+
+    def unfired(self) -> list[str]:
+        """A line per action that did not fire, saying why."""
+        lines = []
+        for index, action in enumerate(self.actions):
+            record = self._records.get(index)
+            if record is not None and record.get("fired_at") is not None:
+                continue
+            if self.refusal is not None and action.at >= (self.total or 0):
+                why = f"its step is past the script's last, {(self.total or 0) - 1}"
+            elif record is not None:
+                why = f"skipped: {record.get('skipped', '')}"
+            elif index in self._armed:
+                why = (
+                    f"its point was armed once step {action.at} came, but no process entered "
+                    f"the {action.during} phase before the job ended"
+                )
+            elif self.reached < action.at:
+                why = f"the job {self._end()}, never reaching step {action.at}"
+                if self.total is not None:
+                    why += f" (its loop is ctx.steps({self.total}))"
+            else:
+                why = f"step {action.at} came, but the job ended before it could fire"
+                if action.after:
+                    why += f" (after={action.after:g} s)"
+            lines.append(f"chaos action '{action.text}' never fired: {why}")
+        return lines
+
+    def _end(self) -> str:
+        """Where the job ended, as well as the monkey knows."""
+        directory = self._target.chaos_dir
+        ended = read_json(directory, ENDED) if directory is not None else None
+        if isinstance(ended, dict) and isinstance(ended.get("step"), int):
+            return f"ended at step {ended['step']}"
+        if self.reached >= 0:
+            return f"got to step {self.reached}"
+        return "stopped" if self.total is not None else "never started a step"
+
+    def _seen(self, status: JobStatus) -> int:
+        """The highest step the job has reached: a rank announced it at a step point, a
+        heartbeat carried it, or the step before it was committed (every rank finished it)."""
+        steps = [self.reached]
+        directory = self._target.chaos_dir
+        if directory is not None:
+            with contextlib.suppress(OSError):
+                steps += [
+                    int(n[len("reached-") :])
+                    for n in os.listdir(directory)
+                    if n.startswith("reached-") and n[len("reached-") :].isdigit()
+                ]
+        if directory is not None:
+            loop = read_json(directory, LOOP)
+            if isinstance(loop, dict) and isinstance(loop.get("total"), int):
+                self.total = max(self.total or 0, loop["total"])
+        for stats in status.node_stats.values():
+            steps += stats.live_step.values()
+            if stats.steps_total is not None:
+                self.total = max(self.total or 0, stats.steps_total)
+        if status.committed_step is not None:
+            steps.append(status.committed_step + 1)
+        return max(steps)
 
     def _run(self) -> None:
         pending = list(enumerate(self.actions))
@@ -112,13 +187,21 @@ class ChaosMonkey:
                 continue
             if status.state is not JobState.RUNNING:
                 continue
+            self.reached = self._seen(status)
+            if self.total is not None and pending[-1][1].at >= self.total:
+                action = pending[-1][1]
+                self.refusal = (
+                    f"chaos action '{action.text}' can never fire: the script's loop is "
+                    f"ctx.steps({self.total}), whose last step is {self.total - 1}; give a "
+                    f"step below {self.total}"
+                )
+                log.error("%s", self.refusal)
+                return
             # Every action that is due fires now, in order: actions at the same step strike
             # together (within a millisecond), not one status poll apart.
-            committed = status.committed_step
             while pending:
                 index, action = pending[0]
-                due = action.at == 0 or (committed is not None and committed >= action.at - 1)
-                if not due:
+                if action.at > self.reached:
                     break
                 since = due_since.setdefault(action.at, time.monotonic())
                 if time.monotonic() - since < action.after:
@@ -129,8 +212,23 @@ class ChaosMonkey:
                     record = self._fire(action, status)
                 if record is None:
                     break
+                self._records[index] = record
                 self.fired.append(record)
                 pending.pop(0)
+            # A step's ranks go on once none of its actions is left to fire (an armed phase
+            # point waits for its phase, which comes only if they go on).
+            waiting = {a.at for i, a in pending if i not in self._armed}
+            self._release({a.at for a in self.actions if a.at <= self.reached} - waiting)
+
+    def _release(self, steps: set[int]) -> None:
+        """Let the ranks held after ``steps`` go on (``chaos/points.py``, step points)."""
+        directory = self._target.chaos_dir
+        if directory is None:
+            return
+        for step in sorted(steps - self._released):
+            with contextlib.suppress(OSError), open(released_path(directory, step), "w"):
+                pass
+            self._released.add(step)
 
     def _strike(self, index: int, action: ChaosAction, status: JobStatus) -> dict[str, Any] | None:
         """Arm the action's phase point; once a process is struck there, fire and release it."""
@@ -163,26 +261,30 @@ class ChaosMonkey:
             record.update(during=action.during, struck=where)
         return record
 
+    def _say(self, action: ChaosAction, status: JobStatus, where: str = "") -> None:
+        log.warning("%s", _said(action, self.reached, status, where))
+
     def _fire(self, action: ChaosAction, status: JobStatus) -> dict[str, Any] | None:
         record = {
             "action": action.text,
             "kind": action.kind,
             "target": action.target,
+            "step": self.reached,
             "committed_step": status.committed_step,
             "epoch": status.epoch,
         }
         if action.kind == "add_node":
-            log.warning("chaos: %s (committed step %s)", action.text, status.committed_step)
+            self._say(action, status)
             record["fired_at"] = time.time()
             record["node"] = self._target.add_node()
             return record
         if action.kind == "kill_coordinator":
-            log.warning("chaos: %s (committed step %s)", action.text, status.committed_step)
+            self._say(action, status)
             record["fired_at"] = time.time()
             self._target.kill_coordinator()
             return record
         if action.kind == "corrupt_rank":
-            log.warning("chaos: %s (committed step %s)", action.text, status.committed_step)
+            self._say(action, status)
             record["fired_at"] = time.time()
             record["segments"] = self._target.corrupt_replicas(action.target)
             return record
@@ -193,7 +295,7 @@ class ChaosMonkey:
                 return {**record, "fired_at": None, "skipped": "no such rank"}
             record["pid"] = assignment[1]
             record["node"] = assignment[0]
-            log.warning("chaos: %s (committed step %s)", action.text, status.committed_step)
+            self._say(action, status)
             record["fired_at"] = time.time()
             if action.kind == "kill_rank":
                 self._target.kill_pid(assignment[1])
@@ -208,9 +310,7 @@ class ChaosMonkey:
         if not status.nodes.get(node, False):
             log.error("chaos: node %d is not alive; action skipped", node)
             return {**record, "fired_at": None, "skipped": "no such live node"}
-        log.warning(
-            "chaos: %s (node %d, committed step %s)", action.text, node, status.committed_step
-        )
+        self._say(action, status, f"node {node}, ")
         record["fired_at"] = time.time()
         if action.kind == "kill_node":
             self._target.kill_node(node)
@@ -223,6 +323,13 @@ class ChaosMonkey:
         else:
             raise AssertionError(f"unknown chaos action {action.kind}")
         return record
+
+
+def _said(action: ChaosAction, reached: int, status: JobStatus, where: str = "") -> str:
+    return (
+        f"chaos: {action.text} ({where}the job at step {reached}, committed step "
+        f"{status.committed_step})"
+    )
 
 
 def _read_where(path: str, wait_s: float = 2.0) -> dict[str, Any]:

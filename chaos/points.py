@@ -13,6 +13,14 @@ process gets no hooks at all):
   happens once, so one process wins) and holds still until the monkey, which saw the hit, has
   fired the kill and written ``done-<i>``. The kill thus lands while that process is inside
   the phase: half of a snapshot copied, a push half sent, a restore half fetched.
+- **Step points** (every action's ``at=S``). Before the job starts the monkey writes the
+  steps its actions wait for to ``gates.json``. A rank about to run such a step S creates
+  ``reached-<S>`` (the first one wins; the others see it there), runs step S, and at its next
+  step boundary (or the end of its loop) waits until the monkey, which saw ``reached-<S>``,
+  has fired every action of step S and written ``released-<S>``. The fault thus lands while
+  the job runs step S, wherever the ranks are in it, however short the steps and however
+  rarely snapshots are taken; a rank holds at most ``HOLD_S``, then goes on (the action
+  then fails the run as never fired, if it did not fire at all).
 - **Network faults** (``partition``, ``slow``) of one node's agent, from ``net-<node>.json``:
   ``{"partition_until": t, "rate": bytes_per_s, "slow_until": t}`` (wall-clock times). The
   agent polls it; :class:`NetFaults` then cuts its TCP connections and refuses new ones while
@@ -38,17 +46,115 @@ log = logging.getLogger("peerckpt.chaos")
 HOLD_S = 30.0  # the longest a process holds still at a struck point, waiting for the kill
 
 
+GATES = "gates.json"  # the steps the monkey's actions wait for (a JSON list)
+LOOP = "loop.json"  # {"total": ctx.steps' total}, written by the first rank in its loop
+ENDED = "ended.json"  # {"step": the last step}, written by a rank whose loop ended
+
+
+def _write_json(path: str, value: Any) -> None:
+    """Whole or not at all (a reader may look at any moment); best effort."""
+    with contextlib.suppress(OSError):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(value, f)
+        os.replace(tmp, path)
+
+
+def read_json(directory: str, name: str) -> Any:
+    """What ``_write_json`` wrote, or None."""
+    try:
+        with open(os.path.join(directory, name)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def reached_path(directory: str, step: int) -> str:
+    return os.path.join(directory, f"reached-{step}")
+
+
+def released_path(directory: str, step: int) -> str:
+    return os.path.join(directory, f"released-{step}")
+
+
 class ChaosHooks(FaultHooks):
-    """Phase points read from ``directory``; network faults for an agent (``net``)."""
+    """Phase and step points read from ``directory``; network faults for an agent (``net``)."""
 
     active = True
 
     def __init__(self, directory: str, node: int, network: bool) -> None:
         self.directory = directory
         self.net = NetFaults(os.path.join(directory, f"net-{node}.json")) if network else None
+        self.gates = StepGates(directory)
 
     def strike(self, phase: str, **where: Any) -> bool:
         return strike_point(self.directory, phase, **where)
+
+    def reach(self, step: int, **where: Any) -> None:
+        self.gates.reach(step, **where)
+
+
+class StepGates:
+    """One rank process's step points (the module docstring says how they work)."""
+
+    def __init__(self, directory: str, hold_s: float = HOLD_S) -> None:
+        self.directory = directory
+        self.hold_s = hold_s
+        self._steps: frozenset[int] | None = None
+        self._owed: int | None = None  # a step this process ran whose release it awaits
+        self._told = False  # wrote the loop's total
+
+    def steps(self) -> frozenset[int]:
+        """The steps actions wait for (read once: the monkey writes them before any rank
+        starts)."""
+        if self._steps is None:
+            try:
+                with open(os.path.join(self.directory, GATES)) as f:
+                    self._steps = frozenset(int(s) for s in json.load(f))
+            except (OSError, ValueError, TypeError):
+                self._steps = frozenset()
+        return self._steps
+
+    def reach(self, step: int, **where: Any) -> None:
+        """About to run ``step``: first wait for the release of a gated step run before (a
+        re-entry after a restore waits too: the fault that caused it may have been only the
+        first of its step's), then announce ``step`` if an action waits for it. The loop's
+        total is written once (``loop.json``: the monkey refuses a step past it) and its end
+        (``ended.json``: the monkey names it for an action that never fired)."""
+        total = where.get("total")
+        if not self._told and total is not None:
+            self._told = True
+            _write_json(os.path.join(self.directory, LOOP), {"total": total})
+        if self._owed is not None and self._owed != step:
+            self._await_release(self._owed)
+            self._owed = None
+        if total is not None and step >= total:
+            _write_json(os.path.join(self.directory, ENDED), {"step": step - 1})
+            return
+        if step not in self.steps() or os.path.exists(released_path(self.directory, step)):
+            return
+        with contextlib.suppress(FileExistsError, OSError):
+            fd = os.open(reached_path(self.directory, step), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            with os.fdopen(fd, "w") as f:
+                json.dump({**where, "step": step, "pid": os.getpid()}, f)
+            log.info("chaos: step %d reached; the faults of that step fire now", step)
+        self._owed = step
+
+    def _await_release(self, step: int) -> None:
+        path = released_path(self.directory, step)
+        deadline = time.monotonic() + self.hold_s
+        if os.path.exists(path):
+            return
+        log.info("chaos: holding at the end of step %d until its faults have fired", step)
+        while not os.path.exists(path):
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "chaos: the faults of step %d did not fire within %.0f s; going on",
+                    step,
+                    self.hold_s,
+                )
+                return
+            time.sleep(0.005)
 
 
 def hooks(directory: str, node: int, network: bool) -> ChaosHooks:

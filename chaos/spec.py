@@ -19,8 +19,13 @@ Grammar (clauses separated by ``;``)::
                                  recovery (any agent restoring a rank: a second failure while
                                  the first is repaired)
 
-"While the job runs step S" means: as soon as step S-1 is committed (``at=0``: as soon as the
-first epoch starts). Each action fires once.
+``at=S`` means: while the job's ranks run training step S (the step ``ctx.steps`` yields,
+counted from 0, whatever the snapshot interval): the first rank to reach S announces it, the
+fault fires, and no rank starts S+1 before it has (``chaos/monkey.py``). ``after=T`` fires T
+seconds after the step came (the ranks wait at the end of S meanwhile); ``during=PHASE`` arms
+the phase once S came and fires when a process first enters that phase after it. Each action
+fires once; one that never fired fails the run, and one whose rank, node or step cannot
+exist is refused before the job starts (``check_targets``).
 """
 
 from __future__ import annotations
@@ -170,3 +175,38 @@ def _parse_clause(clause: str) -> ChaosAction:
         rate=fields.get("rate", 0.0),
         of_rank=of_rank,
     )
+
+
+_RANK_KINDS = frozenset({"kill_rank", "hang_rank", "corrupt_rank"})
+
+
+def check_targets(
+    actions: list[ChaosAction], nodes: int, nproc_per_node: int, spare_nodes: int
+) -> None:
+    """Refuse, before anything starts, an action whose rank or node cannot exist in a job of
+    ``nodes`` nodes × ``nproc_per_node`` ranks with ``spare_nodes`` spare nodes (an ``add
+    node`` before the action's step adds a node and its ranks); the message names the fix."""
+    added = 0
+    for action in sorted(actions, key=lambda a: a.at):
+        if action.kind == "add_node":
+            added += 1
+            continue
+        world = (nodes + added) * nproc_per_node
+        rank = action.of_rank if action.of_rank is not None else None
+        if action.kind in _RANK_KINDS:
+            rank = action.target
+        shape = f"{nodes} node(s) × {nproc_per_node} rank(s)"
+        if added:
+            shape += f", {added} node(s) added by then"
+        if rank is not None and rank >= world:
+            raise ConfigurationError(
+                f"chaos clause {action.text!r}: rank {rank} does not exist; the job has ranks "
+                f"0…{world - 1} ({shape}): name one of those"
+            )
+        count = nodes + spare_nodes + added
+        if action.of_rank is None and _FIELDS[action.kind][0] == "node" and action.target >= count:
+            spare = f", node {nodes} its spare node" if spare_nodes else ""
+            raise ConfigurationError(
+                f"chaos clause {action.text!r}: node {action.target} does not exist; the job "
+                f"has nodes 0…{count - 1} ({shape}{spare}): name one of those"
+            )

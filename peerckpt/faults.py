@@ -2,8 +2,8 @@
 
 Production code never imports the chaos harness (``chaos/``). A process asks for its hooks
 once, when it starts (:func:`load`), and hands the object to whatever offers a hook: the
-snapshot engine, the replicator and the agent's recovery strike *phase points*; the agent's
-TCP connections consult *network* hooks. Without an injector every hook is a no-op
+snapshot engine, the replicator and the agent's recovery strike *phase points*; a rank's
+step loop passes *step points*; the agent's TCP connections consult *network* hooks. Without an injector every hook is a no-op
 (:data:`NO_FAULTS`), and the no-op costs one attribute read.
 
 An injector registers a factory as an entry point of group ``peerckpt.faults`` (``chaos/``
@@ -76,6 +76,12 @@ class FaultHooks:
         """Reached phase ``phase`` at ``where`` (rank, node, step…): hold still here if a fault
         waits for it. True if one was struck."""
         return False
+
+    def reach(self, step: int, **where: Any) -> None:
+        """A rank is about to run ``step`` (``step`` = the total: the loop ended). A fault
+        injector that strikes at steps learns here that the job reached one, and holds the
+        rank at the boundary after it until the fault was fired, so that a fault asked for
+        at step S lands while the job runs S, however short the steps."""
 
     def close(self) -> None:
         """Stop whatever the hooks started."""

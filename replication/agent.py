@@ -343,7 +343,8 @@ class Agent:
             last_beat = now  # (still one every timeout/2: it carries the node's stats)
             members = self.membership
             ranks = members.local_ranks(self.node) if members is not None else []
-            stats = node_stats(self.store, self.mirroring.counters, ranks)
+            beats = [link.beat for link in self.control.links()]
+            stats = node_stats(self.store, self.mirroring.counters, ranks, beats)
             try:
                 self.coordinator.call(Heartbeat(self.node, self.epoch, stats), timeout=2.0)
             except PeerckptError as exc:

@@ -51,6 +51,7 @@ class ProcLink:
         self.rank = hello.rank
         self.last_seen = time.monotonic()
         self.fenced: str | None = None  # why the agent stopped listening to this process
+        self.beat = Beat()  # its last heartbeat: the step its loop runs, if any
 
     def __repr__(self) -> str:
         return f"{self.role.value} pid {self.pid}"
@@ -191,6 +192,7 @@ class ControlServer:
                     link.last_seen = time.monotonic()
                     msg = from_frame(header, payload, ToAgent, where=conn.peer)
                     if isinstance(msg, Beat):
+                        link.beat = msg
                         continue
                     inbox.put((header.get("req"), msg))
             finally:

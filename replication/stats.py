@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 
 from peerckpt.messages.control import NodeStats
+from peerckpt.messages.local import Beat
 from peerckpt.replication.store import SlotStore
 
 # Slot kinds as the metrics name them: a rank's own ping-pong slots, the copies kept for
@@ -47,9 +48,14 @@ class NodeCounters:
             self.replicated_bytes += nbytes
 
 
-def node_stats(store: SlotStore, counters: NodeCounters, ranks: list[int]) -> NodeStats:
+def node_stats(
+    store: SlotStore, counters: NodeCounters, ranks: list[int], beats: list[Beat] | None = None
+) -> NodeStats:
     """The heartbeat's ``stats``: counters, the newest step of the node's current ``ranks``,
-    and the bytes its arena holds by kind (``slots``, ``replicas``, ``staging``)."""
+    the bytes its arena holds by kind (``slots``, ``replicas``, ``staging``), and from its
+    processes' last ``beats`` the step each rank's loop runs and the loop's total."""
+    live = {b.rank: b.step for b in beats or [] if b.rank is not None and b.step is not None}
+    totals = [b.total for b in beats or [] if b.total is not None]
     memory = dict.fromkeys(_MEMORY_KINDS.values(), 0)
     for slot in store.all():
         memory[_MEMORY_KINDS.get(slot.kind.value, slot.kind.value)] += slot.segment.size
@@ -60,4 +66,6 @@ def node_stats(store: SlotStore, counters: NodeCounters, ranks: list[int]) -> No
             replicated_bytes=counters.replicated_bytes,
             latest_step={r: s for r, (_, s) in counters.latest.items() if r in ranks},
             memory=memory,
+            live_step=live,
+            steps_total=max(totals) if totals else None,
         )

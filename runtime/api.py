@@ -87,6 +87,7 @@ def resilient(
     every: int | None = DEFAULTS.every,
     overhead: float = DEFAULTS.overhead,
     mtbf: float | None = DEFAULTS.mtbf,
+    max_lost: float = DEFAULTS.max_lost,
     dedup: bool = DEFAULTS.dedup,
 ) -> Any:
     """Make a training function survive the loss of ranks and nodes.
@@ -112,11 +113,14 @@ def resilient(
     (``peerckpt run --spares S``).
 
     Snapshots: ``every=n`` takes one after every n-th step. Otherwise the runtime measures
-    over its first 10 steps what a snapshot adds to a step here, and snapshots every n steps
-    with n the smallest that keeps that below ``overhead`` (a fraction of the step time,
-    default 0.05); given ``mtbf`` (the mean time between failures, seconds) it snapshots less
-    often where the Young/Daly interval sqrt(2 · cost · mtbf) is longer. The choice and the
-    expected work lost per failure are logged (``runtime/policy.py``).
+    over its first 22 steps what a snapshot adds to a step here (three snapshots, the median
+    of them, then the median over the ranks), and snapshots every n steps with n the smallest
+    that keeps that below ``overhead`` (a fraction of the step time, default 0.05); given
+    ``mtbf`` (the mean time between failures, seconds) it snapshots less often where the
+    Young/Daly interval sqrt(2 · cost · mtbf) is longer. Either way n steps never take more
+    than ``max_lost`` seconds (default 5.0): the most training a failure may lose, which wins
+    over the budget. The choice, the expected work lost per failure and any rank whose
+    measurement stood out are logged once, by rank 0 (``runtime/policy.py``).
 
     ``dedup`` (default True): parameters and optimizer state that a DDP over the whole world
     keeps equal on every rank are not mirrored to buddies where the data-parallel twins
@@ -140,6 +144,7 @@ def resilient(
         every=every,
         overhead=overhead,
         mtbf=mtbf,
+        max_lost=max_lost,
         dedup=dedup,
     )
     config.persist_msg()  # a bad persist setting fails here, at decoration time

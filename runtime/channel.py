@@ -39,8 +39,11 @@ class AgentChannel:
         job: str,
         hello: ProcHello,
         on_event: Callable[[Message], None],
+        beat: Callable[[], Beat] = Beat,
     ) -> None:
+        """``beat`` makes each heartbeat (the rank's live step in it)."""
         self._on_event = on_event
+        self._make_beat = beat
         self._ids = itertools.count(1)
         self._pending: dict[int, Future[Reply]] = {}
         self._lock = threading.Lock()
@@ -89,7 +92,7 @@ class AgentChannel:
     def _beat(self) -> None:
         while not self._closing and not self.conn.closed:
             try:
-                self.conn.send_msg(Beat())
+                self.conn.send_msg(self._make_beat())
             except PeerckptError:
                 return  # the reader sees the link close and reports it
             time.sleep(HEARTBEAT_S)

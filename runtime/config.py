@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from peerckpt.errors import ConfigurationError
-from peerckpt.runtime.policy import SnapshotPolicy
+from peerckpt.runtime.policy import DEFAULT_MAX_LOST_S, SnapshotPolicy
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class ResilientConfig:
     every: int | None = None  # snapshot after every n-th step; None: n chosen for overhead
     overhead: float = 0.05  # what snapshots may add to the step time, as a fraction of it
     mtbf: float | None = None  # the mean time between failures, seconds (Young/Daly)
+    max_lost: float = DEFAULT_MAX_LOST_S  # the most training a failure may lose, seconds
     dedup: bool = True  # mirror no data-parallel replica already held in enough nodes
 
     def __post_init__(self) -> None:
@@ -52,7 +53,7 @@ class ResilientConfig:
     def snapshot_policy(self) -> SnapshotPolicy:
         """A new rank process's snapshot policy (``runtime/policy.py``), which checks
         ``every``, ``overhead`` and ``mtbf``."""
-        return SnapshotPolicy(self.every, self.overhead, self.mtbf)
+        return SnapshotPolicy(self.every, self.overhead, self.mtbf, self.max_lost)
 
     def persist_msg(self) -> dict[str, Any] | None:
         """The durable tier's settings as the rank announces them to its agent, or None."""

@@ -36,6 +36,7 @@ from peerckpt.messages.local import (
     Abort,
     AgentLost,
     Arrived,
+    Beat,
     EpochStart,
     Fenced,
     Granted,
@@ -108,7 +109,9 @@ class RankRuntime:
             f"rank process {os.getpid()}",
         )
         hello = ProcHello(env.role, os.getpid(), env.rank, config.replicas, config.persist_msg())
-        self.channel = AgentChannel(env.agent_socket, env.secret, env.job, hello, self._on_event)
+        self.channel = AgentChannel(
+            env.agent_socket, env.secret, env.job, hello, self._on_event, self._beat
+        )
         self.pg = ProcessGroupLifecycle(env.job, config.pg_timeout_s, config.backend)
         self.faults = fault_hooks.load(env.node)
         self.engine = SnapshotEngine(
@@ -332,6 +335,7 @@ class RankRuntime:
                 self.live,
                 self.policy,
                 started_job=self.env.role is ProcRole.RANK,
+                faults=self.faults,
             )
             # Under the lock: an abort notice is either seen above or cuts what this opens.
             self.pg.begin(assignment.epoch, assignment.store_addr, set(assignment.hosts))
@@ -449,6 +453,13 @@ class RankRuntime:
                 self.state = RankState.EXITED
         self.channel.close()
         self._watchdog.join(timeout=1.0)
+
+    def _beat(self) -> Beat:
+        """A heartbeat, with the live step when the loop runs one."""
+        tracking = self.tracking
+        if tracking is None or tracking.step is None:
+            return Beat()
+        return Beat(tracking.assignment.rank, tracking.step, tracking.total)
 
     # -- what Context and the epoch's tracking call -----------------------------------------
     @property

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from peerckpt.errors import StateMismatch
+from peerckpt.faults import NO_FAULTS, FaultHooks
 from peerckpt.manifest import META_KEY, ChunkRecord
 from peerckpt.messages.local import Arrived, RankResumed, ReleaseStaging, WantChunks
 from peerckpt.runtime import capture, twins
@@ -100,6 +101,7 @@ class EpochTracking:
         live: LiveState,
         policy: SnapshotPolicy,
         started_job: bool,
+        faults: FaultHooks = NO_FAULTS,
     ) -> None:
         self.assignment = assignment
         self.channel, self.engine, self.pg = channel, engine, pg
@@ -110,8 +112,10 @@ class EpochTracking:
         self.live = live  # the process's live tensors: a survivor restores from them
         self.policy = policy  # when to snapshot, agreed once per job (runtime/policy.py)
         self._started_job = started_job  # a rank of the first epoch, not a spare
+        self.faults = faults  # step points: a chaos step is a training step
         self.tracked: dict[str, Any] = {}
-        self.step: int | None = None  # the step the loop is in (for log records)
+        self.step: int | None = None  # the step the loop is in (for log records, heartbeats)
+        self.total: int | None = None  # the loop's total (``ctx.steps(total)``)
         self._restored: dict[str, Any] | None = None
         self._hooks: list[Any] = []
         self._resumed_sent = False
@@ -258,8 +262,12 @@ class EpochTracking:
         watch = self._watch  # None when nothing was tracked in this epoch
         policy = self.policy
         policy.begin_epoch(start, (self._restored or {}).get("every"))
+        self.total = total
+        where = {"rank": a.rank, "node": a.node, "epoch": a.epoch, "total": total}
         for step in range(start, total):
             self.check()
+            if self.faults.active:
+                self.faults.reach(step, **where)
             if policy.quiet_before(step) and self.engine.last_taken is not None:
                 # the plain steps about to be measured must not share the cores with the
                 # replication of the last one; the wait for the measured snapshot's commit
@@ -288,15 +296,19 @@ class EpochTracking:
                 watch.finish()  # the first step is done: the hooks go, the audit speaks
             if self.engine.committed_step is not None and self.engine.committed_step >= start:
                 self.pg.release_retired()  # this epoch committed: the old groups are idle
+        if self.faults.active:
+            self.faults.reach(total, **where)  # the last step's faults fire before the end
 
     def _agree_interval(self, step: int) -> None:
-        """Choose the snapshot interval from this rank's measurements, and agree with every
-        rank on the largest choice (a collective at the same step on every rank)."""
-        mine = self.policy.local_choice()
-        every = torch.tensor([mine.every], dtype=torch.int64)
+        """Choose the snapshot interval from every rank's measurements (their medians), the
+        same on every rank: a collective, at the same step on every rank."""
+        mine = torch.tensor(self.policy.measured(), dtype=torch.float64)
+        measured = [mine]
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            torch.distributed.all_reduce(every, op=torch.distributed.ReduceOp.MAX)
-        self.policy.agree(int(every.item()), mine, step)
+            measured = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+            torch.distributed.all_gather(measured, mine)
+        pairs = [(float(t[0]), float(t[1])) for t in measured]
+        self.policy.agree(pairs, step, speak=self.assignment.rank == 0)
 
     def _resumed(self, start: int) -> None:
         if self._resumed_sent:

@@ -13,8 +13,11 @@ the machine-level faults only it can cause in its backend: ``kill_node``, ``kill
 from __future__ import annotations
 
 import abc
+import logging
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger("peerckpt.launcher")
 
 
 @dataclass
@@ -60,6 +63,18 @@ class JobResult:
     flushes: list[dict[str, Any]] = field(default_factory=list)  # durable checkpoints written
     digests: dict[str, list[str]] = field(default_factory=dict)  # "rank/step" → digests seen
     timeline: dict[str, Any] = field(default_factory=dict)  # JobMonitor.timeline()
+    unfired: list[str] = field(default_factory=list)  # a line per chaos action that never fired
+
+
+def chaos_verdict(state: str, reason: str, unfired: list[str]) -> tuple[str, str]:
+    """A chaos run that did not fire every action tested less than it was asked to: it fails,
+    with a line per action that never fired (logged here), even when the job succeeded."""
+    for line in unfired:
+        log.error("%s", line)
+    if not unfired or state != "succeeded":
+        return state, reason
+    more = f" (and {len(unfired) - 1} more)" if len(unfired) > 1 else ""
+    return "failed", f"the job succeeded, but {unfired[0]}{more}"
 
 
 class Launcher(abc.ABC):

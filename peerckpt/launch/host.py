@@ -164,11 +164,16 @@ class HostLauncher(LocalLauncher):
     def _agent_flags(self) -> list[str]:
         return ["--host", self.host.node_addr]
 
+    def _shape(self) -> tuple[int, int, int] | None:
+        return None  # checked by ``_check_chaos``, which knows this host's node rank
+
     def _check_chaos(self) -> None:
         """A host's launcher causes only its own host's machine-level faults: say so before
         anything starts, not when the action comes due."""
         me = self.host.node_rank
-        for action in self.chaos.actions if self.chaos is not None else []:
+        if self.chaos is None:
+            return
+        for action in self.chaos.actions:
             mine = action.of_rank is not None or action.target == me
             if action.kind in ("kill_node", "kill_agent") and not mine:
                 raise ConfigurationError(
@@ -179,6 +184,8 @@ class HostLauncher(LocalLauncher):
                 raise ConfigurationError(
                     f"--chaos '{action.text}': the coordinator runs on host 0; give it there"
                 )
+        # ranks and nodes the job cannot have (spare and growing hosts: by node rank only)
+        self.chaos.check(max(self.spec.nodes, me + 1), self.spec.nproc_per_node, 0)
 
     # -- machine-level faults of this host (``Launcher``) ----------------------------------
     def kill_node(self, node: int) -> None:

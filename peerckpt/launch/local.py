@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from peerckpt.errors import ConfigurationError, PeerckptError, PeerUnavailable
 from peerckpt.faults import ENV as FAULTS_ENV
-from peerckpt.launch.base import JobResult, JobSpec, Launcher
+from peerckpt.launch.base import JobResult, JobSpec, Launcher, chaos_verdict
 from peerckpt.launch.jobfile import JobClaim
 from peerckpt.launch.monitor import JobMonitor, MonitorServer
 from peerckpt.launch.processes import Proc, ProcessSet, coordinator_argv
@@ -65,6 +65,9 @@ class LocalLauncher(Launcher):
             raise ConfigurationError(f"training script {spec.script!r} does not exist")
         self.spec = spec
         self.chaos = _chaos(spec.chaos)  # parsed now: a bad spec fails before anything starts
+        shape = self._shape()
+        if self.chaos is not None and shape is not None:
+            self.chaos.check(*shape)
         self.job = check_job_name(spec.job) if spec.job is not None else secrets.token_hex(4)
         # Held until stop(): a second launcher of this name is refused while this one runs.
         self._claim = JobClaim(self.job) if claim else None
@@ -97,7 +100,13 @@ class LocalLauncher(Launcher):
         if self.chaos is not None and self.chaos.needs_fault_dir:
             self._fault_dir = os.path.join(self.rundir, "faults")
             os.mkdir(self._fault_dir, 0o700)
+            self.chaos.prepare(self._fault_dir)
             self.procs.extra_env = {**self.procs.extra_env, FAULTS_ENV: self._fault_dir}
+
+    def _shape(self) -> tuple[int, int, int] | None:
+        """(nodes, ranks per node, spare nodes) that chaos actions may name."""
+        spec = self.spec
+        return spec.nodes, spec.nproc_per_node, 1 if spec.spares else 0
 
     # -- starting -------------------------------------------------------------------------
     def start(self) -> None:
@@ -249,6 +258,8 @@ class LocalLauncher(Launcher):
                 signal.signal(sig, handler)
         if self._interrupted.is_set():
             state, reason = "interrupted", "stopped by a signal (Ctrl-C)"
+        unfired = self.chaos.unfired() if self.chaos is not None else []
+        state, reason = chaos_verdict(state, reason, unfired)
         code = int(
             {"succeeded": ExitCode.OK, "interrupted": ExitCode.INTERRUPTED}.get(
                 state, ExitCode.FAILED
@@ -265,6 +276,7 @@ class LocalLauncher(Launcher):
             self._flushes,
             digests,
             self.monitor.timeline(),
+            unfired,
         )
         if self.spec.report:
             with open(self.spec.report, "w") as f:
@@ -299,6 +311,9 @@ class LocalLauncher(Launcher):
             self._observe(status)
             if state.ended:
                 return state.value, status.reason, self._all_events(events)
+            refusal = self.chaos.refusal if self.chaos is not None else None
+            if refusal is not None:
+                return "failed", refusal, self._all_events(events)
             self.procs.end_groups()  # a rank that died takes its DataLoader workers along
             if state is JobState.RUNNING:
                 self.procs.restart_stuck(WORLD_SIZE=str(self.spec.world))

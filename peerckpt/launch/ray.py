@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from peerckpt.errors import ConfigurationError, PeerckptError
-from peerckpt.launch.base import JobResult, JobSpec, Launcher
+from peerckpt.launch.base import JobResult, JobSpec, Launcher, chaos_verdict
 from peerckpt.launch.rayactor import RayHost
 from peerckpt.launch.rayhost import spec_to_json
 from peerckpt.launch.rayplan import host_order, split_chaos
@@ -94,6 +94,10 @@ class RayLauncher(Launcher):
         self.spec = replace(spec, script=os.path.abspath(spec.script), job=self.job)
         self._secret = secret if secret is not None else secrets.token_bytes(32)
         self._driver_chaos, self._host_chaos = split_chaos(spec.chaos, spec.nproc_per_node)
+        if spec.chaos:
+            from peerckpt.chaos import Chaos
+
+            Chaos(spec.chaos).check(spec.nodes, spec.nproc_per_node, spec.spares)
         self.hosts: dict[int, _Host] = {}
         self.endpoint = ""
         self.rpc: RpcClient | None = None
@@ -425,6 +429,17 @@ class RayLauncher(Launcher):
             state = "interrupted" if code == ExitCode.INTERRUPTED else "failed"
             result = JobResult(self.job, code, state, reason, [], [], wall_s)
         result.chaos = sorted(fired, key=lambda c: c.get("fired_at") or float("inf"))
+        # Every host fails its own run when one of its actions never fired; the job's result
+        # is host 0's, so the others' (and the driver's) are carried over.
+        unfired = list(self.chaos.unfired()) if self.chaos is not None else []
+        for host in self.hosts.values():
+            if host.rank != 0:
+                unfired += ((host.done or {}).get("result") or {}).get("unfired", [])
+        unfired = [line for line in unfired if line not in result.unfired]
+        result.unfired += unfired
+        result.state, result.reason = chaos_verdict(result.state, result.reason, unfired)
+        if result.state == "failed" and result.exit_code == ExitCode.OK:
+            result.exit_code = int(ExitCode.FAILED)
         if self.spec.report:
             with open(self.spec.report, "w") as f:
                 json.dump(result.__dict__, f, indent=2, default=str)

@@ -135,13 +135,17 @@ class HeartbeatReply(Message):
 class NodeStats(Message):
     """What an agent reports of its node with each heartbeat, for observers only
     (``replication/stats.py``): counters since it started, the newest snapshot step of each
-    local rank, and the bytes its arena holds by kind (slots, replicas, staging)."""
+    local rank, the bytes its arena holds by kind (slots, replicas, staging), and the step
+    each local rank's loop runs (the live step, which chaos actions fire on) with the loop's
+    total (``ctx.steps(total)``, once known)."""
 
     snapshot_bytes: int
     snapshots: int
     replicated_bytes: int
     latest_step: dict[int, int]
     memory: dict[str, int]
+    live_step: dict[int, int] = field(default_factory=dict)
+    steps_total: int | None = None
 
 
 @message("Heartbeat")

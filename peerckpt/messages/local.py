@@ -95,7 +95,12 @@ class Reply(ToRank):
 @message("hb")
 @dataclass(frozen=True)
 class Beat(ToAgent):
-    """The process is alive (a few times a second)."""
+    """The process is alive (a few times a second); inside ``ctx.steps``, the rank it is,
+    the step it runs and the loop's total (the live step: chaos actions fire on it)."""
+
+    rank: int | None = None
+    step: int | None = None
+    total: int | None = None
 
 
 @message("snapshot")

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from peerckpt import faults
-from peerckpt.chaos.points import ChaosHooks, NetFaults
+from peerckpt.chaos.points import ChaosHooks, NetFaults, StepGates
 from peerckpt.errors import PeerUnavailable
 from peerckpt.faults import NetHooks
 from peerckpt.wire import Connection
@@ -128,3 +128,43 @@ def test_a_phase_point_holds_the_process_that_strikes_it_until_released(tmp_path
     holder.join(5.0)
     assert struck == [True]
     assert not hooks.strike("snapshot", rank=2, node=1, step=8)  # it fires once
+
+
+def _gates(directory, steps: list[int]) -> None:
+    (directory / "gates.json").write_text(json.dumps(steps))
+
+
+def test_a_step_point_announces_its_step_and_holds_the_next_boundary_until_released(
+    tmp_path,
+) -> None:
+    _gates(tmp_path, [3])
+    hooks = faults.load(node=0, environ={faults.ENV: str(tmp_path)})
+    where = {"rank": 1, "node": 0, "epoch": 0, "total": 10}
+    for step in range(3):  # steps no action waits for pass freely, and announce nothing
+        hooks.reach(step, **where)
+    assert not (tmp_path / "reached-3").exists()
+    assert json.loads((tmp_path / "loop.json").read_text()) == {"total": 10}
+    hooks.reach(3, **where)  # step 3 runs at once: the fault lands while it runs
+    reached = json.loads((tmp_path / "reached-3").read_text())
+    assert reached == {**where, "step": 3, "pid": os.getpid()}
+    holder = threading.Thread(target=hooks.reach, args=(4,), kwargs=where)
+    holder.start()
+    time.sleep(0.2)
+    assert holder.is_alive()  # step 4 waits until the monkey has fired step 3's faults
+    (tmp_path / "released-3").write_text("")
+    holder.join(5.0)
+    assert not holder.is_alive()
+    hooks.reach(3, **where)  # re-run after a restore: released, nothing announced or held
+    hooks.reach(10, **where)  # the loop's end
+    assert json.loads((tmp_path / "ended.json").read_text()) == {"step": 9}
+
+
+def test_the_last_step_holds_the_loop_end_and_a_hold_is_bounded(tmp_path) -> None:
+    _gates(tmp_path, [4])
+    gates = StepGates(str(tmp_path), hold_s=0.3)
+    where = {"rank": 0, "node": 0, "epoch": 0, "total": 5}
+    gates.reach(4, **where)
+    started = time.monotonic()
+    gates.reach(5, **where)  # the end of the loop waits too, but never longer than hold_s
+    assert 0.3 <= time.monotonic() - started < 5.0
+    assert not (tmp_path / "released-4").exists()

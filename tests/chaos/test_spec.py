@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from peerckpt.chaos.spec import ChaosAction, parse_chaos
+from peerckpt.chaos.spec import ChaosAction, check_targets, parse_chaos
 from peerckpt.errors import ConfigurationError
 
 
@@ -83,3 +83,36 @@ def test_every_fault_of_the_campaign_parses() -> None:
 def test_bad_fault_clauses_say_what_is_wrong(spec: str, message: str) -> None:
     with pytest.raises(ConfigurationError, match=re.escape(message)):
         parse_chaos(spec)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            "kill rank=9 at=5",
+            "rank 9 does not exist; the job has ranks 0…3 (2 node(s) × 2 rank(s))",
+        ),
+        ("hang rank=4 at=5 for=1", "rank 4 does not exist"),
+        ("corrupt rank=4 at=5", "rank 4 does not exist"),
+        ("kill node=@4 at=5", "rank 4 does not exist"),
+        ("kill node=3 at=5", "node 3 does not exist; the job has nodes 0…2"),
+        ("partition node=7 at=5 for=1", "node 7 does not exist"),
+        # an added node's ranks exist only once it was added
+        ("kill rank=4 at=5; add node at=9", "rank 4 does not exist"),
+    ],
+)
+def test_a_target_the_job_does_not_have_is_refused(spec: str, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        check_targets(parse_chaos(spec), nodes=2, nproc_per_node=2, spare_nodes=1)
+
+
+def test_targets_that_exist_are_accepted_added_nodes_included() -> None:
+    check_targets(
+        parse_chaos(
+            "kill rank=3 at=2; kill node=2 at=3; add node at=4; kill rank=5 at=6; "
+            "kill node=3 at=7; kill agent node=@5 at=8"
+        ),
+        nodes=2,
+        nproc_per_node=2,
+        spare_nodes=1,
+    )

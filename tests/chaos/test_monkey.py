@@ -1,0 +1,131 @@
+"""The chaos monkey against a stand-in job: when an action's step comes, what it fires, what
+it says of an action that never fired, and when it lets the ranks held at a step go on."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+from peerckpt.chaos.monkey import ChaosMonkey
+from peerckpt.chaos.spec import parse_chaos
+from peerckpt.messages.control import JobStatus, NodeStats, Status
+from peerckpt.states import JobState
+
+
+class FakeJob:
+    """A status source the test moves by hand: committed step, live steps, ranks."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.committed: int | None = None
+        self.live: dict[int, int] = {}
+        self.total: int | None = None
+
+    def call(self, msg: Status, timeout: float = 10.0) -> JobStatus:
+        with self.lock:
+            stats = NodeStats(0, 0, 0, {}, {}, live_step=dict(self.live), steps_total=self.total)
+            return JobStatus(
+                job="j",
+                state=JobState.RUNNING,
+                reason="",
+                epoch=0,
+                world_size=2,
+                min_nodes=None,
+                committed_step=self.committed,
+                last_replicated={},
+                ranks={0: [0, 100], 1: [0, 101]},
+                spares=[],
+                nodes={0: True},
+                events=[],
+                flushes=[],
+                flush_skipped=[],
+                node_stats={0: stats},
+            )
+
+
+class FakeTarget:
+    def __init__(self, directory: str | None) -> None:
+        self.killed: list[int] = []
+        self.directory = directory
+
+    @property
+    def chaos_dir(self) -> str | None:
+        return self.directory
+
+    def kill_pid(self, pid: int) -> None:
+        self.killed.append(pid)
+
+
+def _wait(predicate: Any, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(predicate())
+
+
+def test_an_action_fires_when_a_rank_reaches_its_step_though_nothing_was_committed(
+    tmp_path,
+) -> None:
+    job, target = FakeJob(), FakeTarget(str(tmp_path))
+    monkey = ChaosMonkey(parse_chaos("kill rank=1 at=15"), job, target)  # type: ignore[arg-type]
+    monkey.start()
+    try:
+        time.sleep(0.1)
+        assert target.killed == [] and not (tmp_path / "released-15").exists()
+        (tmp_path / "reached-15").write_text(json.dumps({"rank": 0, "step": 15}))
+        assert _wait(lambda: target.killed == [101])
+        assert _wait(lambda: (tmp_path / "released-15").exists())  # the held ranks go on
+        [record] = monkey.fired
+        assert record["step"] == 15 and record["committed_step"] is None
+    finally:
+        monkey.stop()
+    assert monkey.unfired() == []
+
+
+def test_without_step_points_the_live_step_of_the_heartbeats_brings_the_step(tmp_path) -> None:
+    job, target = FakeJob(), FakeTarget(None)  # the Ray driver: no fault directory of its own
+    monkey = ChaosMonkey(parse_chaos("kill rank=0 at=7"), job, target)  # type: ignore[arg-type]
+    monkey.start()
+    try:
+        with job.lock:
+            job.live = {0: 6, 1: 6}
+        time.sleep(0.1)
+        assert target.killed == []
+        with job.lock:
+            job.live = {0: 7, 1: 6}
+        assert _wait(lambda: target.killed == [100])
+    finally:
+        monkey.stop()
+
+
+def test_an_action_whose_step_never_came_is_named_with_where_the_job_ended(tmp_path) -> None:
+    job, target = FakeJob(), FakeTarget(str(tmp_path))
+    actions = parse_chaos("kill rank=1 at=40; kill rank=0 at=3")  # fired in step order
+    monkey = ChaosMonkey(actions, job, target)  # type: ignore[arg-type]
+    monkey.start()
+    (tmp_path / "reached-3").write_text("{}")
+    assert _wait(lambda: target.killed == [100])
+    (tmp_path / "ended.json").write_text(json.dumps({"step": 29}))
+    monkey.stop()
+    assert (tmp_path / "released-40").exists()  # a stopped monkey holds no rank back
+    assert monkey.unfired() == [
+        "chaos action 'kill rank=1 at=40' never fired: the job ended at step 29, never "
+        "reaching step 40"
+    ]
+
+
+def test_a_step_past_the_loop_is_refused_as_soon_as_the_loop_is_known(tmp_path) -> None:
+    job, target = FakeJob(), FakeTarget(str(tmp_path))
+    monkey = ChaosMonkey(parse_chaos("kill rank=1 at=500"), job, target)  # type: ignore[arg-type]
+    monkey.start()
+    try:
+        time.sleep(0.1)
+        assert monkey.refusal is None
+        (tmp_path / "loop.json").write_text(json.dumps({"total": 30}))
+        assert _wait(lambda: monkey.refusal is not None)
+        assert "ctx.steps(30), whose last step is 29; give a step below 30" in str(monkey.refusal)
+    finally:
+        monkey.stop()
+    assert target.killed == []
