@@ -6,8 +6,10 @@ it is given with ``ctx.track`` and nothing else. Two global torch hooks, install
 ``ctx.track`` of an epoch and removed at its first snapshot, show what the loop actually uses:
 
 - a module forward pre-hook: every ``DistributedDataParallel`` that runs a forward (handed to
-  ``DdpLayouts``, which restores its bucket layout before that forward runs, tracked or not),
-  and, when auditing, every module with parameters that runs;
+  ``DdpLayouts``, which restores its bucket layout before that forward runs, tracked or not,
+  then to ``release_on_abort``, which routes its gradient all-reduce through a future an abort
+  can end: ``runtime/inflight.py``), and, when auditing, every module with parameters that
+  runs;
 - an optimizer step post-hook: every optimizer that steps.
 
 When auditing (once per process), the first snapshot then checks what would make a restored
@@ -19,7 +21,8 @@ not tracked (its buckets cannot be restored). Loaders, schedulers and scalers ar
 one walk of the garbage collector's objects, which is why the audit runs once per process.
 
 This module never raises for a finding, never changes a user object (``DdpLayouts`` applies
-recorded layouts, nothing else), and costs nothing after the first step of an epoch.
+recorded layouts; ``release_on_abort`` gives a DDP a communication hook that computes what its
+own all-reduce would, bit for bit), and costs nothing after the first step of an epoch.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from peerckpt.runtime.capture import param_fqns
 from peerckpt.runtime.ddp import DdpLayouts
+from peerckpt.runtime.inflight import release_on_abort
 from peerckpt.runtime.layouts import FlatShard, Shard, local_of
 
 log = logging.getLogger("peerckpt.rank")
@@ -64,7 +68,8 @@ class FirstStepWatch:
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
         if isinstance(module, DistributedDataParallel):
             self._ddps.setdefault(id(module), module)
-            self.ddp.see(module)
+            self.ddp.see(module)  # may re-create its reducer: the hook goes on afterwards
+            release_on_abort(module)
         elif self.audit and module._parameters:
             self._ran.setdefault(id(module), module)
 

@@ -12,26 +12,40 @@ first, so an abort at any point of the rendezvous makes it fail); once it has fo
 the sockets it opened while forming, so the user's own connections are left alone.
 ``leave`` then destroys the group; the next epoch builds a fresh one.
 
+Cutting does not end every wait: gloo never ends a send it had started writing when its
+connection closes (``runtime/inflight.py`` has the measurements). ``abort`` therefore also
+fails every collective watched in ``InFlight`` (DDP's gradient all-reduce), so that the
+training thread unwinds whatever gloo's worker thread is still waiting for.
+
 An aborted group is not freed at once. Its gloo worker threads finish the failed collectives
 and, destroying each one, take the GIL. ``~ProcessGroupGloo`` joins those threads while the
 thread that dropped the last reference holds the GIL (the last reference is often the user's
 DDP module, freed with the exception's traceback): a deadlock, seen once in the demo. So
 ``leave`` keeps the epoch's groups alive, and ``release_retired`` frees them later, once the
-next epoch has committed a step and their workers are long idle.
+next epoch has committed a step and their workers are long idle. A group one of whose
+collectives the abort left inside gloo is kept longer: freeing it would join a worker that
+waits out the group's timeout (``release_retired`` frees it once that collective has ended),
+and it is pinned, so that neither the runtime's end nor the interpreter's exit frees it
+before then.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import ipaddress
 import logging
 import os
 import socket
 import threading
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from peerckpt.runtime.inflight import IN_FLIGHT, InFlight
 
 log = logging.getLogger("peerckpt.pg")
 
@@ -94,10 +108,27 @@ def _shutdown_socket(fd: int, inode: str, hosts: set[str]) -> bool:
         sock.close()
 
 
+@dataclass
+class _Kept:
+    """Groups of an ended epoch that must outlive the collectives an abort left inside them."""
+
+    groups: list[dist.ProcessGroup]
+    unfinished: list[torch.futures.Future[Any]]
+
+    def finished(self) -> bool:
+        return all(work.done() for work in self.unfinished)
+
+
 class ProcessGroupLifecycle:
     """Creates, aborts and destroys the default process group of each epoch."""
 
-    def __init__(self, job: str, timeout_s: float = 1800.0, backend: str | None = None) -> None:
+    def __init__(
+        self,
+        job: str,
+        timeout_s: float = 1800.0,
+        backend: str | None = None,
+        in_flight: InFlight = IN_FLIGHT,
+    ) -> None:
         self.job = job
         self._backend = backend
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -108,6 +139,9 @@ class ProcessGroupLifecycle:
         self._lock = threading.Lock()
         self._aborted = False
         self._retired: list[object] = []
+        self._in_flight = in_flight
+        self._unfinished: list[torch.futures.Future[Any]] = []  # left inside gloo by an abort
+        self._kept: list[_Kept] = []
 
     def backend(self) -> str:
         if self._backend is not None:
@@ -167,12 +201,22 @@ class ProcessGroupLifecycle:
             if mine and _shutdown_socket(fd, inode, hosts):
                 cut += 1
         if everything:
-            # Last resort before the process gives up: also abort the groups themselves. Seen
-            # under heavy load: a DDP all_reduce stayed blocked after every socket was cut.
+            # Last resort before the process gives up: also abort the groups themselves
+            # (a no-op for gloo in torch 2.13).
             for group in list(dist.distributed_c10d._world.pg_map.keys()):
                 with contextlib.suppress(Exception):
                     group.abort()
-        log.info("aborted the process group of epoch %s (%d connections cut)", self.epoch, cut)
+        # What the cut did not end (a send gloo had started writing) no longer holds anyone.
+        unfinished = self._in_flight.release(f"epoch {self.epoch} was aborted")
+        with self._lock:
+            self._unfinished.extend(unfinished)
+        log.info(
+            "aborted the process group of epoch %s (%d connections cut, %d collective(s) "
+            "still inside gloo released)",
+            self.epoch,
+            cut,
+            len(unfinished),
+        )
         return cut
 
     def leave(self) -> None:
@@ -180,14 +224,43 @@ class ProcessGroupLifecycle:
 
         The group objects themselves stay referenced until ``release_retired``.
         """
+        with self._lock:
+            unfinished = [work for work in self._unfinished if not work.done()]
+            self._unfinished = []
         if dist.is_initialized():
-            self._retired.extend(dist.distributed_c10d._world.pg_map.keys())
+            groups = list(dist.distributed_c10d._world.pg_map.keys())
+            if unfinished:
+                self._keep(_Kept(groups, unfinished))
+            else:
+                self._retired.extend(groups)
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
         self.epoch = None
+
+    def _keep(self, kept: _Kept) -> None:
+        log.warning(
+            "%d collective(s) of epoch %s are still inside gloo after the abort (a send gloo "
+            "does not end when its connection closes; it ends at the group's timeout, %.0f s): "
+            "the epoch's process group is kept until then",
+            len(kept.unfinished),
+            self.epoch,
+            self.timeout.total_seconds(),
+        )
+        for group in kept.groups:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # never freed at exit
+        self._kept.append(kept)
 
     def release_retired(self) -> None:
         """Free the groups of ended epochs. Call only when their workers are idle."""
         if self._retired:
             log.debug("releasing %d process group(s) of ended epochs", len(self._retired))
             self._retired.clear()
+        for kept in [k for k in self._kept if k.finished()]:
+            self._kept.remove(kept)
+            for group in kept.groups:
+                ctypes.pythonapi.Py_DecRef(ctypes.py_object(group))
+            log.debug("released the process group(s) kept for their collectives in gloo")
+
+    def kept(self) -> int:
+        """Process groups of ended epochs kept for a collective still inside gloo."""
+        return sum(len(k.groups) for k in self._kept)

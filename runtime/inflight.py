@@ -1,0 +1,177 @@
+"""The collectives in flight that an abort must end, and DDP's gradient all-reduce among them.
+
+Why this exists (measured on torch 2.13, gloo's TCP transport). A gloo send is written to its
+connection from a queue once the peer has posted the matching receive; when the peer stops
+reading (it was killed, or it is a survivor whose own abort cut the connection) the rest of
+the send waits in that queue. When the connection then closes, gloo fails every receive and
+every send still waiting for the peer's receive, but not a send already in that queue:
+``Pair::signalException`` signals the queued operations' bound buffers (``op.buf``) only,
+while a collective's sends use unbound buffers (``op.ubuf``). Its ``waitSend`` then waits out
+the whole process-group timeout (1800 s here). Reproduced in two processes (a 64 MiB
+``isend`` to a peer that posted its ``irecv`` and stopped: the send's ``wait`` raised after the
+full 20 s timeout when the connection was cut, after 0.5 s when the peer had not posted it).
+In a 2 x 2 DDP job with a node killed under load, this was the survivor "still inside aborted
+epoch" in ``loss.backward()``: one of gloo's worker threads in ``UnboundBuffer::waitSend`` of
+the ring all-reduce, and the training thread in ``Reducer::finalize_backward`` waiting for that
+bucket's future (2 runs of 10, 1 of 12; stacks taken with gdb). Cutting sockets cannot end that
+wait, and ``ProcessGroup.abort()`` is a no-op for gloo.
+
+So the training thread must not wait on gloo's own future. ``release_on_abort`` routes a
+CPU DDP's gradient all-reduce through a communication hook that does what DDP's built-in
+all-reduce does, bit for bit (the bucket scaled by ``1 / world size``, then summed), and
+returns a future that ``InFlight`` owns: it completes when gloo's does, or fails at once
+when the epoch is aborted (``InFlight.release``), so ``backward`` raises and the function
+unwinds. The gloo worker stays inside ``waitSend`` until its timeout; the group it belongs to
+must not be freed before then, since freeing a gloo group joins its workers
+(``runtime/pg.py`` keeps it).
+
+Not covered (the abort watchdog's restart in place remains their way out): a DDP with a
+communication hook of its own, one with ``gradient_as_bucket_view=True`` (DDP divides
+aliased gradients differently there; a hook would change the bits), a DDP on a GPU, a DDP the
+runtime never sees run a forward in an epoch's first step, and collectives the user's code
+waits on itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from peerckpt.errors import MembershipChanged
+
+log = logging.getLogger("peerckpt.rank")
+
+
+@dataclass
+class _Watched:
+    work: torch.futures.Future[Any]  # gloo's future: it may never complete after a cut
+    outcome: torch.futures.Future[Any]  # (value, error): set once, by the work or the abort
+
+
+def _unwrap(outcome: torch.futures.Future[Any]) -> Any:
+    # Raised inside ``then``, an error reaches a C++ waiter (DDP's reducer) as an error;
+    # ``Future.set_exception`` would hand it the exception object as the value instead.
+    value, error = outcome.value()
+    if error is not None:
+        raise error
+    return value
+
+
+class InFlight:
+    """The collectives of this process whose waiters an abort must release.
+
+    ``watch`` is called where a collective is issued (any thread); ``release`` by the abort
+    (any thread, any number of times). Each watched future is completed exactly once: by the
+    collective, or by ``release``, whichever comes first.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[int, _Watched] = {}
+        self._keys = itertools.count()
+
+    def watch(
+        self, work: torch.futures.Future[Any], pick: Callable[[Any], Any]
+    ) -> torch.futures.Future[Any]:
+        """A future that completes with ``pick(work's value)`` when ``work`` does, with its
+        error if it fails, or with ``MembershipChanged`` at ``release``."""
+        key = next(self._keys)
+        entry = _Watched(work, torch.futures.Future())
+        waited_on = entry.outcome.then(_unwrap)
+        with self._lock:
+            self._open[key] = entry
+
+        def done(finished: torch.futures.Future[Any]) -> None:
+            try:
+                value = pick(finished.value())
+            except Exception as exc:
+                self._settle(key, error=exc)
+            else:
+                self._settle(key, value=value)
+
+        work.add_done_callback(done)
+        return waited_on
+
+    def _settle(self, key: int, value: Any = None, error: Exception | None = None) -> None:
+        with self._lock:
+            entry = self._open.pop(key, None)
+        if entry is not None:  # else released already
+            entry.outcome.set_result((value, error))
+
+    def release(self, why: str) -> list[torch.futures.Future[Any]]:
+        """Fail every watched future still open with ``MembershipChanged(why)``; return the
+        collectives among them that have not finished (gloo may hold them until its
+        timeout)."""
+        with self._lock:
+            entries = list(self._open.values())
+            self._open.clear()
+        for entry in entries:
+            entry.outcome.set_result((None, MembershipChanged(why)))
+        return [e.work for e in entries if not e.work.done()]
+
+    def open(self) -> int:
+        """How many watched collectives are in flight."""
+        with self._lock:
+            return len(self._open)
+
+
+IN_FLIGHT = InFlight()  # this process's, like torch.distributed's default group
+
+
+@dataclass(frozen=True)
+class _HookState:
+    group: dist.ProcessGroup
+    in_flight: InFlight
+
+
+def _allreduce(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's built-in all-reduce (``at::mul_out(bucket, grad, 1 / world)`` as the gradients
+    are copied in, then a sum), waited on through ``InFlight``."""
+    buffer = bucket.buffer()
+    buffer.mul_(1.0 / state.group.size())
+    work = dist.all_reduce(buffer, group=state.group, async_op=True)
+    assert work is not None
+    return state.in_flight.watch(work.get_future(), lambda value: value[0])
+
+
+# DDP checks a hook's annotations against the classes themselves; this module's are strings.
+_allreduce.__annotations__ = {
+    "state": _HookState,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+def release_on_abort(module: DistributedDataParallel, in_flight: InFlight = IN_FLIGHT) -> bool:
+    """Route ``module``'s gradient all-reduce through ``in_flight`` (once per DDP object);
+    False, and nothing changed, where that would change what DDP computes or cannot apply
+    (see the module's docstring)."""
+    if getattr(module, "_peerckpt_in_flight", None) is in_flight:
+        return True
+    why = _unsupported(module)
+    if why:
+        log.debug("a survivor blocked in this DDP's all-reduce is not released at once: %s", why)
+        return False
+    module.register_comm_hook(_HookState(module.process_group, in_flight), _allreduce)
+    module._peerckpt_in_flight = in_flight  # type: ignore[assignment]
+    return True
+
+
+def _unsupported(module: DistributedDataParallel) -> str:
+    if module._comm_hooks or module._get_ddp_logging_data().get("comm_hook"):
+        return "it has a communication hook of its own"
+    if getattr(module, "_use_python_reducer", False):
+        return "it reduces in Python (compiled autograd)"
+    if module.device_type != "cpu":
+        return f"its parameters are on {module.device_type}"
+    if module.gradient_as_bucket_view:
+        return "gradient_as_bucket_view=True"
+    return ""
