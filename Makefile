@@ -39,6 +39,7 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/cpu.py
 	$(PY) bench/tls.py
 	$(PY) bench/stall.py --runs 2 --large-runs 1
+	$(PY) bench/cadence.py --runs 10
 	$(PY) bench/recovery.py --runs 2 --large-runs 1 --cost-runs 3
 	$(PY) bench/memory.py --runs 1
 	$(PY) bench/reshard.py --runs 1

@@ -3,7 +3,7 @@
 
 One 2-node × 1-rank job (k = 1) of ``bench/jobs/train_job.py --overhead 0.05``: first
 ``PLAIN`` steps with nothing tracked (the baseline's first half), then ``STEPS`` steps of
-``ctx.steps``, of which the first 10 measure what a snapshot costs and choose n
+``ctx.steps``, of which the first 25 measure what a snapshot costs and choose n
 (``runtime/policy.py``), then ``PLAIN`` steps outside ``ctx.steps`` (no snapshot: the
 baseline's second half). The figure is the mean step over whole intervals (every step from
 just after a multiple of n, at least ``SETTLED`` — past the calibration and the snapshot of
@@ -29,9 +29,11 @@ from typing import Any
 
 from common import HEARTBEAT_TIMEOUT_S, job_name, leftover_segments, run_peerckpt
 
+from peerckpt.runtime.policy import DECIDE_AT
+
 JOB = Path(__file__).resolve().parent / "jobs" / "train_job.py"
 PLAIN, STEPS = 12, 130
-SETTLED = 15  # the calibration's 10 steps, the agreed step's snapshot and its 4 steps' spread
+SETTLED = DECIDE_AT + 4  # the calibration, the agreed step's snapshot and the steps after it
 
 
 def whole_intervals(every: int, steps: int) -> tuple[int, int]:
@@ -86,7 +88,7 @@ def budget_run(mib: int, batch: int, base: Path, overhead: float = 0.05) -> dict
     behind = statistics.mean(t for r in ranks for t in r["plain_after_times"][2:])
     plain = (before + behind) / 2
     chosen = re.findall(r"snapshot every (\d+) step\(s\) \((\w[\w-]*)\): (.*?);", proc.stderr)
-    agreed = re.findall(r"the ranks agreed on every (\d+) step", proc.stderr)
+    agreed = re.findall(r"snapshot every (\d+) step\(s\)", proc.stderr)
     if not agreed:
         raise RuntimeError("the job's log does not say which interval the ranks agreed on")
     every = int(agreed[0])

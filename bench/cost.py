@@ -30,8 +30,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import HEARTBEAT_TIMEOUT_S, job_name, leftover_segments, run_peerckpt
 
+from peerckpt.runtime.policy import DECIDE_AT
+
 JOBS = Path(__file__).resolve().parent / "jobs"
-DECIDED = 9  # from this step on the job snapshots every n steps (runtime/policy.py DECIDE_AT)
+# from this step on the job snapshots every n steps (a calibration's steps snapshot more often)
+DECIDED = DECIDE_AT
 
 
 def _steps(out: Path, world: int) -> dict[int, list[dict[str, Any]]]:
@@ -82,7 +85,7 @@ def cost_run(
     tracked = max(x["tracked_at"] for x in restored if x["epoch"] == epoch)
     first_s = {r: x["t1"] - x["t0"] for r, x in first.items()}
     [pull] = [p for p in event["pulls"] if p["rank"] == victim]
-    every = re.findall(r"the ranks agreed on every (\d+) step", proc.stdout + proc.stderr)
+    every = re.findall(r"snapshot every (\d+) step\(s\)", proc.stdout + proc.stderr)
     return {
         "every": int(every[0]) if every else None,
         "cost_s": done - fired - normal,

@@ -29,6 +29,7 @@ START, END = "<!-- bench-summary:start -->", "<!-- bench-summary:end -->"
 ORDER = [
     "ceilings",
     "stall",
+    "cadence",
     "replication",
     "cpu",
     "tls",
@@ -104,6 +105,11 @@ LABELS: list[tuple[str, str, str]] = [
         "ratio",
     ),
     (r"budget_stall_(\w+)", "training stall, {0} per rank, overhead=0.05 (n chosen)", "percent"),
+    (
+        r"interval_spread",
+        "snapshot interval the budget chose, one job 10 times beside another: largest / smallest",
+        "ratio",
+    ),
 ]
 
 

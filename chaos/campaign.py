@@ -82,8 +82,8 @@ def generate(
     return clauses
 
 
-# A fault fires once the committed step reaches its step - 1, and the committed step trails
-# the running one: the last fault strikes at most this many steps before the script's end.
+# A fault fires while the ranks run its step; the last one strikes at most this many steps
+# before the script's end, so that the recovery it causes trains steps the comparison sees.
 TAIL_STEPS = 3
 MIN_EVERY = 2
 
@@ -154,7 +154,7 @@ def _groups(draw: Draw, faults: int) -> int:
 @dataclass
 class Row:
     fault: str
-    step: int | None  # the committed step when it struck
+    step: int | None  # the training step it struck in
     detected_s: float | None
     recovered_s: float | None
     pulled: str  # bytes pulled and from where
@@ -234,7 +234,12 @@ def run_campaign(
 
         return RayLauncher(spec, address=ray)
 
-    ref_launcher = launcher_of(JobSpec(**common, job=f"{job}_ref" if job else None))
+    # The reference snapshots every step: any step the chaos run snapshots (at its own
+    # interval, after a restore, in a re-run) is compared with the reference at that step.
+    ref_env = {**common["env"], "PEERCKPT_SNAPSHOT_EVERY": "1"}
+    ref_launcher = launcher_of(
+        JobSpec(**{**common, "env": ref_env}, job=f"{job}_ref" if job else None)
+    )
     with Report("reference run, no faults: committed step", None) as bar:
         if progress and hasattr(ref_launcher, "watchers"):  # the Ray driver has no view
             ref_launcher.watchers.append(_committed(bar))
@@ -310,16 +315,17 @@ def _steps(digests: dict[str, list[str]]) -> dict[tuple[int, int], set[str]]:
 
 
 def compare(campaign: Campaign, reference: JobResult, run: JobResult) -> None:
-    """Fill the rows and the overall comparison of every snapshot with the reference."""
+    """Fill the rows and the overall comparison of every snapshot with the reference. The
+    reference snapshotted every step (``PEERCKPT_SNAPSHOT_EVERY=1``): whatever steps the
+    chaos run snapshotted (its own interval, restores, re-runs), each is compared with the
+    reference's state at that same step, and a difference names the first tensor."""
     expected, got = _steps(reference.digests), _steps(run.digests)
     campaign.steps_compared = len(got)
-    campaign.differing = sorted(
-        f"rank {r} step {s}" for (r, s), d in got.items() if d != expected.get((r, s))
-    )
-    # Every step of the reference was snapshotted in the chaos run too (nothing skipped).
-    campaign.differing += sorted(
-        f"rank {r} step {s} missing" for (r, s) in expected.keys() - got.keys()
-    )
+    campaign.differing = [
+        difference(rank, step, seen, reference, run)
+        for (rank, step), seen in sorted(got.items())
+        if not seen <= expected.get((rank, step), set())
+    ]
     fired = run.chaos
     rows_by_fault = {id(c): r for r, c in _pair(run)}
     by_text = {c["action"]: c for c in fired}
@@ -329,13 +335,20 @@ def compare(campaign: Campaign, reference: JobResult, run: JobResult) -> None:
             why = record.get("skipped", "") if record else "the job ended before its step"
             campaign.rows.append(Row(clause, None, None, None, "", False, f"never fired: {why}"))
             continue
-        struck = record["committed_step"] or 0
+        struck = record.get("step", record.get("committed_step")) or 0
         nxt = next(
-            (by_text[c]["committed_step"] for c in campaign.faults[i + 1 :] if c in by_text),
+            (
+                by_text[c].get("step", struck)
+                for c in campaign.faults[i + 1 :]
+                if c in by_text and by_text[c].get("fired_at") is not None
+            ),
             None,
         )
-        window = {k for k in got if k[1] > struck and (nxt is None or k[1] <= max(nxt, struck + 1))}
-        exact = all(got[k] == expected.get(k) for k in window)
+        window = {k for k in got if k[1] >= struck and (nxt is None or k[1] < max(nxt, struck + 1))}
+        if not window:  # none between this fault and the next: the first snapshot after it
+            later = sorted((k for k in got if k[1] >= struck), key=lambda k: k[1])
+            window = {k for k in later if later and k[1] == later[0][1]}
+        exact = bool(window) and all(got[k] <= expected.get(k, set()) for k in window)
         failure = rows_by_fault.get(id(record))
         pulled = ""
         if failure is not None:
@@ -345,17 +358,36 @@ def compare(campaign: Campaign, reference: JobResult, run: JobResult) -> None:
                 if p["bytes"]
             ]
             pulled = ", ".join(parts) or "local copies only (no network)"
+        note = "" if failure else "no rank was lost"
+        if not window:
+            note = "no snapshot after it to compare"
         campaign.rows.append(
             Row(
                 clause,
-                record["committed_step"],
+                struck,
                 failure.detected_s if failure else None,
                 failure.recovered_s if failure else None,
                 pulled,
                 exact,
-                "" if failure else "no rank was lost",
+                note,
             )
         )
+
+
+def difference(rank: int, step: int, seen: set[str], reference: JobResult, run: JobResult) -> str:
+    """What differs in rank ``rank``'s snapshot of ``step``: the first tensor (in chunk
+    order) whose digest is not the reference's at that step."""
+    wanted = reference.digests.get(f"{rank}/{step}", [])
+    if not wanted:
+        return f"rank {rank} step {step}: the fault-free run has no snapshot of that step"
+    ref = reference.tensor_digests.get(f"{rank}/{step}/{wanted[0]}", {})
+    for digest in sorted(seen - set(wanted)):
+        got = run.tensor_digests.get(f"{rank}/{step}/{digest}", {})
+        keys = [k for k, v in got.items() if ref.get(k) != v] + sorted(set(ref) - set(got))
+        if keys:
+            more = f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
+            return f"rank {rank} step {step}: tensor {keys[0]!r} differs{more}"
+    return f"rank {rank} step {step}: its tensors differ"
 
 
 def _pair(run: JobResult) -> list[tuple[Any, dict[str, Any]]]:

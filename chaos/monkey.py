@@ -216,8 +216,9 @@ class ChaosMonkey:
                 self.fired.append(record)
                 pending.pop(0)
             # A step's ranks go on once none of its actions is left to fire (an armed phase
-            # point waits for its phase, which comes only if they go on).
-            waiting = {a.at for i, a in pending if i not in self._armed}
+            # point waits for its phase, and an action ``after=T`` lands T seconds later
+            # wherever the job is by then: both only if the ranks go on).
+            waiting = {a.at for i, a in pending if i not in self._armed and not a.after}
             self._release({a.at for a in self.actions if a.at <= self.reached} - waiting)
 
     def _release(self, steps: set[int]) -> None:

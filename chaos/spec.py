@@ -22,8 +22,8 @@ Grammar (clauses separated by ``;``)::
 ``at=S`` means: while the job's ranks run training step S (the step ``ctx.steps`` yields,
 counted from 0, whatever the snapshot interval): the first rank to reach S announces it, the
 fault fires, and no rank starts S+1 before it has (``chaos/monkey.py``). ``after=T`` fires T
-seconds after the step came (the ranks wait at the end of S meanwhile); ``during=PHASE`` arms
-the phase once S came and fires when a process first enters that phase after it. Each action
+seconds after the step came, wherever the job is by then (the ranks go on meanwhile);
+``during=PHASE`` arms the phase once S came and fires when a process first enters it. Each action
 fires once; one that never fired fails the run, and one whose rank, node or step cannot
 exist is refused before the job starts (``check_targets``).
 """

@@ -256,6 +256,17 @@ class SnapshotManifest:
                 h.update(repr((c.key, c.offsets, c.lengths, c.nbytes, c.crc)).encode())
         return h.hexdigest()
 
+    def tensor_digests(self) -> dict[str, str]:
+        """Every tensor key's digest (its chunks' places and checksums), in chunk order: the
+        first key whose digest differs between two snapshots of a step is the first tensor
+        that differs (``peerckpt chaos`` names it)."""
+        hashes: dict[str, Any] = {}
+        for c in self.chunks:
+            if c.key != META_KEY:
+                h = hashes.setdefault(c.key, hashlib.blake2b(digest_size=6))
+                h.update(repr((c.offsets, c.lengths, c.nbytes, c.crc)).encode())
+        return {key: h.hexdigest() for key, h in hashes.items()}
+
     def with_checksums(self, view: memoryview) -> SnapshotManifest:
         """Return a copy whose chunks carry the crc32c of their bytes in ``view``."""
         chunks = tuple(

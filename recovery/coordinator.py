@@ -29,6 +29,7 @@ at once by its agent.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -156,7 +157,8 @@ class Coordinator:
         self.rebuild_back: set[int] = set()  # nodes that registered again since the restart
         self.stopped = threading.Event()
         # Every distinct tensor digest of every rank's snapshot of every step, appended as
-        # "rank step digest" lines (the chaos campaign compares them with a fault-free run).
+        # JSON lines {rank, step, digest, tensors: {key: digest}} (the chaos campaign
+        # compares them with a fault-free run, and names the first tensor that differs).
         # A file, not memory: a restarted coordinator appends to what the last one wrote.
         self._digests_file = (
             open(digests_file, "a", buffering=1)  # noqa: SIM115 (open as long as we run)
@@ -177,7 +179,9 @@ class Coordinator:
             if msg.rejoin is not None:
                 self.rebuild_back.add(msg.node)
                 rebuild.adopt(self, msg.node, msg.rejoin)
-            return AgentConfig(s.replicas, s.heartbeat_timeout)
+            return AgentConfig(
+                s.replicas, s.heartbeat_timeout, record_digests=self._digests_file is not None
+            )
 
     async def watch(self, msg: Watch, context: Any) -> AsyncIterator[bytes]:
         """Node ``msg.node``'s events, packed, as they come (the RPC server's event loop)."""
@@ -392,7 +396,8 @@ class Coordinator:
             key = (msg.rank, msg.step, msg.digest)
             if self._digests_file is not None and msg.digest and key not in self._digests_seen:
                 self._digests_seen.add(key)
-                self._digests_file.write(f"{msg.rank} {msg.step} {msg.digest}\n")
+                record = {"rank": msg.rank, "step": msg.step, "digest": msg.digest}
+                self._digests_file.write(json.dumps({**record, "tensors": msg.tensors}) + "\n")
             if committed is not None:
                 largest = max(self.epochs.snapshot_bytes.values(), default=0)
                 self.registry.broadcast(Commit(msg.epoch, committed, largest))

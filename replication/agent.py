@@ -217,6 +217,7 @@ class Agent:
         config = self.coordinator.register(self._registration(), COORDINATOR_GRACE_S)
         self.heartbeat_timeout = config.heartbeat_timeout
         self.mirroring.retry_s = 2 * self.heartbeat_timeout
+        self.mirroring.record_digests = config.record_digests
         self.heartbeat_interval = max(0.05, min(0.5, self.heartbeat_timeout / 5))
         for target, name in ((self._watch, "watch"), (self._heartbeat, "heartbeat")):
             thread = threading.Thread(target=target, name=f"peerckpt-agent-{name}", daemon=True)

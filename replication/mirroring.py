@@ -56,6 +56,7 @@ class Mirroring:
         self._committed = committed_step
         self.faults = faults
         self.retry_s = 10.0
+        self.record_digests = False  # reports carry every tensor's digest (the coordinator asks)
         self._lock = threading.Lock()
         self._senders: dict[int, BuddySender] = {}
         self._reported_layouts: dict[tuple[int, int], tuple[Any, ...]] = {}
@@ -191,6 +192,7 @@ class Mirroring:
             partial=bool(job.absent),
             deduplicated=manifest.used_bytes - dedup.sent_bytes(manifest.without(job.absent)),
             absent=tuple(job.absent),
+            tensors=manifest.tensor_digests() if self.record_digests else {},
         )
         # Sent again, layout and all, to a restarted coordinator (it may have missed it).
         self.coordinator.remember(("Replicated", job.slot.rank), full)

@@ -113,9 +113,10 @@ def resilient(
     (``peerckpt run --spares S``).
 
     Snapshots: ``every=n`` takes one after every n-th step. Otherwise the runtime measures
-    over its first 22 steps what a snapshot adds to a step here (three snapshots, the median
-    of them, then the median over the ranks), and snapshots every n steps with n the smallest
-    that keeps that below ``overhead`` (a fraction of the step time, default 0.05); given
+    over its first 25 steps the work a snapshot costs here (CPU seconds of the rank and its
+    node's agent over five snapshots, against a training step's), and snapshots every n
+    steps with n the smallest that keeps that below ``overhead`` (a fraction of the step
+    time, default 0.05), rounded to the nearest power of two; given
     ``mtbf`` (the mean time between failures, seconds) it snapshots less often where the
     Young/Daly interval sqrt(2 · cost · mtbf) is longer. Either way n steps never take more
     than ``max_lost`` seconds (default 5.0): the most training a failure may lose, which wins

@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +56,18 @@ class AgentChannel:
         self._reader.start()
         self._beater = threading.Thread(target=self._beat, name="peerckpt-heartbeat", daemon=True)
         self._beater.start()
+
+    @property
+    def agent_pid(self) -> int | None:
+        """The agent process at the other end (its Unix socket's peer credentials)."""
+        try:
+            creds = self.conn.sock.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
+            )
+        except OSError:
+            return None
+        pid: int = struct.unpack("3i", creds)[0]
+        return pid or None
 
     def request(self, msg: ToAgent, answer: type[M], timeout: float = 60.0) -> M:
         """Send a request and wait for its ``answer``; raise the agent's error if it refused."""

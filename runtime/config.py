@@ -7,11 +7,14 @@ when it is made: a bad option fails at decoration time, before any process start
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from peerckpt.errors import ConfigurationError
 from peerckpt.runtime.policy import DEFAULT_MAX_LOST_S, SnapshotPolicy
+
+log = logging.getLogger("peerckpt.policy")
 
 
 @dataclass(frozen=True)
@@ -50,10 +53,12 @@ class ResilientConfig:
                 raise ConfigurationError(f"{name} must be positive, not {getattr(self, name)}")
         self.snapshot_policy()  # a bad every/overhead/mtbf fails here too
 
-    def snapshot_policy(self) -> SnapshotPolicy:
+    def snapshot_policy(self, every: int | None = None) -> SnapshotPolicy:
         """A new rank process's snapshot policy (``runtime/policy.py``), which checks
-        ``every``, ``overhead`` and ``mtbf``."""
-        return SnapshotPolicy(self.every, self.overhead, self.mtbf, self.max_lost)
+        ``every``, ``overhead`` and ``mtbf``; ``every``: the launcher's override."""
+        if every is not None and every != self.every:
+            log.info("snapshot every %d step(s), as the launcher asks", every)
+        return SnapshotPolicy(every or self.every, self.overhead, self.mtbf, self.max_lost)
 
     def persist_msg(self) -> dict[str, Any] | None:
         """The durable tier's settings as the rank announces them to its agent, or None."""

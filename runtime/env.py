@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -33,6 +34,9 @@ class LaunchEnv:
     # Who restarts this process after a failure ("torchrun"), or "" (peerckpt recovers it
     # in place). Set by ``runtime/torchrun.py``.
     restart_based: str = ""
+    # ``PEERCKPT_SNAPSHOT_EVERY``: the launcher's override of the snapshot interval (the
+    # reference run of ``peerckpt chaos`` snapshots every step, to compare any step with).
+    snapshot_every: int | None = None
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> LaunchEnv:
@@ -60,7 +64,18 @@ class LaunchEnv:
             rank=int(env["RANK"]) if role is ProcRole.RANK and "RANK" in env else None,
             world_size=int(env["WORLD_SIZE"]) if "WORLD_SIZE" in env else None,
             restart_based=env.get("PEERCKPT_RESTART_BASED", ""),
+            snapshot_every=_positive(env, "PEERCKPT_SNAPSHOT_EVERY"),
         )
+
+
+def _positive(env: Mapping[str, str], name: str) -> int | None:
+    """An optional positive integer setting, or a ConfigurationError naming it."""
+    value = env.get(name)
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigurationError(f"{name} must be a whole number of steps ≥ 1, not {value!r}")
+    return int(value)
 
 
 class RankFilter(logging.Filter):

@@ -91,7 +91,7 @@ class RankRuntime:
         self._arrived: dict[int, Arrived] = {}  # epoch → where its arriving state now is
         self._initial_rng = capture.capture_rng()
         self.live = LiveState()  # what the live tensors hold: a survivor restores from them
-        self.policy = config.snapshot_policy()  # when to snapshot (runtime/policy.py)
+        self.policy = config.snapshot_policy(env.snapshot_every)  # when (runtime/policy.py)
         RankFilter.runtime = self
         if self.state is RankState.SPARE:
             self._warm_up()  # before saying hello: a spare is chosen only once it is ready

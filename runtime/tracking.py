@@ -14,10 +14,14 @@ process groups, and two callables of the runtime: ``check`` raises when the epoc
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import resource
+import socket
+import sys
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,7 +35,7 @@ from peerckpt.messages.local import Arrived, RankResumed, ReleaseStaging, WantCh
 from peerckpt.runtime import capture, twins
 from peerckpt.runtime.audit import FirstStepWatch
 from peerckpt.runtime.live import LiveState
-from peerckpt.runtime.policy import SnapshotPolicy
+from peerckpt.runtime.policy import Probe, RankReport, SnapshotPolicy
 from peerckpt.runtime.restore import (
     ChunkSource,
     OldLayout,
@@ -113,6 +117,7 @@ class EpochTracking:
         self.policy = policy  # when to snapshot, agreed once per job (runtime/policy.py)
         self._started_job = started_job  # a rank of the first epoch, not a spare
         self.faults = faults  # step points: a chaos step is a training step
+        self._agent = _agent_clock(channel.agent_pid) if policy.fixed is None else None
         self.tracked: dict[str, Any] = {}
         self.step: int | None = None  # the step the loop is in (for log records, heartbeats)
         self.total: int | None = None  # the loop's total (``ctx.steps(total)``)
@@ -270,18 +275,18 @@ class EpochTracking:
                 self.faults.reach(step, **where)
             if policy.quiet_before(step) and self.engine.last_taken is not None:
                 # the plain steps about to be measured must not share the cores with the
-                # replication of the last one; the wait for the measured snapshot's commit
-                # is part of what it costs
-                waiting = time.perf_counter()
+                # replication of the last one; the measured snapshot's work is done, and
+                # counted, once it is committed
                 self.engine.wait_committed(self.engine.last_taken, self.engine.commit_timeout_s)
-                policy.waited(step, time.perf_counter() - waiting)
+            if policy.calibrating():
+                policy.probe(step, self._probe())
             if policy.ready(step):
                 self._agree_interval(step)
             self.step = step
             began = time.perf_counter()
             yield step
             self.check()
-            if policy.due(step):
+            if policy.due(step) or step == total - 1:  # the last step: what the job ends with
                 extra: dict[str, Any] = {"ddp": watch.ddp.layouts() if watch is not None else {}}
                 if policy.every is not None:
                     extra["every"] = policy.every
@@ -299,19 +304,54 @@ class EpochTracking:
         if self.faults.active:
             self.faults.reach(total, **where)  # the last step's faults fire before the end
 
+    def _probe(self) -> Probe:
+        """The calibration's counters now (``runtime/policy.py``)."""
+        agent_cpu = 0.0
+        if self._agent is not None:
+            try:
+                agent_cpu = time.clock_gettime(self._agent)
+            except OSError:
+                self._agent = None  # gone: its work goes uncounted
+        return Probe(time.perf_counter(), time.process_time(), agent_cpu, self.engine.stall_s)
+
     def _agree_interval(self, step: int) -> None:
-        """Choose the snapshot interval from every rank's measurements (their medians), the
-        same on every rank: a collective, at the same step on every rank."""
-        mine = torch.tensor(self.policy.measured(), dtype=torch.float64)
-        measured = [mine]
+        """Choose the snapshot interval from every rank's measurement, the same on every
+        rank: an all-gather, at the same step on every rank."""
+        machine = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
+        mine = RankReport(self.policy.measured(), machine, _cores(), self.assignment.node)
+        rows = [torch.tensor(mine.row(), dtype=torch.float64)]
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            measured = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
-            torch.distributed.all_gather(measured, mine)
-        pairs = [(float(t[0]), float(t[1])) for t in measured]
-        self.policy.agree(pairs, step, speak=self.assignment.rank == 0)
+            rows = [torch.empty_like(rows[0]) for _ in range(torch.distributed.get_world_size())]
+            torch.distributed.all_gather(rows, torch.tensor(mine.row(), dtype=torch.float64))
+        reports = [RankReport.of_row(row.tolist()) for row in rows]
+        self.policy.agree(reports, step, speak=self.assignment.rank == 0)
 
     def _resumed(self, start: int) -> None:
         if self._resumed_sent:
             return
         self._resumed_sent = True
         self.channel.notify(RankResumed(self.assignment.epoch, self.assignment.rank, start))
+
+
+def _agent_clock(pid: int | None) -> int | None:
+    """The CPU-time clock of the node agent (every thread of it), whose work the calibration
+    reads; None where it cannot be read. Linux names another process's CPU clock
+    ``(~pid << 3) | CPUCLOCK_SCHED`` (what glibc's ``clock_getcpuclockid`` returns): its
+    nanoseconds, where ``/proc``'s counters tick every 10 ms — longer than an agent's work
+    on a small snapshot."""
+    if not pid or not sys.platform.startswith("linux"):
+        return None
+    clock = ctypes.c_int32((~pid << 3) | 2).value
+    try:
+        time.clock_gettime(clock)
+    except OSError:
+        return None
+    return clock
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

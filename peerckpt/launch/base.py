@@ -64,6 +64,8 @@ class JobResult:
     digests: dict[str, list[str]] = field(default_factory=dict)  # "rank/step" → digests seen
     timeline: dict[str, Any] = field(default_factory=dict)  # JobMonitor.timeline()
     unfired: list[str] = field(default_factory=list)  # a line per chaos action that never fired
+    # "rank/step/digest" → that snapshot's tensor digests by key (with ``record_digests``)
+    tensor_digests: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 def chaos_verdict(state: str, reason: str, unfired: list[str]) -> tuple[str, str]:

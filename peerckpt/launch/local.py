@@ -251,7 +251,7 @@ class LocalLauncher(Launcher):
         finally:
             if self.chaos is not None:
                 self.chaos.stop()  # first: it thaws the processes it froze
-            digests = self._read_digests()
+            digests, tensor_digests = self._read_digests()
             self._recovery_progress.close()
             self.stop()
             for sig, handler in previous.items():
@@ -277,6 +277,7 @@ class LocalLauncher(Launcher):
             digests,
             self.monitor.timeline(),
             unfired,
+            tensor_digests,
         )
         if self.spec.report:
             with open(self.spec.report, "w") as f:
@@ -339,12 +340,26 @@ class LocalLauncher(Launcher):
         for watcher in self.watchers:
             watcher(raw, view)
 
-    def _read_digests(self) -> dict[str, list[str]]:
-        """The digests the coordinators recorded: "rank/step" → the distinct ones seen."""
+    def _read_digests(self) -> tuple[dict[str, list[str]], dict[str, dict[str, str]]]:
+        """The digests the coordinators recorded: "rank/step" → the distinct ones seen, and
+        "rank/step/digest" → that snapshot's tensor digests by key."""
         found: dict[str, list[str]] = {}
+        tensors: dict[str, dict[str, str]] = {}
         path = os.path.join(self.rundir, "digests.txt")
         if not self.spec.record_digests or not os.path.exists(path):
-            return found
+            return found, tensors
+        with open(path) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                    rank, step, digest = record["rank"], record["step"], record["digest"]
+                except (ValueError, KeyError, TypeError):
+                    continue  # the last line of a coordinator killed while writing it
+                seen = found.setdefault(f"{rank}/{step}", [])
+                if digest not in seen:
+                    seen.append(digest)
+                tensors[f"{rank}/{step}/{digest}"] = dict(record.get("tensors") or {})
+        return found, tensors
         with open(path) as f:
             for line in f:
                 parts = line.split()

@@ -112,6 +112,7 @@ class AgentConfig(Message):
     replicas: int | None
     heartbeat_timeout: float
     lost: bool = False
+    record_digests: bool = False  # report every snapshot's tensor digests (``peerckpt chaos``)
 
 
 @message("RegisterAgent")
@@ -226,6 +227,9 @@ class Replicated(Request["ReplicatedReply"]):
 
 @message("ReplicatedMany")
 @dataclass(frozen=True)
+    # Asked for by ``AgentConfig.record_digests``: every tensor's digest, in chunk order
+    # (``SnapshotManifest.tensor_digests``), so that a difference can be named.
+    tensors: dict[str, str] = field(default_factory=dict)
 class ReplicatedMany(Request["ReplicatedReply"]):
     """Several of node ``node``'s ``Replicated`` reports in one call: those that became ready
     while its previous report was on its way (``CoordinatorLink.report_replicated``)."""

@@ -129,3 +129,17 @@ def test_a_step_past_the_loop_is_refused_as_soon_as_the_loop_is_known(tmp_path) 
     finally:
         monkey.stop()
     assert target.killed == []
+
+
+def test_an_action_after_seconds_lets_the_ranks_go_on_and_fires_later(tmp_path) -> None:
+    job, target = FakeJob(), FakeTarget(str(tmp_path))
+    monkey = ChaosMonkey(parse_chaos("kill rank=1 at=4 after=0.5"), job, target)  # type: ignore[arg-type]
+    monkey.start()
+    try:
+        (tmp_path / "reached-4").write_text("{}")
+        # the ranks are not held for the half second: the kill lands wherever they are then
+        assert _wait(lambda: (tmp_path / "released-4").exists(), timeout=0.4)
+        assert target.killed == []
+        assert _wait(lambda: target.killed == [101])
+    finally:
+        monkey.stop()

@@ -16,6 +16,9 @@ from peerckpt.runtime.policy import (
     SNAPSHOT_AT,
     Agreement,
     Calibration,
+    Measured,
+    Probe,
+    RankReport,
     SnapshotPolicy,
     choose_interval,
 )
@@ -36,12 +39,16 @@ from peerckpt.runtime.policy import (
 )
 def test_the_interval_keeps_the_overhead_within_the_budget(cost, step, overhead, every) -> None:
     got = choose_interval(cost, step, overhead, max_lost_s=1e9)
-    assert got.every == every and got.rule == "budget"
+    assert got.budget_every == every and got.rule == "budget"
     if every < MAX_EVERY:
-        assert got.expected_overhead <= overhead + 1e-12
+        assert cost / (every * step) <= overhead + 1e-12
         if every > 1:  # and no smaller interval would
             assert cost / ((every - 1) * step) > overhead
-    assert got.expected_lost_s == pytest.approx((every / 2 + 1) * step)
+        # chosen: the nearest power of two by ratio (the overhead within √2 of the budget)
+        assert got.every & (got.every - 1) == 0
+        assert every / math.sqrt(2) <= got.every <= every * math.sqrt(2)
+        assert got.expected_overhead <= overhead * math.sqrt(2) + 1e-12
+    assert got.expected_lost_s == pytest.approx((got.every / 2 + 1) * step)
 
 
 def test_young_daly_is_used_only_where_it_snapshots_less_often() -> None:
@@ -50,15 +57,15 @@ def test_young_daly_is_used_only_where_it_snapshots_less_often() -> None:
         0.232, 0.251, 0.05, mtbf_s=3600.0, max_lost_s=1e9
     )  # √(2·C·MTBF) = 40.9 s
     assert rare.young_daly_every == round(math.sqrt(2 * 0.232 * 3600) / 0.251) == 163
-    assert rare.every == 163 and rare.rule == "young-daly"
+    assert rare.every == 128 and rare.rule == "young-daly"  # 163, the nearest power of two
     assert rare.expected_overhead < 0.05
     # the default bound on the work lost (5 s: 19 steps) wins over Young/Daly's 41 s
     assert choose_interval(0.232, 0.251, 0.05, mtbf_s=3600.0).every == 19
     often = choose_interval(0.232, 0.251, 0.05, mtbf_s=60.0, max_lost_s=1e9)
     assert often.young_daly_every == 21 and often.budget_every == 19
-    assert often.every == 21
+    assert often.every == 16 and often.rule == "young-daly"  # 21, the nearest power of two
     frequent = choose_interval(0.232, 0.251, 0.05, mtbf_s=10.0, max_lost_s=1e9)  # Y/D: 9 steps
-    assert frequent.young_daly_every == 9 and frequent.every == 19 and frequent.rule == "budget"
+    assert frequent.young_daly_every == 9 and frequent.every == 16 and frequent.rule == "budget"
     assert "Young/Daly interval 9 step(s)" in frequent.describe()
 
 
@@ -76,78 +83,118 @@ def test_bad_intervals_and_mtbf_are_refused() -> None:
 
 
 def _calibrated(
-    plain: float | list[float], cycles: list[list[float]], waits: list[float]
+    own: float | list[float],
+    agent: float | list[float],
+    stalled: float = 0.0,
+    plain_cpu: float = 0.010,
+    agent_idle: float = 0.001,
+    wall: float = 0.020,
 ) -> Calibration:
-    """A calibration whose plain steps, cycles' steps and waits for commits took these."""
+    """A calibration over steps of ``wall`` seconds (``plain_cpu`` of the rank's CPU each)
+    whose five snapshots took ``own`` and ``agent`` CPU seconds beyond that and blocked the
+    loop ``stalled`` each; the agent idles at ``agent_idle`` CPU seconds a second."""
+    owns = own if isinstance(own, list) else [own] * len(CYCLES)
+    agents = agent if isinstance(agent, list) else [agent] * len(CYCLES)
+    cycle_of = {o: i for i, cycle in enumerate(CYCLES) for o in cycle}
     calibration = Calibration(0)
-    plains = plain if isinstance(plain, list) else [plain] * len(PLAIN)
-    for o, seconds in zip(PLAIN, plains, strict=True):
-        calibration.record(o, seconds)
-    for cycle, durations in zip(CYCLES, cycles, strict=True):
-        for o, seconds in zip(cycle, durations, strict=True):
-            calibration.record(o, seconds)
-    for o, seconds in zip((10, 14, 18), waits, strict=True):
-        calibration.waited(o, seconds)
+    clock = Probe(0.0, 0.0, 0.0, 0.0)
+    for o in range(2, DECIDE_AT + 1):
+        calibration.probe(o, clock)
+        if o == DECIDE_AT:
+            break
+        calibration.record(o, wall)
+        cpu, extra_agent, extra_stall = plain_cpu, 0.0, 0.0
+        if o in cycle_of and o == CYCLES[cycle_of[o]][0]:  # the cycle's work, at its start
+            cpu += owns[cycle_of[o]]
+            extra_agent, extra_stall = agents[cycle_of[o]], stalled
+        clock = Probe(
+            clock.wall + wall,
+            clock.own_cpu + cpu,
+            clock.agent_cpu + agent_idle * wall + extra_agent,
+            clock.stalled + extra_stall,
+        )
     return calibration
 
 
-def test_calibration_measures_plain_steps_then_three_snapshots_then_decides() -> None:
-    """Plain steps of 0.20 s; each snapshot's cycle takes 0.26 s a step (+0.24 s over four
-    steps) and its commit comes 0.10 s after them: C = 0.34 s, n = 34."""
+def _report(measured: Measured, machine: int = 1, cores: int = 2, node: int = 0) -> RankReport:
+    return RankReport(measured, machine, cores, node)
+
+
+def test_calibration_probes_plain_steps_then_five_snapshots_then_decides() -> None:
     policy = SnapshotPolicy(overhead=0.05, max_lost_s=60.0)
     policy.begin_epoch(start=5, restored_every=None)
-    cycle_steps = {o for cycle in CYCLES for o in cycle}
     due, quiet = [], []
     for step in range(5, 5 + DECIDE_AT):
-        if policy.quiet_before(step):
-            quiet.append(step - 5)
-            policy.waited(step, 0.5 if step - 5 == 2 else 0.10)  # the first is not a cost
-        assert not policy.ready(step)
+        quiet += [step - 5] if policy.quiet_before(step) else []
+        assert policy.calibrating() and not policy.ready(step)
+        policy.probe(step, Probe(step, 0.01 * step, 0.0, 0.0))
         due.append(policy.due(step))
-        policy.record(step, 0.26 if step - 5 in cycle_steps else 0.20)
+        policy.record(step, 0.02)
     assert [s - 5 for s, d in zip(range(5, 5 + DECIDE_AT), due, strict=True) if d] == sorted(
         SNAPSHOT_AT
     )
-    assert {0, 1, 6, 10, 14} == SNAPSHOT_AT and not set(PLAIN) & SNAPSHOT_AT
-    # before the plain steps, and after each cycle: the wait for its snapshot's commit
-    assert quiet == [2, 10, 14, 18]
+    assert {0, 1, 6, 9, 12, 15, 18} == SNAPSHOT_AT and not set(PLAIN) & SNAPSHOT_AT
+    # before the plain steps, and before each cycle after the first: the last one's commit
+    assert quiet == [2, 9, 12, 15, 18, 21]
     # decided at a fixed step, the same on every rank (the agreement is a collective)
+    policy.probe(5 + DECIDE_AT, Probe(5 + DECIDE_AT, 0.01 * (5 + DECIDE_AT), 0.0, 0.0))
     assert policy.ready(5 + DECIDE_AT)
-    cost, step = policy.measured()
-    assert (cost, step) == pytest.approx((0.34, 0.20))
-    chosen = policy.agree([(cost, step), (0.50, 0.20), (0.30, 0.21)], 5 + DECIDE_AT, speak=True)
-    assert chosen.every == 34 and policy.every == 34  # the medians: C 0.34 s, T 0.20 s
-    assert not policy.ready(5 + DECIDE_AT + 1)
-    # after the step it was agreed before (its snapshot carries n), then every 34th
-    assert [s for s in range(27, 100) if policy.due(s)] == [27, 34, 68]
 
 
-def test_one_slow_cycle_or_one_slow_rank_does_not_move_the_interval() -> None:
-    steady = _calibrated(0.10, [[0.12] * 4] * 3, [0.02] * 3)
-    hiccup = _calibrated(0.10, [[0.12] * 4, [0.12, 0.55, 0.12, 0.12], [0.12] * 4], [0.02] * 3)
-    assert steady.costs() == pytest.approx((0.10, 0.10))
-    assert hiccup.costs() == pytest.approx((0.10, 0.10))  # the median of the three cycles
-    assert sorted(hiccup.cycle_costs()) == pytest.approx([0.10, 0.10, 0.53])
-    # a rank that measured 0.46 s against three that measured 0.10 s: named, not followed
-    together = Agreement.of([(0.10, 0.10), (0.46, 0.10), (0.11, 0.10), (0.09, 0.10)])
-    assert together.snapshot_cost_s == pytest.approx(0.105) and set(together.outliers) == {1}
+def test_a_snapshots_work_is_measured_against_the_training_work_of_a_step() -> None:
+    # Each snapshot: 2 ms of the rank's CPU and 4 ms of its agent's, against steps of 10 ms
+    # of CPU (20 ms wall: the machine is shared). Two such ranks on one node of a machine:
+    # 2·2 + 4 = 8 ms of work against 2·10 = 20 ms: 40 % of a step, i.e. 8 ms of its 20.
+    measured = _calibrated(0.002, 0.004).costs()
+    assert measured.own_cpu_s == pytest.approx(0.002) and measured.agent_cpu_s == pytest.approx(
+        0.004
+    )
+    assert measured.step_s == pytest.approx(0.020) and measured.step_cpu_s == pytest.approx(0.010)
+    together = Agreement.of([_report(measured), _report(measured)])
+    assert together.snapshot_cost_s == pytest.approx(0.008) and together.step_s == 0.020
+    policy = SnapshotPolicy(overhead=0.05, max_lost_s=60.0)
+    policy.begin_epoch(start=0, restored_every=None)
+    chosen = policy.agree([_report(measured), _report(measured)], 25, speak=True)
+    assert chosen.budget_every == 8 and chosen.every == 8  # ⌈0.4 / 0.05⌉, a power of two
 
 
-def test_a_snapshot_whose_replication_outlasts_its_steps_still_counts_whole() -> None:
-    """On 2 busy cores the agents fall behind: the steps look cheap, the wait for the
-    commit does not (a snapshot after every step, as measured first, hid it)."""
-    cost, step = _calibrated(0.20, [[0.21] * 4] * 3, [0.60] * 3).costs()
-    assert cost == pytest.approx(0.64)
-    assert choose_interval(cost, step, 0.05, max_lost_s=60.0).every == 64
+def test_the_same_work_on_a_busier_machine_chooses_the_same_interval() -> None:
+    # Another job beside it slows every step two-fold, the snapshots' work as much: the
+    # wall times move, the work does not, and neither does n (one measured snapshot, read
+    # off wall-clock steps, chose 1 to 99 for one job here).
+    quiet = _calibrated(0.002, 0.004, wall=0.020).costs()
+    busy = _calibrated(0.002, 0.004, wall=0.045, agent_idle=0.0005).costs()
+    picks = [
+        choose_interval(a.snapshot_cost_s, a.step_s, 0.05).every
+        for a in (Agreement.of([_report(m), _report(m)]) for m in (quiet, busy))
+    ]
+    assert picks == [8, 8]
 
 
-def test_a_snapshots_cost_is_measured_against_the_median_plain_step() -> None:
-    # One slow plain step is not taken for the plain step time (against the slowest one,
-    # as measured first, this snapshot cost nothing and n = 1 overran the budget).
-    plain = [0.20, 0.26, 0.20, 0.20, 0.21, 0.20, 0.20, 0.20]
-    cost, step = _calibrated(plain, [[0.26, 0.22, 0.22, 0.20]] * 3, [0.0] * 3).costs()
-    assert (cost, step) == pytest.approx((0.10, 0.20))
-    assert choose_interval(cost, step, 0.05).every == 10
+def test_one_slow_cycle_or_one_odd_rank_does_not_move_the_interval() -> None:
+    steady = _calibrated(0.002, 0.004).costs()
+    hiccup = _calibrated([0.002, 0.002, 0.030, 0.002, 0.002], [0.004, 0.004, 0.004, 0.05, 0.004])
+    got = hiccup.costs()  # the median of the five cycles
+    assert (got.own_cpu_s, got.agent_cpu_s) == pytest.approx((steady.own_cpu_s, steady.agent_cpu_s))
+    # the agent's work counts once per node, whichever of its ranks read it how
+    odd = Measured(0.002, 0.009, 0.0, 0.020, 0.010)
+    two = Agreement.of([_report(steady), _report(odd), _report(steady), _report(steady, node=1)])
+    assert two.work[1] == pytest.approx((0.002 * 4 + 0.004 + 0.004, 0.040))  # node 0: median
+    loud = Measured(0.020, 0.004, 0.0, 0.020, 0.010)
+    named = Agreement.of([_report(steady), _report(loud), _report(steady), _report(steady)])
+    assert set(named.outliers) == {1}
+
+
+def test_the_slowest_machine_sets_the_pace_and_blocked_time_adds() -> None:
+    light = Measured(0.001, 0.001, 0.0, 0.020, 0.010)
+    heavy = Measured(0.004, 0.008, 0.003, 0.020, 0.010)
+    together = Agreement.of(
+        [_report(light, machine=1), _report(light, machine=1, node=1), _report(heavy, machine=2)]
+    )
+    # machine 2: 12 ms of work against 10 ms of step: 1.2 × 20 ms; blocked: median 0 ms
+    assert together.snapshot_cost_s == pytest.approx(0.024)
+    rows = [RankReport(heavy, 5, 16, 3).row()]
+    assert RankReport.of_row(rows[0]) == RankReport(heavy, 5, 16, 3)
 
 
 def test_the_work_a_failure_may_lose_bounds_the_interval() -> None:
@@ -156,7 +203,7 @@ def test_the_work_a_failure_may_lose_bounds_the_interval() -> None:
     assert bounded.budget_every == 44 and bounded.every == 13 and bounded.rule == "max-lost"
     assert bounded.every * 0.360 <= 5.0 < (bounded.every + 1) * 0.360
     assert "raise resilient(max_lost=…)" in bounded.describe()
-    assert choose_interval(0.781, 0.360, 0.05, max_lost_s=60.0).every == 44
+    assert choose_interval(0.781, 0.360, 0.05, max_lost_s=60.0).every == 32  # 44: nearest
     assert choose_interval(0.1, 10.0, 0.05, max_lost_s=5.0).every == 1  # longer steps: each
     with pytest.raises(ConfigurationError, match="max_lost"):
         SnapshotPolicy(max_lost_s=0.0)
@@ -169,3 +216,21 @@ def test_a_restored_interval_or_a_fixed_one_is_used_without_measuring() -> None:
     fixed = SnapshotPolicy(every=3)
     fixed.begin_epoch(start=0, restored_every=10)
     assert [s for s in range(0, 10) if fixed.due(s)] == [0, 3, 6, 9]
+
+
+def test_a_cost_the_wall_clock_shows_clear_of_its_noise_is_not_left_to_the_work() -> None:
+    # The work says 8 ms a snapshot; the cycles' steps took 60 ± 5 ms longer than T (a
+    # training thread waiting, which no CPU clock sees): the wall's lower bound is taken.
+    work = Measured(0.002, 0.004, 0.0, 0.020, 0.010, wall_low_s=0.0)
+    seen = Measured(0.002, 0.004, 0.0, 0.020, 0.010, wall_low_s=0.055)
+    assert Agreement.of([_report(work), _report(work)]).snapshot_cost_s == pytest.approx(0.008)
+    assert Agreement.of([_report(seen), _report(seen)]).snapshot_cost_s == pytest.approx(0.055)
+    # from a calibration: five cycles of +60, +55, +65, +58, +62 ms over their three steps
+    calibration = _calibrated(0.002, 0.004)
+    for cycle, extra in zip(CYCLES, (0.060, 0.055, 0.065, 0.058, 0.062), strict=True):
+        calibration.record(cycle[1], 0.020 + extra)
+    assert 0.050 < calibration.costs().wall_low_s < 0.060
+    noisy = _calibrated(0.002, 0.004)  # ±30 ms of noise around +5 ms: nothing stands clear
+    for cycle, extra in zip(CYCLES, (0.035, -0.025, 0.030, -0.020, 0.005), strict=True):
+        noisy.record(cycle[1], 0.020 + extra)
+    assert noisy.costs().wall_low_s == 0.0
