@@ -7,9 +7,13 @@ TCP) are both one of these with their own ``handshake(conn)`` and ``serve(conn, 
 Until a peer has proved the job's secret it is a stranger, and a stranger gets little:
 
 - an overall deadline for the whole handshake (TLS included), not a timeout per receive:
-  a peer that trickles a byte every few seconds is cut when the deadline passes;
-- at most ``max_pending`` connections not yet authenticated, and ``max_conns`` in all:
-  more are closed as soon as they are accepted;
+  a peer that trickles a byte every few seconds is cut when the deadline passes (5 s);
+- at most ``per_source`` connections not yet authenticated from one address (TCP), and
+  ``max_pending`` in all: when that is full, a new connection takes the place of the oldest
+  pending one — the job's members' addresses (``trusted``) are never the one dropped, and
+  are held to no per-source cap, so strangers cannot lock them out (64 silent connections
+  used to fill every slot, and a member holding the secret was then refused at accept 94
+  times in 114); at most ``max_conns`` in all, authenticated or not;
 - small frame headers (``wire.PREAUTH_HEADER_BYTES``), allocated only as their bytes arrive;
 - one log line per refused peer, not a traceback, and at most ``log_burst`` lines per
   ``log_every_s``: the rest are counted and summed up in one line.
@@ -48,8 +52,9 @@ Handshake = Callable[[Connection], dict[str, Any]]
 class Limits:
     """What a listener grants peers that have not authenticated yet."""
 
-    handshake_s: float = 10.0  # the whole handshake, TLS included
+    handshake_s: float = 5.0  # the whole handshake, TLS included
     max_pending: int = 64  # connections accepted and not yet authenticated
+    per_source: int = 16  # of those, from one address not trusted (TCP only)
     max_conns: int = 1024  # connections in all, authenticated or not
     log_burst: int = 5  # refusal lines per window; the rest are counted
     log_every_s: float = 10.0
@@ -93,7 +98,10 @@ class _Pending:
     fd: int
     peer: str
     deadline: float
-    expired: bool = False
+    host: str = ""
+    trusted: bool = False
+    expired: bool = False  # cut: past its deadline, or its place taken by a newer one
+    dropped: bool = False  # its place was taken (logged then)
 
 
 class Listener:
@@ -116,7 +124,10 @@ class Listener:
         net: NetHooks | None = None,
         limits: Limits = Limits(),
         tls: ssl.SSLContext | None = None,
+        trusted: Callable[[], frozenset[str]] | None = None,
     ) -> None:
+        """``trusted``: the addresses (hosts, no port) of the job's members now, admitted
+        first (``Limits``)."""
         self._sock = sock
         self._handshake = handshake
         self._serve = serve
@@ -125,6 +136,7 @@ class Listener:
         self._tcp = tcp
         self._net = net
         self._tls = tls
+        self._trusted = trusted
         self.limits = limits
         self.refusals = RefusalLog(name, limits.log_burst, limits.log_every_s)
         self._stop = threading.Event()
@@ -187,18 +199,18 @@ class Listener:
                 return
             raise
         peer = self._peer or _addr_name(addr)
+        host = _host_of(addr) if self._tcp else ""
+        trusted = bool(host) and self._trusted is not None and host in self._trusted()
         with self._lock:
-            full = (
-                len(self._pending) >= self.limits.max_pending
-                or len(self._pending) + len(self._conns) >= self.limits.max_conns
-            )
+            why = self._admit(host, trusted)
             entry = None
-            if not full:
-                entry = _Pending(sock.fileno(), peer, time.monotonic() + self.limits.handshake_s)
+            if why is None:
+                deadline = time.monotonic() + self.limits.handshake_s
+                entry = _Pending(sock.fileno(), peer, deadline, host, trusted)
                 self._pending.add(entry)
         if entry is None:
             sock.close()
-            self.refusals.refused_peer(peer, "too many connections (listener limit reached)")
+            self.refusals.refused_peer(peer, why or "refused")
             return
         try:
             threading.Thread(
@@ -208,6 +220,27 @@ class Listener:
             self._forget(entry)
             sock.close()
             self.refusals.refused_peer(peer, f"could not serve it: {exc}")
+
+    def _admit(self, host: str, trusted: bool) -> str | None:
+        """Why a new connection from ``host`` is refused, or None (making room for it by
+        cutting the oldest pending stranger when every slot is taken). Under the lock."""
+        live = [e for e in self._pending if not e.expired]
+        if len(live) + len(self._conns) >= self.limits.max_conns:
+            return "too many connections (listener limit reached)"
+        if host and not trusted:
+            mine = sum(1 for e in live if e.host == host)
+            if mine >= self.limits.per_source:
+                return f"too many unauthenticated connections from {host} ({mine})"
+        if len(live) < self.limits.max_pending:
+            return None
+        strangers = [e for e in live if not e.trusted]
+        if not strangers:
+            return "too many connections awaiting authentication (listener limit reached)"
+        oldest = min(strangers, key=lambda e: e.deadline)
+        oldest.expired = oldest.dropped = True  # its handshake fails; its thread forgets it
+        _shutdown_fd(oldest.fd)
+        self.refusals.refused_peer(oldest.peer, "dropped unauthenticated for a newer connection")
+        return None
 
     def _reap(self) -> None:
         """Cut every connection whose handshake outlived its deadline."""
@@ -251,7 +284,7 @@ class Listener:
                 why = tls.refusal(exc)
             else:
                 why = _first_line(exc)
-            if not self._stop.is_set():
+            if not self._stop.is_set() and not entry.dropped:
                 self.refusals.refused_peer(entry.peer, why)
             return
         try:
@@ -271,6 +304,11 @@ def _shutdown_fd(fd: int) -> None:
     with contextlib.suppress(OSError):
         dup.shutdown(socket.SHUT_RDWR)
     dup.close()
+
+
+def _host_of(addr: Any) -> str:
+    """The host of a TCP peer address ("" for a Unix socket's)."""
+    return str(addr[0]) if isinstance(addr, tuple) and addr else ""
 
 
 def _addr_name(addr: Any) -> str:

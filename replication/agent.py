@@ -145,6 +145,7 @@ class Agent:
             lambda: self.committed_step,
             host,
             net=self.net,
+            trusted=self._member_hosts,
         )
         self.control = ControlServer(
             socket_path, secret, job, self._on_message, self._on_lost, self._on_hello
@@ -253,6 +254,12 @@ class Agent:
                 self.launcher.close()
         finally:
             self.arena.destroy()
+
+    def _member_hosts(self) -> frozenset[str]:
+        """The hosts of the job's agents now: their connections are admitted first."""
+        members = self.membership
+        addrs = members.node_addrs.values() if members is not None else ()
+        return frozenset(addr.rpartition(":")[0].strip("[]") for addr in addrs)
 
     # -- coordinator ----------------------------------------------------------------------
     def _watch(self) -> None:

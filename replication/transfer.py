@@ -251,7 +251,9 @@ class DataServer:
         committed_step: Callable[[], int | None],
         host: str = "127.0.0.1",
         net: NetHooks | None = None,
+        trusted: Callable[[], frozenset[str]] | None = None,
     ) -> None:
+        """``trusted``: the hosts of the job's agents, admitted first (``peerckpt/serving.py``)."""
         self._net = net
         self.store = store
         self._committed_step = committed_step
@@ -268,6 +270,7 @@ class DataServer:
             tcp=True,
             net=net,
             tls=tls.server_context(secret) if tls.wanted(host) else None,
+            trusted=trusted,
         )
         self.bytes_served = 0
         self._requests = Dispatch[None](

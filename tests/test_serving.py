@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from peerckpt.serving import Limits, Listener
-from peerckpt.wire import MAGIC, Connection, connect_tcp, server_handshake
+from peerckpt.wire import MAGIC, Connection, client_handshake, connect_tcp, server_handshake
 
 SECRET = b"s" * 32
 JOB = "limits"
@@ -117,23 +117,67 @@ def test_a_slow_loris_is_cut_at_the_handshake_deadline(make_listener, caplog) ->
     _legit_round_trip(addr)
 
 
-def test_idle_connections_are_capped_and_a_legit_peer_gets_in_after_them(make_listener) -> None:
-    listener, addr = make_listener(Limits(handshake_s=2.0, max_pending=8))
+def _silent(host: str, port: int, count: int, source: str) -> list[socket.socket]:
+    """``count`` connections from ``source`` that never say a word."""
+    return [
+        socket.create_connection((host, port), source_address=(source, 0)) for _ in range(count)
+    ]
+
+
+def test_idle_connections_are_capped_per_source_and_never_keep_a_peer_out(make_listener) -> None:
+    listener, addr = make_listener(Limits(handshake_s=2.0, max_pending=8, per_source=4))
     host, _, port = addr.rpartition(":")
-    idle = [socket.create_connection((host, int(port))) for _ in range(30)]
+    idle = _silent(host, int(port), 30, "127.0.0.3")
     try:
         time.sleep(0.5)
         pending, served = listener.counts()
-        assert pending <= 8 and served == 0
-        # The ones over the cap were closed at once, without a challenge.
-        refused = sum(_closed_by_server(s, 0.05) for s in idle[8:])
-        assert refused == len(idle) - 8 or listener.refusals.refused >= 22
-        time.sleep(2.5)  # the deadline frees the 8 held slots
+        assert pending <= 4 and served == 0  # one source holds at most its share
+        refused = sum(_closed_by_server(s, 0.05) for s in idle[4:])
+        assert refused == len(idle) - 4 or listener.refusals.refused >= 26
+        _legit_round_trip(addr)  # while they are held: their slots are not the last
+        time.sleep(2.5)  # the deadline frees the held slots
         assert listener.counts() == (0, 0)
-        _legit_round_trip(addr)
     finally:
         for s in idle:
             s.close()
+
+
+def test_strangers_from_many_addresses_cannot_lock_the_members_out(make_listener) -> None:
+    """The audit's lock-out: connections that never authenticate filled every pending slot
+    and a member holding the secret was refused at accept 94 times in 114. Now a full
+    listener drops its oldest stranger for a newcomer, and never a member's connection."""
+    raw = socket.create_server(("127.0.0.1", 0))
+    port = raw.getsockname()[1]
+    listener = Listener(
+        raw,
+        lambda conn: server_handshake(conn, SECRET, JOB),
+        _Echo(),
+        "test-members",
+        tcp=True,
+        limits=Limits(handshake_s=5.0),
+        trusted=lambda: frozenset({"127.0.0.2"}),
+    )
+    listener.start()
+    held: list[socket.socket] = []
+    try:
+        for i in range(10):  # 200 silent connections from 10 addresses (16 each at most)
+            held += _silent("127.0.0.1", port, 20, f"127.0.0.{10 + i}")
+        time.sleep(0.3)
+        assert listener.counts()[0] <= Limits().max_pending
+        for _ in range(20):  # a member gets in every time while they are held
+            conn = socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.2", 0))
+            try:
+                wire = Connection(conn, "member")
+                client_handshake(wire, SECRET, JOB)
+                wire.send({"type": "ping", "n": 1}, b"x")
+                assert wire.recv_message()[0]["n"] == 1
+            finally:
+                conn.close()
+        _legit_round_trip(f"127.0.0.1:{port}")  # a newcomer too: the oldest stranger goes
+    finally:
+        for s in held:
+            s.close()
+        listener.stop()
 
 
 def test_no_large_allocation_before_authentication(make_listener) -> None:

@@ -6,7 +6,8 @@ whole job and the chaos records); it keeps the newest view, the last report of e
 (a restarted coordinator forgets lost nodes), and the samples a timeline picture is drawn
 from: each rank's newest replicated step, the committed step and the epoch over wall-clock
 time. ``MonitorServer`` serves ``/metrics`` (Prometheus text), ``/status`` (an HTML page that
-reloads itself) and ``/status.json``, on loopback unless told otherwise.
+reloads itself) and ``/status.json``, on loopback unless told otherwise, on a server that
+strangers cannot starve (``launch/httpserve.py``).
 
 Neither ever talks to the job: they only read what the launcher's watch loop hands them, so
 a slow scraper cannot slow the job down.
@@ -18,13 +19,14 @@ import json
 import logging
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from peerckpt.errors import ConfigurationError
 from peerckpt.launch import metrics, statuspage
+from peerckpt.launch.httpserve import DEFAULT_LIMITS, BoundedHTTPServer, HttpLimits, host_allowed
 from peerckpt.launch.view import JobView, build_view
 
 log = logging.getLogger("peerckpt.launcher")
@@ -95,12 +97,24 @@ class MonitorServer:
     """``/metrics``, ``/status`` and ``/status.json`` of one job over HTTP. ``start`` it;
     ``stop`` always (it joins its thread)."""
 
-    def __init__(self, monitor: JobMonitor, addr: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        monitor: JobMonitor,
+        addr: str = "127.0.0.1",
+        port: int = 0,
+        limits: HttpLimits = DEFAULT_LIMITS,
+    ) -> None:
         self.monitor = monitor
         registry = metrics.registry(monitor.view)
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # http.server calls it by this name
+                server = self.server
+                assert isinstance(server, BoundedHTTPServer)
+                server.request_read(self.request)
+                if not host_allowed(self):
+                    self._send(421, "text/plain; charset=utf-8", b"not this server's name\n")
+                    return
                 path = self.path.split("?", 1)[0]
                 if path == "/":
                     self.send_response(302)
@@ -134,13 +148,12 @@ class MonitorServer:
                 log.debug("metrics: " + format, *args)
 
         try:
-            self._server = ThreadingHTTPServer((addr, port), Handler)
-        except OSError as exc:
+            self._server = BoundedHTTPServer((addr, port), Handler, limits)
+        except (OSError, OverflowError) as exc:
             raise ConfigurationError(
                 f"cannot serve metrics on {addr}:{port}: {exc}; pick a free --metrics-port "
                 "(0 picks one) or another --metrics-addr"
             ) from exc
-        self._server.daemon_threads = True
         self.address = f"{addr}:{self._server.server_address[1]}"
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="peerckpt-metrics", daemon=True
