@@ -275,8 +275,16 @@ class Coordinator:
             if member is None:
                 log.info("%s pid %d on node %d is gone", proc.role.value, proc.pid, proc.node)
                 return Ok()
+            restarted = frozenset({member}) if msg.in_place else frozenset()
             self.epochs.recover(
-                Loss("rank", frozenset({member}), frozenset(), msg.reason, time.time())
+                Loss(
+                    "rank",
+                    frozenset({member}),
+                    frozenset(),
+                    msg.reason,
+                    time.time(),
+                    restarted=restarted,
+                )
             )
             return Ok()
 

@@ -70,7 +70,9 @@ class JobView:
 
 @dataclass(frozen=True)
 class Loss:
-    """Ranks lost, and the nodes lost with them. ``deadline``: until then a recovery may wait
+    """Ranks lost, and the nodes lost with them. ``restarted``: those of ``ranks`` whose
+    process is restarted in place (a survivor that could not leave an aborted epoch; a fresh
+    process on its healthy node takes the rank). ``deadline``: until then a recovery may wait
     for spares still starting (set once it waits); ``never_joined``: spares given up on."""
 
     kind: str  # "rank" or "node"
@@ -80,6 +82,7 @@ class Loss:
     detected_at: float
     deadline: float | None = None
     never_joined: int = 0
+    restarted: frozenset[int] = frozenset()
 
     def merged(self, other: Loss) -> Loss:
         """One recovery for both losses (the second struck while the first waited)."""
@@ -91,6 +94,7 @@ class Loss:
             self.detected_at,
             self.deadline,
             self.never_joined,
+            self.restarted | other.restarted,
         )
 
 

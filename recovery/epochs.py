@@ -165,7 +165,13 @@ class Epochs:
                 )
             self.deferred = decision.loss
             return
+        ongoing = self._ongoing(loss)
+        if ongoing is not None:
+            self._go_on(ongoing, loss, decision)
+            return
         event = self._record(loss.kind, loss.ranks, loss.nodes, loss.reason)
+        if loss.restarted:
+            event = self._amend(event, restarted=dict.fromkeys(loss.restarted, loss.detected_at))
         if loss.deadline is not None:  # it waited for spares
             event = self._amend(
                 event,
@@ -173,6 +179,40 @@ class Epochs:
                 waited_for_spares_s=round(time.time() - loss.detected_at, 3),
             )
         self._carry_out(decision, event)
+
+    def _ongoing(self, loss: Loss) -> int | None:
+        """The recovery that ``loss`` is part of: the last one, while it has not finished, when
+        every rank of ``loss`` is a survivor restarted in place because it could not leave the
+        epoch that recovery aborted. None for any other loss (a failure of its own)."""
+        m = self.membership
+        if not loss.restarted or loss.restarted != loss.ranks or not self.events or m is None:
+            return None
+        last = self.events[-1]
+        return len(self.events) - 1 if last.resumed_at is None and last.epoch == m.epoch else None
+
+    def _go_on(self, index: int, loss: Loss, decision: Decision) -> None:
+        """Carry ``decision`` out as the recovery ``index`` still under way, not as a new
+        failure: its cost runs from its own detection to every rank stepping after the
+        restart, and the report says which survivors were restarted and when."""
+        old = self.events[index]
+        log.warning(
+            "rank(s) %s could not leave the aborted epoch and were restarted in place: part of "
+            "the recovery from %s (detected %.1f s ago)",
+            sorted(loss.ranks),
+            old.reason,
+            time.time() - old.detected_at,
+        )
+        waited = old.waited_for_spares_s
+        if loss.deadline is not None:  # it waited for the fresh process
+            waited = round((waited or 0.0) + time.time() - loss.detected_at, 3)
+        self._amend(
+            index,
+            restarted={**old.restarted, **dict.fromkeys(loss.restarted, loss.detected_at)},
+            waited_for_spares_s=waited,
+            pulls=[],  # the aborted epoch's restores are done again in the next one
+        )
+        self._carry_out(decision, index)
+        self._amend(index, replacements={**old.replacements, **self.events[index].replacements})
 
     def retry_deferred(self, force: bool = False) -> None:
         """A spare joined (or the wait ran out, ``force``): go on with a waiting recovery."""

@@ -390,7 +390,11 @@ class Agent:
         elif not self.stopping.is_set() and not self._ending.is_set():
             how = "restarted in place" if link.pid in self._restarting else "exited"
             log.warning("%r on node %d %s", link, self.node, how)
-            self.coordinator.report(ProcLost(self.node, link.pid, f"process {link.pid} {how}"))
+            self.coordinator.report(
+                ProcLost(
+                    self.node, link.pid, f"process {link.pid} {how}", link.pid in self._restarting
+                )
+            )
 
     def _lost_under_launcher(self, link: ProcLink) -> None:
         """A process exited under torchrun: torchrun restarts it (and every other worker),

@@ -56,7 +56,9 @@ def _opt(value: int | None) -> str:
 
 def _recovery_cells(r: RecoveryView) -> list[str]:
     if r.resumed_at is None:
-        total = "superseded" if r.superseded else "[red]repairing[/]"
+        total = "[red]repairing[/]"
+        if r.superseded:  # repaired with a newer failure: its cost runs to that repair's end
+            total = f"superseded, {_ms(r.total_s)}" if r.total_s is not None else "superseded"
     else:
         total = _ms(r.total_s)
     moved = []

@@ -5,6 +5,11 @@ where they were, the restore step and every rank's restore source); chaos record
 the launcher's chaos monkey (``fired_at``). A failure is attributed to the chaos action whose
 target it lost and that fired before it was detected; failures nobody injected are reported
 with the coordinator's reason and timed from their detection.
+
+Every failure's cost runs to every rank stepping again, whatever that took: a survivor that
+could not leave the aborted epoch and was restarted in place is part of the same recovery
+(the coordinator records it there, ``restarted``), and a failure repaired together with a
+newer one that struck before it ended costs until that joint repair ended.
 """
 
 from __future__ import annotations
@@ -29,6 +34,27 @@ class FailureRow:
     superseded: bool = False  # another failure opened a newer epoch before this one resumed
     change: str = ""  # how the world changed, if it did
     fallback: str = ""  # why the state came from durable storage instead of memory
+    restarted: dict[int, tuple[int | None, float]] = field(default_factory=dict)
+    # rank → (its node, seconds after the kill or detection): survivors restarted in place
+
+
+def settled_at(events: list[dict[str, Any]], index: int) -> float | None:
+    """When every rank stepped again after failure ``index``: the end of its own recovery, or,
+    when newer failures superseded it, of the recovery that repaired them all; None while
+    that has not happened."""
+    event, seen = events[index], {index}
+    while event.get("resumed_at") is None:
+        epoch = event.get("epoch")
+        later = [
+            i
+            for i, e in enumerate(events)
+            if epoch is not None and e.get("from_epoch") == epoch and i not in seen
+        ]
+        if not later:
+            return None
+        seen.add(later[0])
+        event = events[later[0]]
+    return float(event["resumed_at"])
 
 
 def _matches(action: dict[str, Any], event: dict[str, Any]) -> bool:
@@ -62,9 +88,10 @@ def causes(
 def failure_rows(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -> list[FailureRow]:
     """Pair every failure event with the chaos action that caused it, if any."""
     rows = []
-    for event, cause in zip(events, causes(events, chaos), strict=True):
+    for index, (event, cause) in enumerate(zip(events, causes(events, chaos), strict=True)):
         t0 = cause["fired_at"] if cause else event["detected_at"]
-        resumed = event.get("resumed_at")
+        resumed = settled_at(events, index)
+        replaced = {int(r): v for r, v in event.get("replacements", {}).items()}
         if cause is not None:
             what = cause["action"]
         elif event["kind"] == "cold_start":
@@ -80,8 +107,12 @@ def failure_rows(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -> l
                 restore_step=event.get("restore_step"),
                 pulls=sorted(event.get("pulls", []), key=lambda p: p["rank"]),
                 fallback=event.get("fallback", ""),
-                superseded=resumed is None
+                superseded=event.get("resumed_at") is None
                 and any(e.get("from_epoch") == event.get("epoch") for e in events),
+                restarted={
+                    int(r): (replaced[int(r)][0] if int(r) in replaced else None, at - t0)
+                    for r, at in sorted(event.get("restarted", {}).items())
+                },
                 change=(
                     f"the world grew to {event['grown_to']} ranks"
                     if "grown_to" in event
@@ -105,22 +136,34 @@ def format_failures(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -
             lines.append(f"    detected {row.detected_s * 1000:.0f} ms after the kill")
         if row.fallback:
             lines.append(f"    no memory copy survived: {row.fallback}")
+        since = (
+            "the node was started"
+            if row.cause.startswith("add node")
+            else "the job started"
+            if row.cause.startswith("cold start")
+            else "the kill"
+            if row.detected_s is not None
+            else "detection"
+        )
+        for rank, (node, after_s) in row.restarted.items():
+            on = f" on node {node}" if node is not None else ""
+            lines.append(
+                f"    rank {rank} could not leave the aborted epoch: restarted in place{on} "
+                f"{after_s:.1f} s after {since}"
+            )
         if row.superseded:
             lines.append(
-                "    repaired together with the next failure, which struck before this recovery ended"
+                "    repaired together with the next failure, which struck before this recovery "
+                "ended"
+                + (
+                    f": every rank stepping again {row.recovered_s * 1000:.0f} ms after {since}"
+                    if row.recovered_s is not None
+                    else ""
+                )
             )
         elif row.recovered_s is None:
             lines.append("    NOT RECOVERED")
         else:
-            since = (
-                "the node was started"
-                if row.cause.startswith("add node")
-                else "the job started"
-                if row.cause.startswith("cold start")
-                else "the kill"
-                if row.detected_s is not None
-                else "detection"
-            )
             lines.append(
                 f"    every rank stepping again {row.recovered_s * 1000:.0f} ms after {since}, "
                 f"from step {(row.restore_step if row.restore_step is not None else -1) + 1}"

@@ -50,7 +50,9 @@ def _row(cells: list[tuple[str, str, str]]) -> str:
 
 def _recovery_row(r: RecoveryView) -> list[tuple[str, str, str]]:
     if r.resumed_at is None:
-        outcome = "superseded" if r.superseded else "repairing"
+        outcome = "repairing"
+        if r.superseded:  # repaired with a newer failure: its cost runs to that repair's end
+            outcome = f"superseded, {_s(r.total_s)}" if r.total_s is not None else "superseded"
     else:
         outcome = _s(r.total_s)
     where = ", ".join(f"rank {k} (node {v})" for k, v in sorted(r.lost.items()))

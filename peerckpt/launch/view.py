@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from peerckpt.launch.report import causes
+from peerckpt.launch.report import causes, settled_at
 from peerckpt.reads import STORAGE
 
 RECOVERY_KINDS = ("rank", "node", "reshard", "storage")
@@ -67,7 +67,9 @@ class RecoveryView:
     detection_s: float | None
     transfer_s: float | None
     restore_s: float | None
-    total_s: float | None  # fault (else detection) → every rank stepping again
+    # fault (else detection) → every rank stepping again: after this recovery, or, when a newer
+    # failure superseded it, after the recovery that repaired both
+    total_s: float | None
     restore_step: int | None
     lost: dict[int, int]  # rank → the node it was on
     network_bytes: int  # pulled from peers over TCP
@@ -137,8 +139,9 @@ def recovery_views(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) ->
     """Every failure event with its cause (a chaos record, if the launcher injected it) and
     the cost of its repair, by phase."""
     out = []
-    for event, cause in zip(events, causes(events, chaos), strict=True):
+    for index, (event, cause) in enumerate(zip(events, causes(events, chaos), strict=True)):
         detected, resumed = float(event["detected_at"]), event.get("resumed_at")
+        settled = settled_at(events, index)
         fault_at = float(cause["fired_at"]) if cause is not None else None
         pulls = event.get("pulls", [])
         transfer = transfer_seconds(pulls)
@@ -167,8 +170,8 @@ def recovery_views(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) ->
                 detection_s=detected - fault_at if fault_at is not None else None,
                 transfer_s=transfer,
                 restore_s=restore,
-                total_s=resumed - (fault_at if fault_at is not None else detected)
-                if resumed is not None
+                total_s=settled - (fault_at if fault_at is not None else detected)
+                if settled is not None
                 else None,
                 restore_step=event.get("restore_step"),
                 lost=_ints(event.get("lost")),

@@ -188,9 +188,13 @@ class ProcJoined(Request[Ok]):
 @message("ProcLost")
 @dataclass(frozen=True)
 class ProcLost(Request[Ok]):
+    """Process ``pid`` on ``node`` is gone. ``in_place``: it announced a restart in place (a
+    survivor that could not leave an aborted epoch; a fresh process on its node follows)."""
+
     node: int
     pid: int
     reason: str
+    in_place: bool = False
 
 
 # -- progress of ranks -----------------------------------------------------------------------
@@ -223,13 +227,13 @@ class Replicated(Request["ReplicatedReply"]):
     partial: bool = False
     deduplicated: int = 0
     absent: tuple[int, ...] = ()
+    # Asked for by ``AgentConfig.record_digests``: every tensor's digest, in chunk order
+    # (``SnapshotManifest.tensor_digests``), so that a difference can be named.
+    tensors: dict[str, str] = field(default_factory=dict)
 
 
 @message("ReplicatedMany")
 @dataclass(frozen=True)
-    # Asked for by ``AgentConfig.record_digests``: every tensor's digest, in chunk order
-    # (``SnapshotManifest.tensor_digests``), so that a difference can be named.
-    tensors: dict[str, str] = field(default_factory=dict)
 class ReplicatedMany(Request["ReplicatedReply"]):
     """Several of node ``node``'s ``Replicated`` reports in one call: those that became ready
     while its previous report was on its way (``CoordinatorLink.report_replicated``)."""
@@ -438,6 +442,9 @@ class RecoveryEvent(Message):
     fallback: str = ""
     partial: bool = False
     waited_for_spares_s: float | None = None
+    # rank → when (wall clock) its process, a survivor that could not leave the aborted
+    # epoch, was restarted in place during this recovery: part of its cost, not a new failure
+    restarted: dict[int, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The report's JSON form (``peerckpt run --report``): fields that are set."""

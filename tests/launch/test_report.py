@@ -50,3 +50,32 @@ def test_the_report_says_where_each_rank_got_its_state() -> None:
     assert "rank 2 on node 2: pulled 1,000 bytes from node 0 over TCP" in text
     assert "every rank stepping again 100 ms after the kill, from step 8" in text
     assert "every rank stepping again 500 ms after detection, from step 16" in text
+
+
+def test_a_survivor_restarted_in_place_is_costed_in_the_recovery_of_its_fault() -> None:
+    """The coordinator records a restart in place of a survivor in the recovery it could not
+    leave; the report times that recovery to every rank stepping after the restart."""
+    node = {
+        **EVENTS[0],
+        "epoch": 2,
+        "from_epoch": 0,
+        "resumed_at": 50.3,
+        "restarted": {1: 50.0},
+        "replacements": {1: [0, 300], 2: [2, 200], 3: [2, 201]},
+    }
+    [row] = failure_rows([node], CHAOS)
+    assert row.restarted == {1: (0, 40.0)} and round(row.recovered_s, 3) == 40.3
+    text = "\n".join(format_failures([node], CHAOS))
+    assert "rank 1 could not leave the aborted epoch: restarted in place on node 0 40.0 s" in text
+    assert "every rank stepping again 40300 ms after the kill, from step 8" in text
+    assert "repaired together" not in text
+
+
+def test_a_failure_repaired_with_the_next_one_costs_until_that_repair_ended() -> None:
+    first = {**EVENTS[0], "epoch": 1, "from_epoch": 0, "resumed_at": None}
+    second = {**EVENTS[1], "epoch": 2, "from_epoch": 1, "detected_at": 10.5, "resumed_at": 11.0}
+    row, _ = failure_rows([first, second], CHAOS)
+    assert row.superseded and round(row.recovered_s, 3) == 1.0
+    text = "\n".join(format_failures([first, second], CHAOS))
+    assert "repaired together with the next failure, which struck before this recovery " in text
+    assert "ended: every rank stepping again 1000 ms after the kill" in text

@@ -148,3 +148,15 @@ def test_a_lost_node_keeps_its_counters_but_holds_no_memory() -> None:
     assert ("peerckpt_memory_bytes", (("job", "demo"), ("kind", "slots"), ("node", "1"))) not in got
     assert got[("peerckpt_snapshot_bytes_total", (("job", "demo"), ("node", "1")))] == 500
     assert got[("peerckpt_node_up", (("job", "demo"), ("node", "1")))] == 0
+
+
+def test_a_superseded_recovery_costs_until_the_repair_that_ended_it() -> None:
+    s = status()
+    first = {**s["events"][0], "resumed_at": None, "epoch": 1}
+    second = {**first, "from_epoch": 1, "epoch": 2, "detected_at": T0 + 11.0}
+    second["resumed_at"] = T0 + 11.5
+    view = build_view({**s, "events": [first, second]}, chaos=CHAOS)
+    old, new = view.recoveries
+    assert old.superseded and old.resumed_at is None and new.resumed_at == T0 + 11.5
+    assert round(old.total_s, 3) == round(T0 + 11.5 - CHAOS[0]["fired_at"], 3)
+    assert view.recoveries_total["rank"] == 1  # counted once, by the repair that ended it

@@ -24,7 +24,9 @@ from peerckpt.messages.control import (
     RejoinState,
     Replicated,
     ReplicatedMany,
+    Resumed,
     Shutdown,
+    SparesStarting,
     Status,
 )
 from peerckpt.recovery.coordinator import Coordinator
@@ -339,3 +341,43 @@ def test_a_coordinator_moved_off_a_dead_host_loses_its_nodes_once_the_others_are
     m = moved.epochs.membership
     assert m is not None and m.epoch == 1 and m.restore_step == 3
     assert {m.ranks[r].node for r in (0, 1)} == {2} and m.sources[0][0] == 1
+
+
+def _resume_all(c: Coordinator, epoch: int) -> None:
+    for rank, a in c.epochs.membership.ranks.items():
+        c.resumed_rank(Resumed(a.node, epoch, rank))
+
+
+def test_a_survivor_restarted_in_place_is_part_of_the_recovery_it_could_not_leave() -> None:
+    """Node 1 dies; rank 1 survives it but cannot leave the aborted epoch and is restarted in
+    place. That is the node loss's recovery going on, not a failure of its own: one event,
+    timed from the node's loss to every rank stepping after the restart."""
+    c = _job(spares=2)
+    _commit(c, 0, 3)
+    c.lose_node(1, "test")
+    [event] = c.epochs.events
+    assert event.epoch == 1 and event.resumed_at is None
+    c.spares_starting(SparesStarting(1, 0))  # rank 1 announced its restart to its agent
+    c.proc_lost(ProcLost(0, 101, "process 101 restarted in place", in_place=True))
+    c.proc_joined(_spare(0, 300))  # the fresh process on rank 1's node
+    assert c.epochs.membership.epoch == 2 and c.epochs.membership.ranks[1].pid == 300
+    _resume_all(c, 2)
+    [event] = c.epochs.events
+    assert event.kind == "node" and event.ranks == [2, 3] and event.epoch == 2
+    assert list(event.restarted) == [1] and event.restarted[1] >= event.detected_at
+    assert event.replacements == {1: [0, 300], 2: [2, 200], 3: [2, 201]}
+    assert event.resumed_at is not None and event.waited_for_spares_s is not None
+
+
+def test_a_restart_in_place_after_every_rank_stepped_again_is_a_failure_of_its_own() -> None:
+    c = _job(spares=2)
+    _commit(c, 0, 3)
+    c.lose_node(1, "test")
+    _resume_all(c, 1)
+    c.spares_starting(SparesStarting(1, 0))
+    c.proc_lost(ProcLost(0, 101, "process 101 restarted in place", in_place=True))
+    c.proc_joined(_spare(0, 300))
+    first, second = c.epochs.events
+    assert first.resumed_at is not None and first.restarted == {}
+    assert second.kind == "rank" and second.ranks == [1] and list(second.restarted) == [1]
+    assert second.from_epoch == 1 and second.epoch == 2
