@@ -1,0 +1,132 @@
+"""One rank of a three-process gloo DDP scenario for ``test_inflight.py``.
+
+usage: python -m tests.runtime.ddp_gloo RANK STORE_ADDR MODE PG_TIMEOUT_S
+
+``stuck-hook`` / ``stuck-plain``: rank 0's gradient all-reduce is left with a send gloo never
+ends. gloo's ring sends to rank - 1 and receives from rank + 1. Rank 2 posts a receive of a
+large tensor from rank 0, then starts its backward (a DDP): its all-reduce posts its first
+receives from rank 0, sends its first segment to rank 1 and waits for rank 0. Rank 1 (a plain
+all-reduce of the same size, so that its main thread is free) sees that segment arrive in its
+tensor, which proves rank 2's receives are posted, and says so; rank 2 then stops itself
+(SIGSTOP). Rank 0 sends the large tensor, which the stopped peer never reads: its rest waits
+in the connection's queue, and so does every later send to rank 2, however small. Then rank
+0 runs its backward: its receive from rank 1 completes and it waits for its first send to
+rank 2, queued. Its abort (``ProcessGroupLifecycle``) then cuts the connections. With
+``stuck-hook`` the DDP routes its all-reduce through ``release_on_abort``, as the runtime
+does. Rank 0 prints one JSON line: how the backward ended and how many groups its lifecycle
+kept.
+
+``bits-hook`` / ``bits-plain``: three steps of a small DDP with and without the hook; every
+rank prints the digest of its gradients (they must be equal: the hook changes no bit).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import hashlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from peerckpt.runtime.inflight import release_on_abort
+from peerckpt.runtime.pg import ProcessGroupLifecycle
+
+WORLD = 3
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def stuck(rank: int, store: dist.TCPStore, pg: ProcessGroupLifecycle, hook: bool) -> None:
+    torch.manual_seed(0)
+    # One parameter, one bucket; no collective at construction (rank 1 is no DDP).
+    ddp = DistributedDataParallel(nn.Linear(1024, 2048, bias=False), init_sync=False)
+    large = torch.zeros(64 << 20)  # 256 MiB: far more than a connection buffers
+    if hook:
+        assert release_on_abort(ddp)
+    x = torch.ones(4, 1024)
+    if rank == 1:
+        mine = torch.zeros(2048 * 1024)  # rank 2's segment makes it non-zero
+        dist.all_reduce(mine, async_op=True)
+        while not bool(mine.any()):
+            time.sleep(0.01)
+        store.set("rank 2 posted", "1")
+        time.sleep(3600)  # waits for rank 2 like everyone; the test kills it
+    if rank == 2:
+
+        def stop_once_posted() -> None:
+            store.wait(["rank 2 posted"])
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+        store.set("pid2", str(os.getpid()))
+        threading.Thread(target=stop_once_posted, daemon=True).start()
+        dist.irecv(large, src=0)
+        ddp(x).sum().backward()  # never returns: rank 0 never gets its segments through
+        return
+    pid = int(store.get("pid2"))
+    while not _stopped(pid):
+        time.sleep(0.05)
+    queued = dist.isend(large, dst=2)  # noqa: F841 (kept: gloo holds its buffer meanwhile)
+    threading.Timer(3.0, pg.abort).start()  # by then rank 0 waits for its send to rank 2
+    started = time.monotonic()
+    try:
+        ddp(x).sum().backward()
+        outcome = "finished"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    pg.leave()
+    result = {"backward": outcome, "seconds": time.monotonic() - started, "kept": pg.kept()}
+    print(json.dumps(result), flush=True)
+
+
+def bits(rank: int, hook: bool) -> None:
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)))
+    if hook:
+        assert release_on_abort(ddp)
+    data = torch.Generator().manual_seed(rank)
+    digest = hashlib.sha256()
+    for _ in range(3):  # the first iteration in the initial buckets, then the rebuilt ones
+        ddp(torch.randn(8, 64, generator=data)).pow(2).mean().backward()
+        for p in ddp.parameters():
+            assert p.grad is not None
+            digest.update(p.grad.numpy().tobytes())
+            p.grad = None
+    print(json.dumps({"rank": rank, "digest": digest.hexdigest()}), flush=True)
+
+
+def main() -> None:
+    rank, store_addr, mode, timeout_s = (
+        int(sys.argv[1]),
+        sys.argv[2],
+        sys.argv[3],
+        float(sys.argv[4]),
+    )
+    host, _, port = store_addr.rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False)
+    pg = ProcessGroupLifecycle("ddp-gloo", timeout_s=timeout_s, backend="gloo")
+    pg.begin(0, store_addr, {host})
+    pg.join(store_addr, rank, WORLD)
+    faulthandler.dump_traceback_later(60.0)  # where a rank that hangs is, in the test's output
+    kind, _, variant = mode.partition("-")
+    if kind == "stuck":
+        stuck(rank, store, pg, variant == "hook")  # rank 0 then exits as any process does
+    else:
+        bits(rank, variant == "hook")
+        # gloo processes here now and then abort at exit ("terminate called without an active
+        # exception"), with or without the hook; this case checks the digests only.
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""What ends a collective's wait at an abort: ``InFlight``, and DDP's all-reduce routed through
+it (``runtime/inflight.py``), against a send gloo never ends when its connection closes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from peerckpt.runtime.inflight import InFlight
+from tests.conftest import REPO
+
+
+def test_a_watched_collective_completes_its_waiter_with_its_own_result() -> None:
+    in_flight = InFlight()
+    work: torch.futures.Future[Any] = torch.futures.Future()
+    waited = in_flight.watch(work, lambda value: value[0])
+    assert in_flight.open() == 1 and not waited.done()
+    work.set_result([torch.ones(2)])
+    assert torch.equal(waited.wait(), torch.ones(2)) and in_flight.open() == 0
+    assert in_flight.release("epoch 3 was aborted") == []  # nothing left to release
+
+
+def test_an_abort_fails_the_waiter_of_a_collective_that_never_ends() -> None:
+    in_flight = InFlight()
+    work: torch.futures.Future[Any] = torch.futures.Future()
+    waited = in_flight.watch(work, lambda value: value[0])
+    assert in_flight.release("epoch 3 was aborted") == [work]  # still inside gloo
+    # Raised in ``then``, the error reaches a waiter in C++ (DDP's reducer) as an error too.
+    with pytest.raises(RuntimeError, match="MembershipChanged: epoch 3 was aborted"):
+        waited.wait()
+    work.set_result([torch.ones(2)])  # ends later (gloo's timeout): nobody is told twice
+    assert in_flight.open() == 0
+
+
+def test_a_collective_that_fails_fails_its_waiter_with_its_error() -> None:
+    in_flight = InFlight()
+    work: torch.futures.Future[Any] = torch.futures.Future()
+    waited = in_flight.watch(work, lambda value: value[0])
+    work.set_exception(RuntimeError("Connection closed by peer"))
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        waited.wait()
+    assert in_flight.release("epoch 3 was aborted") == []
+
+
+@contextlib.contextmanager
+def _three_ranks(mode: str, pg_timeout_s: float) -> Iterator[list[subprocess.Popen[str]]]:
+    """The three ranks of ``tests/runtime/ddp_gloo.py`` on a store hosted here; every one is
+    killed on the way out (rank 2 stops itself, rank 1 waits for it forever)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    addr = f"127.0.0.1:{store.port}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.runtime.ddp_gloo", str(r), addr, mode, str(pg_timeout_s)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(3)
+    ]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
+def _result(proc: subprocess.Popen[str], wait_s: float) -> dict[str, Any]:
+    try:
+        out, _ = proc.communicate(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()  # with its threads' stacks (the script dumps them at 60 s)
+        pytest.fail(f"the rank did not end within {wait_s:.0f} s:\n{out[-6000:]}")
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, out[-3000:]
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def test_an_abort_releases_a_ddp_backward_whose_send_gloo_never_ends() -> None:
+    """Rank 0's all-reduce waits for a send to a peer that stopped reading when its abort cuts
+    the connections. Before the fix, its backward stayed until the group's timeout (here
+    120 s) and ended with gloo's 'Timed out waiting ... for send operation'; now it raises at
+    the abort, the group is kept for its worker still inside gloo, and the process exits
+    without joining that worker (the interpreter's exit would wait for it otherwise)."""
+    with _three_ranks("stuck-hook", pg_timeout_s=120.0) as (rank0, _, _):
+        result = _result(rank0, wait_s=90.0)  # an exit joining the stuck worker takes 120 s
+    assert result["backward"].startswith("RuntimeError"), result
+    assert "MembershipChanged: epoch 0 was aborted" in result["backward"], result
+    assert result["kept"] == 1, result
+
+
+@pytest.mark.slow  # waits out a 10 s process-group timeout
+def test_gloo_still_never_ends_a_queued_send_when_its_connection_closes() -> None:
+    """Why ``release_on_abort`` exists: without it, the same backward ends only with gloo's
+    own timeout. If this fails, gloo ends such sends now; the hook can then go."""
+    with _three_ranks("stuck-plain", pg_timeout_s=10.0) as (rank0, _, _):
+        result = _result(rank0, wait_s=90.0)
+    assert "Timed out waiting 10000ms for send operation" in result["backward"], result
+    assert result["kept"] == 0, result  # no watched collective: nothing known to keep
+
+
+def test_the_hook_reduces_the_same_bits_as_ddps_own_all_reduce() -> None:
+    """Three ranks (1/3 is not exact in binary): three steps, initial and rebuilt buckets."""
+    digests = {}
+    for mode in ("bits-plain", "bits-hook"):
+        with _three_ranks(mode, pg_timeout_s=60.0) as procs:
+            digests[mode] = [_result(proc, wait_s=120.0)["digest"] for proc in procs]
+    assert digests["bits-hook"] == digests["bits-plain"]
+    assert len(set(digests["bits-plain"])) == 1  # every rank holds the same gradients
