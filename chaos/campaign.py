@@ -22,7 +22,6 @@ import glob
 import json
 import os
 import random
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -37,6 +36,7 @@ from peerckpt.launch.local import LocalLauncher
 from peerckpt.launch.progress import Report
 from peerckpt.launch.report import failure_rows
 from peerckpt.launch.view import JobView
+from peerckpt.outfiles import private_dir, write_private
 from peerckpt.shm import SHM_DIR, segment_prefix
 
 # Each entry: a weight, and the clause(s) of one fault for rank r at step s (one fault may be
@@ -436,10 +436,11 @@ def to_json(campaign: Campaign) -> dict[str, Any]:
     return out
 
 
-def default_json_path(seed: int) -> str:
-    return os.path.join(tempfile.gettempdir(), f"peerckpt-chaos-seed{seed}.json")
+def default_json_path(seed: int, parent: str) -> str:
+    """Where a campaign's rows go unless told: ``campaign.json`` in a new private directory
+    in ``parent`` (the script's, or ``--out``), never a fixed name in a shared one."""
+    return os.path.join(private_dir(parent, f"peerckpt-chaos-seed{seed}-"), "campaign.json")
 
 
 def write_json(campaign: Campaign, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(to_json(campaign), f, indent=2)
+    write_private(path, json.dumps(to_json(campaign), indent=2))

@@ -92,6 +92,7 @@ def _ray_launcher(args: argparse.Namespace, spec: Any) -> Any:
 
 def _chaos(args: argparse.Namespace) -> int:
     from peerckpt.chaos import default_json_path, format_table, run_campaign, write_json
+    from peerckpt.outfiles import write_private
 
     if args.faults < 1 or args.nodes < 2 or (args.every or 2) < 2 or args.start < 1:
         raise PeerckptError(
@@ -113,7 +114,7 @@ def _chaos(args: argparse.Namespace) -> int:
         progress=True,
         ray=args.ray,
     )
-    path = args.json or default_json_path(args.seed)
+    path = args.json or default_json_path(args.seed, args.out or os.path.dirname(args.script))
     write_json(campaign, path)
     print(format_table(campaign))
     print(f"written to {path}")
@@ -122,8 +123,7 @@ def _chaos(args: argparse.Namespace) -> int:
 
         stem = path[:-5] if path.endswith(".json") else path
         report, picture = f"{stem}-report.json", f"{stem}-timeline.png"
-        with open(report, "w") as f:
-            json.dump(campaign.result.__dict__, f, indent=1, default=str)
+        write_private(report, json.dumps(campaign.result.__dict__, indent=1, default=str))
         timeline(report, picture)
         print(f"the chaos run's report: {report}; its timeline: {picture}")
     return 0 if campaign.ok else 1
@@ -547,7 +547,17 @@ def main(argv: list[str] | None = None) -> int:
         help="run both jobs on this Ray cluster (auto: RAY_ADDRESS): --nodes Ray nodes hold "
         "ranks, --spares counts spare Ray nodes (docs/ray.md)",
     )
-    chaos.add_argument("--json", default=None, help="where to write the rows as JSON")
+    chaos.add_argument(
+        "--json",
+        default=None,
+        help="where to write the rows as JSON (default: campaign.json in a new private "
+        "directory under --out)",
+    )
+    chaos.add_argument(
+        "--out",
+        default=None,
+        help="the directory that holds the campaign's outputs (default: the script's)",
+    )
     chaos.add_argument("--job", default=None, help="name the two jobs NAME_ref and NAME_chaos")
     chaos.add_argument("script", help="the training script (it must run long enough)")
     chaos.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")

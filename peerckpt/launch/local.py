@@ -42,6 +42,7 @@ from peerckpt.messages.control import (
     Stop,
 )
 from peerckpt.names import check_job_name, new_run_id
+from peerckpt.outfiles import write_private
 from peerckpt.rpc import RpcClient
 from peerckpt.shm import sweep
 from peerckpt.states import ExitCode, JobState
@@ -280,8 +281,7 @@ class LocalLauncher(Launcher):
             tensor_digests,
         )
         if self.spec.report:
-            with open(self.spec.report, "w") as f:
-                json.dump(result.__dict__, f, indent=2, default=str)
+            write_private(self.spec.report, json.dumps(result.__dict__, indent=2, default=str))
         return result
 
     def _watch(self) -> tuple[str, str, list[dict[str, Any]]]:

@@ -50,6 +50,7 @@ from peerckpt.launch.rayhost import spec_to_json
 from peerckpt.launch.rayplan import host_order, split_chaos
 from peerckpt.messages.control import JobStatus, Status
 from peerckpt.names import check_job_name
+from peerckpt.outfiles import write_private
 from peerckpt.rpc import RpcClient
 from peerckpt.states import ExitCode, JobState
 
@@ -441,8 +442,7 @@ class RayLauncher(Launcher):
         if result.state == "failed" and result.exit_code == ExitCode.OK:
             result.exit_code = int(ExitCode.FAILED)
         if self.spec.report:
-            with open(self.spec.report, "w") as f:
-                json.dump(result.__dict__, f, indent=2, default=str)
+            write_private(self.spec.report, json.dumps(result.__dict__, indent=2, default=str))
         return result
 
 

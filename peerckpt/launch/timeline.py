@@ -18,12 +18,15 @@ No I/O but the files named; the picture is drawn without a display (the Agg back
 
 from __future__ import annotations
 
+import io
 import json
+import os
 from typing import Any
 
 from peerckpt.errors import ConfigurationError
 from peerckpt.launch.report import causes
 from peerckpt.launch.view import recovery_views
+from peerckpt.outfiles import write_private
 
 WIDTH_IN, HEIGHT_IN, DPI = 12.0, 8.0, 100  # 1200 × 800 pixels
 PHASE_COLORS = {"detection": "#f28e2b", "transfer": "#4e79a7", "restore": "#59a14f"}
@@ -193,8 +196,10 @@ def draw(data: dict[str, Any], path: str) -> None:
     top.grid(alpha=0.3)
     _costs(bottom, faults)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    picture = io.BytesIO()
+    fig.savefig(picture, dpi=DPI, format=os.path.splitext(path)[1].lstrip(".") or "png")
     plt.close(fig)
+    write_private(path, picture.getvalue())
 
 
 def _costs(ax: Any, faults: list[dict[str, Any]]) -> None:
@@ -248,6 +253,5 @@ def timeline(report_path: str, out: str, data_out: str | None = None) -> dict[st
     data = timeline_data(load_report(report_path))
     draw(data, out)
     if data_out:
-        with open(data_out, "w") as f:
-            json.dump(data, f, indent=1)
+        write_private(data_out, json.dumps(data, indent=1))
     return data

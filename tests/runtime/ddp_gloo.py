@@ -51,7 +51,8 @@ def stuck(rank: int, store: dist.TCPStore, pg: ProcessGroupLifecycle, hook: bool
     torch.manual_seed(0)
     # One parameter, one bucket; no collective at construction (rank 1 is no DDP).
     ddp = DistributedDataParallel(nn.Linear(1024, 2048, bias=False), init_sync=False)
-    large = torch.zeros(64 << 20)  # 256 MiB: far more than a connection buffers
+    # 64 MiB: far more than a connection buffers (at most a few MiB here) once its reader stops
+    large = torch.zeros(16 << 20) if rank != 1 else None
     if hook:
         assert release_on_abort(ddp)
     x = torch.ones(4, 1024)
@@ -70,12 +71,14 @@ def stuck(rank: int, store: dist.TCPStore, pg: ProcessGroupLifecycle, hook: bool
 
         store.set("pid2", str(os.getpid()))
         threading.Thread(target=stop_once_posted, daemon=True).start()
+        assert large is not None
         dist.irecv(large, src=0)
         ddp(x).sum().backward()  # never returns: rank 0 never gets its segments through
         return
     pid = int(store.get("pid2"))
     while not _stopped(pid):
         time.sleep(0.05)
+    assert large is not None
     queued = dist.isend(large, dst=2)  # noqa: F841 (kept: gloo holds its buffer meanwhile)
     threading.Timer(3.0, pg.abort).start()  # by then rank 0 waits for its send to rank 2
     started = time.monotonic()
