@@ -121,6 +121,36 @@ def test_a_lost_node_is_replaced_by_two_spares_from_peer_memory(tmp_path, refere
         assert pulls[rank]["node"] == 2 and pulls[rank]["source"] == 0 and pulls[rank]["bytes"] > 0
 
 
+RECOVERED = re.compile(r"recovered: every rank stepping again ([\d.]+) s after detection")
+REPORTED = re.compile(r"every rank stepping again (\d+) ms after the kill")
+
+
+@pytest.mark.slow  # five jobs, ~20 s each
+def test_every_survivor_of_a_node_kill_steps_again_within_2_s_every_time(
+    tmp_path, reference_run
+) -> None:
+    """Issue 24's bar, five times: after ``kill node=1`` no survivor stays in the aborted
+    epoch (none restarted in place), every rank steps again within 2 s of the kill, and the
+    report's figure is the log's: detection after the kill plus the coordinator's 'every rank
+    stepping again' after detection. (A survivor used to stay in gloo's all-reduce in about
+    one run in ten under load here, and was restarted in place 40 s later.)"""
+    for i in range(5):
+        run = run_job(
+            tmp_path / f"run{i}", script_args=["--steps", "30"], spares=2, chaos="kill node=1 at=12"
+        )
+        assert run.returncode == 0, run.log[-4000:]
+        _assert_bit_exact(run, reference_run)
+        [event] = run.report["events"]
+        [kill] = run.report["chaos"]
+        assert not event["restarted"] and "cutting harder" not in run.log, run.log[-4000:]
+        cost = event["resumed_at"] - kill["fired_at"]
+        assert cost < 2.0, f"run {i}: every rank stepping again {cost:.2f} s after the kill"
+        [after_detection] = RECOVERED.findall(run.log)
+        [reported_ms] = REPORTED.findall(run.log)
+        from_log = event["detected_at"] - kill["fired_at"] + float(after_detection)
+        assert abs(int(reported_ms) / 1000 - from_log) <= 0.002, (reported_ms, from_log)
+
+
 @pytest.mark.slow  # make test's campaign recovers six faults in one run, rank and node kills
 def test_a_rank_then_a_whole_node_lost_in_one_run(tmp_path, reference_run) -> None:
     """Two failures, three epochs: the second recovery starts from state the first rebuilt."""
