@@ -28,7 +28,8 @@ from peerckpt import errors, tls
 from peerckpt.codec import pack, unpack
 from peerckpt.messages import Dispatch, decode, encode, type_name
 from peerckpt.messages.control import Event, Request, reply_class
-from peerckpt.rpcauth import CallSigner, CallVerifier
+from peerckpt.rpcauth import PROOF_KEY, CallSigner, CallVerifier, nonce_of, reply_proof
+from peerckpt.serving import RefusalLog
 
 R = TypeVar("R")  # the reply class of a request (``Request[R]``)
 
@@ -61,14 +62,15 @@ class RpcServer:
         max_workers: int = 4,
         inline: Collection[type[Any]] = (),
     ) -> None:
-        self._secret = secret
+        self._secret, self._job = secret, job
         self.verifier = CallVerifier(secret, job)
+        self._refusals = RefusalLog("peerckpt-rpc", 5, 10.0)  # a line per refused caller, bounded
         self._inline = frozenset(inline)
         # Requests arrive as bytes: the MAC covers them, and they are decoded only once it holds.
         handlers: dict[str, grpc.RpcMethodHandler] = {}
         for cls in unary.table:
             handlers[type_name(cls)] = grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(cls, unary), response_serializer=pack
+                self._wrap_unary(cls, unary)
             )
         for cls, gen in streams.items():
             handlers[type_name(cls)] = grpc.unary_stream_rpc_method_handler(
@@ -112,18 +114,35 @@ class RpcServer:
     def _run(self, coro: Coroutine[Any, Any, R], timeout: float | None = 10.0) -> R:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
+    def _proof(self, name: str, context: grpc.aio.ServicerContext, seq: int, body: bytes) -> str:
+        """This server's proof of the secret for a reply (``rpcauth.reply_proof``)."""
+        nonce = nonce_of(context.invocation_metadata() or ()) or ""
+        return reply_proof(self._secret, self._job, name, nonce, seq, body)
+
+    async def _abort(
+        self, name: str, context: grpc.aio.ServicerContext, code: grpc.StatusCode, detail: str
+    ) -> None:
+        """End the call with an error whose text carries this server's proof."""
+        proof = self._proof(name, context, -1, detail.encode())
+        await context.abort(code, detail, trailing_metadata=((PROOF_KEY, proof),))
+
     async def _authenticate(self, name: str, body: bytes, context: grpc.aio.ServicerContext) -> Any:
         """Check the call's MAC, time and nonce; return its decoded body."""
         try:
             self.verifier.verify(name, context.invocation_metadata(), body)
         except errors.AuthenticationError as exc:
-            log.warning("%s from %s", exc, context.peer())
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"AuthenticationError: {exc}")
+            self._refusals.refused_peer(context.peer(), str(exc))
+            await self._abort(
+                name, context, grpc.StatusCode.UNAUTHENTICATED, f"AuthenticationError: {exc}"
+            )
         try:
             return unpack(body) or {}
         except Exception:  # any bytes: msgpack raises many types
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, "ProtocolError: body not msgpack"
+            await self._abort(
+                name,
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "ProtocolError: body not msgpack",
             )
 
     def _wrap_unary(
@@ -149,8 +168,10 @@ class RpcServer:
                 loop = asyncio.get_running_loop()
                 code, out = await loop.run_in_executor(self._pool, call, request, _caller(context))
             if code is not None:
-                await context.abort(code, out)
-            return out
+                await self._abort(name, context, code, out)
+            reply = pack(out)
+            context.set_trailing_metadata(((PROOF_KEY, self._proof(name, context, -1, reply)),))
+            return reply
 
         return handler
 
@@ -164,13 +185,18 @@ class RpcServer:
             try:
                 msg = decode({**_fields(request), "type": name}, cls, where=_caller(context))
             except errors.ProtocolError as exc:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ProtocolError: {exc}")
+                await self._abort(
+                    name, context, grpc.StatusCode.FAILED_PRECONDITION, f"ProtocolError: {exc}"
+                )
             try:
+                seq = 0
                 async for event in gen(msg, context):
-                    yield event if isinstance(event, bytes) else pack(encode(event))
+                    packed = event if isinstance(event, bytes) else pack(encode(event))
+                    yield pack([packed, self._proof(name, context, seq, packed)])
+                    seq += 1
             except errors.PeerckptError as exc:
                 detail = f"{type(exc).__name__}: {exc}"
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, detail)
+                await self._abort(name, context, grpc.StatusCode.FAILED_PRECONDITION, detail)
 
         return handler
 
@@ -218,22 +244,29 @@ class RpcClient:
 
     def call(self, msg: Request[R], timeout: float = 10.0) -> R:
         """Call the coordinator; return its typed reply, or re-raise the handler's
-        PeerckptError as the same class."""
+        PeerckptError as the same class. A reply (or error) that does not prove the job's
+        secret raises AuthenticationError (``rpcauth``)."""
         method = type_name(type(msg))
-        stub = self._channel.unary_unary(f"/{SERVICE}/{method}", response_deserializer=unpack)
+        stub = self._channel.unary_unary(f"/{SERVICE}/{method}")
         body = pack(_body(msg))
+        metadata = self._signer.metadata(method, body)
         try:
-            raw = stub(body, timeout=timeout, metadata=self._signer.metadata(method, body))
+            raw, call = stub.with_call(body, timeout=timeout, metadata=metadata)
         except grpc.RpcError as exc:
-            raise _translate(exc, self.address, method) from None
-        return decode(raw, reply_class(type(msg)), where=f"the coordinator at {self.address}")
+            raise _translate(exc, self.address, method, self._signer, metadata) from None
+        where = f"the coordinator at {self.address}"
+        proof = _proof_in(call.trailing_metadata())
+        self._signer.check_reply(method, metadata, -1, raw, proof, where)
+        return decode(unpack(raw), reply_class(type(msg)), where=where)
 
     def stream(self, msg: Request[Event]) -> EventStream:
         """Open a server stream of events; iterate it, ``.cancel()`` it to stop."""
         method = type_name(type(msg))
         stub = self._channel.unary_stream(f"/{SERVICE}/{method}", response_deserializer=unpack)
         body = pack(_body(msg))
-        return EventStream(stub(body, metadata=self._signer.metadata(method, body)), self.address)
+        metadata = self._signer.metadata(method, body)
+        proven = _Proven(self._signer, method, metadata, f"the coordinator at {self.address}")
+        return EventStream(stub(body, metadata=metadata), self.address, proven)
 
     def close(self) -> None:
         self._channel.close()
@@ -262,13 +295,18 @@ class AsyncRpcClient:
     async def call(self, msg: Request[R], timeout: float = 10.0) -> R:
         """Call the coordinator; its typed reply, or the handler's PeerckptError raised again."""
         method = type_name(type(msg))
-        stub = self._channel.unary_unary(f"/{SERVICE}/{method}", response_deserializer=unpack)
+        stub = self._channel.unary_unary(f"/{SERVICE}/{method}")
         body = pack(_body(msg))
+        metadata = self._signer.metadata(method, body)
+        call = stub(body, timeout=timeout, metadata=metadata)
         try:
-            raw = await stub(body, timeout=timeout, metadata=self._signer.metadata(method, body))
+            raw = await call
         except grpc.RpcError as exc:
-            raise _translate(exc, self.address, method) from None
-        return decode(raw, reply_class(type(msg)), where=f"the coordinator at {self.address}")
+            raise _translate(exc, self.address, method, self._signer, metadata) from None
+        where = f"the coordinator at {self.address}"
+        proof = _proof_in(await call.trailing_metadata())
+        self._signer.check_reply(method, metadata, -1, raw, proof, where)
+        return decode(unpack(raw), reply_class(type(msg)), where=where)
 
     async def stream(
         self, msg: Request[Event], decoder: Callable[[Any], Event] | None = None
@@ -281,23 +319,46 @@ class AsyncRpcClient:
         stub = self._channel.unary_stream(f"/{SERVICE}/{method}", response_deserializer=unpack)
         where = f"the coordinator at {self.address}"
         body = pack(_body(msg))
-        async for raw in stub(body, metadata=self._signer.metadata(method, body)):
+        metadata = self._signer.metadata(method, body)
+        proven = _Proven(self._signer, method, metadata, where)
+        async for item in stub(body, metadata=metadata):
+            raw = proven.event(item)
             yield decoder(raw) if decoder is not None else decode(raw, Event, where=where)
 
     async def close(self) -> None:
         await self._channel.close()
 
 
-class EventStream:
-    """A server stream's events, decoded as they arrive."""
+class _Proven:
+    """A stream's events, each checked for the coordinator's proof, in order."""
 
-    def __init__(self, call: Any, address: str) -> None:
+    def __init__(self, signer: CallSigner, method: str, metadata: Any, where: str) -> None:
+        self._signer, self._method, self._metadata, self._where = signer, method, metadata, where
+        self._seq = 0
+
+    def event(self, item: Any) -> Any:
+        """The unpacked event of one stream item ``[event bytes, proof]``, once proven."""
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], bytes)):
+            raise errors.ProtocolError(f"{self._where} sent an event without its proof")
+        packed, proof = item
+        self._signer.check_reply(
+            self._method, self._metadata, self._seq, packed, proof, self._where
+        )
+        self._seq += 1
+        return unpack(packed)
+
+
+class EventStream:
+    """A server stream's events, decoded as they arrive (each proven: ``_Proven``)."""
+
+    def __init__(self, call: Any, address: str, proven: _Proven) -> None:
         self._call = call
         self._where = f"the coordinator at {address}"
+        self._proven = proven
 
     def __iter__(self) -> Iterator[Event]:
-        for raw in self._call:
-            yield decode(raw, Event, where=self._where)
+        for item in self._call:
+            yield decode(self._proven.event(item), Event, where=self._where)
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -320,9 +381,44 @@ def _caller(context: grpc.ServicerContext | grpc.aio.ServicerContext) -> str:
     return f"caller {context.peer()}"
 
 
-def _translate(exc: grpc.RpcError, address: str, method: str) -> Exception:
+def _proof_in(metadata: Any) -> Any:
+    return next((v for k, v in metadata or () if k == PROOF_KEY), None)
+
+
+# Answers a server gives (its handler's errors, its refusals): they must carry its proof.
+# The others are the client library's own (nobody answered, the deadline passed).
+_FROM_SERVER = frozenset(
+    {
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.INTERNAL,
+    }
+)
+
+
+def _translate(
+    exc: grpc.RpcError, address: str, method: str, signer: CallSigner, metadata: Any
+) -> Exception:
     code = exc.code() if hasattr(exc, "code") else None
     detail = exc.details() if hasattr(exc, "details") else str(exc)
+    if code in _FROM_SERVER:
+        trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+        try:
+            where = f"the coordinator at {address}"
+            signer.check_reply(
+                method, metadata, -1, (detail or "").encode(), _proof_in(trailing), where
+            )
+        except errors.AuthenticationError as unproven:
+            if code != grpc.StatusCode.UNAUTHENTICATED:
+                return unproven
+            # Refused, by a process whose proof this one cannot check: the same secret is
+            # not on both sides — this process's may be the wrong one.
+            return errors.AuthenticationError(
+                f"coordinator at {address} refused the call and its answer proves no secret "
+                f"this process shares ({detail}); if this process has the wrong "
+                "PEERCKPT_SECRET, start it with the job's; otherwise another process answers "
+                "at that address"
+            )
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return errors.AuthenticationError(f"coordinator at {address}: {detail}")
     if code == grpc.StatusCode.UNAVAILABLE and "handshake failed" in (detail or "").lower():

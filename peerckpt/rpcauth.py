@@ -14,7 +14,18 @@ cannot fill the cache, since only calls that prove the secret enter it.
 Before this, every call carried ``HMAC(secret, job:method)``, a static bearer token: one
 captured call let anyone replay any call of that method.
 
-This module owns the MAC and the cache only; it never decodes a body. Both helpers are plain
+The coordinator proves the secret too: every reply carries, in its trailing metadata
+``peerckpt-proof``, ``HMAC(secret, "peerckpt-rpc-reply-v2" | job | method | nonce | seq |
+SHA-256(reply))`` over the request's own nonce (``seq`` -1 for a unary reply or an error's
+text, 0, 1, … for a stream's events, each sent with its own proof), and the caller checks it
+before it reads a byte of the reply. Without TLS (every single-host run) nothing else proved
+it: when the coordinator died and was restarted on the same ports, another local user bound
+both ports 39 ms after the kill and received the job's signed calls, answering as it liked
+(audit of 2026-11-27). A restarted coordinator also refuses every call made before it
+started (``not_before``): a call captured from its predecessor cannot be replayed to it
+within the window.
+
+This module owns the MACs and the cache only; it never decodes a body. Both helpers are plain
 objects, so they compose with any gRPC server (a handler wrapper or an interceptor).
 """
 
@@ -27,12 +38,33 @@ import os
 import threading
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from peerckpt.errors import AuthenticationError
 
 AUTH_KEY = "peerckpt-auth"
 _VERSION = "v2"
 _DOMAIN = b"peerckpt-rpc-v2"
+
+
+PROOF_KEY = "peerckpt-proof"
+_REPLY_DOMAIN = b"peerckpt-rpc-reply-v2"
+START_SLACK_S = 0.5  # calls made this long before a coordinator started are still taken
+
+
+def reply_proof(secret: bytes, job: str, method: str, nonce: str, seq: int, body: bytes) -> str:
+    """What proves that a reply (``seq`` -1) or a stream's ``seq``-th event to the call with
+    ``nonce`` comes from a process holding the secret."""
+    digest = hashlib.sha256(body).digest()
+    parts = [_REPLY_DOMAIN, job.encode(), method.encode(), nonce.encode(), str(seq).encode()]
+    return hmac.new(secret, b"|".join([*parts, digest]), hashlib.sha256).hexdigest()
+
+
+def nonce_of(metadata: Iterable[tuple[str, str | bytes]]) -> str | None:
+    """The nonce of a call's authentication metadata, or None."""
+    value = next((v for k, v in metadata if k == AUTH_KEY), None)
+    parts = value.split(" ") if isinstance(value, str) else []
+    return parts[2] if len(parts) == 4 else None
 
 
 def _mac(secret: bytes, job: str, method: str, stamp: str, nonce: str, body: bytes) -> str:
@@ -54,6 +86,27 @@ class CallSigner:
         mac = _mac(self._secret, self._job, method, stamp, nonce, body)
         return ((AUTH_KEY, f"{_VERSION} {stamp} {nonce} {mac}"),)
 
+    def check_reply(
+        self,
+        method: str,
+        metadata: Iterable[tuple[str, str | bytes]],
+        seq: int,
+        body: bytes,
+        proof: Any,
+        where: str,
+    ) -> None:
+        """Raise AuthenticationError unless ``proof`` proves that ``body`` (the reply, an
+        error's text, or event ``seq``) comes from a holder of the secret, for this call."""
+        nonce = nonce_of(metadata)
+        expected = reply_proof(self._secret, self._job, method, nonce or "", seq, body)
+        if not isinstance(proof, str) or not hmac.compare_digest(expected, proof):
+            raise AuthenticationError(
+                f"{where} did not prove the job's secret in its answer to {method}: another "
+                "process listens on the coordinator's address (its own was restarted, and "
+                "someone else took the port?), or a coordinator of another job or version. "
+                "Its answer is ignored; check the address and PEERCKPT_SECRET"
+            )
+
 
 class CallVerifier:
     """The server's half: ``verify`` raises AuthenticationError, naming why, for a call that
@@ -65,10 +118,18 @@ class CallVerifier:
     """
 
     def __init__(
-        self, secret: bytes, job: str, window_s: float = 30.0, max_calls: int = 1 << 20
+        self,
+        secret: bytes,
+        job: str,
+        window_s: float = 30.0,
+        max_calls: int = 1 << 20,
+        not_before: float | None = None,
     ) -> None:
+        """``not_before``: calls made before this time are refused (default: when this
+        verifier was made, less ``START_SLACK_S``): replays from before a restart."""
         self._secret = secret
         self._job = job
+        self.not_before = time.time() - START_SLACK_S if not_before is None else not_before
         self.window_s = window_s
         self._max = max_calls
         self._lock = threading.Lock()
@@ -97,6 +158,11 @@ class CallVerifier:
         except ValueError:
             raise AuthenticationError(f"call to {method} refused: a bad time {stamp!r}") from None
         now = time.time()
+        if sent < self.not_before:
+            raise AuthenticationError(
+                f"call to {method} refused: made {self.not_before - sent:.1f} s before this "
+                "coordinator started: a call to its predecessor, replayed"
+            )
         if abs(now - sent) > self.window_s:
             raise AuthenticationError(
                 f"call to {method} refused: it was made {now - sent:+.1f} s from this host's "
@@ -120,3 +186,25 @@ class CallVerifier:
                 )
             self._seen.add(nonce)
             heapq.heappush(self._expiry, (forget_at, nonce))
+
+
+_ADDRESS_DOMAIN = b"peerckpt-coordinator-address-v1"
+
+
+def sign_address(secret: bytes, job: str, address: str) -> str:
+    """``address`` as published where anyone may write (torchrun's store): with a MAC."""
+    mac = hmac.new(secret, b"|".join([_ADDRESS_DOMAIN, job.encode(), address.encode()]), "sha256")
+    return f"{address} {mac.hexdigest()}"
+
+
+def open_address(secret: bytes, job: str, value: str, where: str) -> str:
+    """The coordinator's address ``sign_address`` published, or AuthenticationError: a
+    value written by a process without the secret (the store takes anyone's writes)."""
+    address = value.strip().partition(" ")[0]
+    if not address or not hmac.compare_digest(sign_address(secret, job, address), value.strip()):
+        raise AuthenticationError(
+            f"the coordinator's address in {where} is not signed with this job's secret "
+            f"({value[:80]!r}): written by a process outside the job, or by a host started "
+            "with another PEERCKPT_SECRET; start every host with the job's secret"
+        )
+    return address

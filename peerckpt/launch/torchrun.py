@@ -43,6 +43,7 @@ from peerckpt.messages.control import AllocateNode, JobStatus, Status, Stop
 from peerckpt.names import new_run_id
 from peerckpt.pidwatch import ProcessWatch
 from peerckpt.rpc import RpcClient
+from peerckpt.rpcauth import open_address, sign_address
 from peerckpt.service import service_process, stop_on_signals
 from peerckpt.shm import sweep
 from peerckpt.states import JobState
@@ -118,9 +119,10 @@ class HostSupervisor:
         key = coordinator_key(self.job)
         if self.args.coordinator:
             address = self._start_coordinator(addr)
-            store.set(key, address)
-        else:
-            address = store.get(key).decode()
+            store.set(key, sign_address(self.secret, self.job, address))
+        else:  # the store takes anyone's writes: the address must prove the secret
+            where = f"torchrun's store ({self.args.store}, key {key})"
+            address = open_address(self.secret, self.job, store.get(key).decode(), where)
         del store
         self.rpc = RpcClient(address, self.secret, self.job)
         self.node = self.rpc.call(AllocateNode()).node
