@@ -173,8 +173,9 @@ def _derived(secret: bytes) -> Credentials:
 
 def _context(creds: Credentials, purpose: int) -> ssl.SSLContext:
     ctx = ssl.SSLContext(purpose)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.set_ciphers("ECDHE+AESGCM")  # TLS 1.2 fallback; 1.3 suites are AEAD already
+    # TLS 1.3 only: its suites are all AEAD with forward secrecy, and the certificates travel
+    # encrypted (TLS 1.2, still accepted until 2026-11-27, sends them in clear).
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.load_verify_locations(cadata=creds.ca.decode())
     # load_cert_chain reads files only: a private file, removed at once.

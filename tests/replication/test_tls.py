@@ -46,7 +46,7 @@ def test_push_and_fetch_over_tls_are_bit_exact(tls_peers) -> None:
     name, secret, (a, b) = tls_peers
     slot = write_snapshot(a.store, rank=0, step=5)
     conn = connect_tcp(b.server.address, secret, name, io_timeout=10.0)
-    assert conn.sock.version() in ("TLSv1.3", "TLSv1.2")  # encrypted, not plain TCP
+    assert conn.sock.version() == "TLSv1.3"  # encrypted, not plain TCP; never TLS 1.2
     push(conn, 0, 0, 0, None, slot.manifest, slot.segment.view)
     conn.close()
     replica = b.store.find(0, 0, 5)
@@ -143,3 +143,23 @@ def test_certificates_from_the_users_files(tmp_path, monkeypatch) -> None:
             os.environ.pop(env, None)
         for cached in (tls.server_context, tls.client_context):
             cached.cache_clear()
+
+
+def test_a_peer_that_offers_only_tls_1_2_is_refused(tls_peers) -> None:
+    """TLS 1.2 sends the certificates in clear; it was still accepted until 2026-11-27."""
+    import socket
+    import ssl
+
+    from peerckpt import tls
+
+    _, secret, (a, _) = tls_peers
+    old = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    old.maximum_version = ssl.TLSVersion.TLSv1_2
+    old.check_hostname = False
+    old.load_verify_locations(cadata=tls.credentials(secret).ca.decode())
+    host, _, port = a.server.address.rpartition(":")
+    with (
+        socket.create_connection((host, int(port)), timeout=10.0) as raw,
+        pytest.raises(ssl.SSLError),
+    ):
+        old.wrap_socket(raw, server_hostname=host).do_handshake()
