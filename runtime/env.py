@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from peerckpt import logs
 from peerckpt.errors import ConfigurationError
+from peerckpt.secret import ENV as SECRET_ENV
 from peerckpt.secret import secret_from_env
 from peerckpt.states import ProcRole
 
@@ -55,9 +56,15 @@ class LaunchEnv:
                 f"PEERCKPT_ROLE must be 'rank', 'spare' or 'joiner', not "
                 f"{env.get('PEERCKPT_ROLE')!r}"
             ) from None
+        secret = secret_from_env(env)
+        if environ is None:
+            # Read once, then out of this process's environment: the user's script, its
+            # subprocesses and its DataLoader workers inherit what stays there, and a
+            # tool that dumps the environment would print the job's key with it.
+            os.environ.pop(SECRET_ENV, None)
         return cls(
             job=env["PEERCKPT_JOB"],
-            secret=secret_from_env(env),
+            secret=secret,
             agent_socket=env["PEERCKPT_AGENT"],
             node=int(env.get("PEERCKPT_NODE", "0")),
             role=role,
