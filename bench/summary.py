@@ -34,6 +34,7 @@ ORDER = [
     "cpu",
     "tls",
     "recovery",
+    "survivors",
     "memory",
     "dedup",
     "reshard",
@@ -47,7 +48,7 @@ ORDER = [
 ]
 
 # Their own make targets (too long for make bench's 25 minutes): timed apart.
-OUTSIDE_MAKE_BENCH = {"goodput", "gpu"}
+OUTSIDE_MAKE_BENCH = {"goodput", "gpu", "survivors"}
 
 # figure key (regular expression) → how the row reads, and how its value is written
 LABELS: list[tuple[str, str, str]] = [
@@ -61,6 +62,12 @@ LABELS: list[tuple[str, str, str]] = [
     (r"ratio_tls_to_clear", "replication over TLS / the same push in the clear", "ratio"),
     (r"speedup_vs_dcp_(\w+)", "recovery of one rank, {0}: DCP restart time / peerckpt", "times"),
     (r"peerckpt_s_(\w+)", "recovery of one rank, {0}: kill → every rank stepping", "seconds"),
+    (
+        r"survivors_stepping_s",
+        "a node killed, 2 × 2 DDP beside another job: kill → every rank stepping, worst of 10 "
+        "(bench/survivors.py)",
+        "seconds",
+    ),
     (r"overhead_ratio", "host memory / 2·(1+k)·S per rank", "ratio"),
     (
         r"memory_ratio",
