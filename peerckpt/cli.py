@@ -1,9 +1,10 @@
 """The ``peerckpt`` command line.
 
-Its length (~520 lines) is the argparse declarations of every subcommand (run, join, chaos,
-plan, inspect, export, status, timeline), each a flat list of options with their help, and
-one short handler per subcommand that calls into ``peerckpt/launch``; it holds no logic a
-split would make clearer.
+A note for maintainers (users read ``_DESCRIPTION`` in ``--help``): its length (~700 lines)
+is the argparse declarations of every subcommand (run, join, chaos, plan, inspect, export,
+status, timeline), each a flat list of options with their help, and one short handler per
+subcommand that calls into ``peerckpt/launch``; it holds no logic a split would make clearer.
+The rules a flag's value must meet are in ``launch/checks.py``, shared with the Python API.
 """
 
 from __future__ import annotations
@@ -22,18 +23,27 @@ from peerckpt.recovery.placement import STRATEGY_NAMES
 
 
 def _run(args: argparse.Namespace) -> int:
+    from peerckpt.launch import checks
     from peerckpt.launch.base import JobSpec
     from peerckpt.launch.local import LocalLauncher
     from peerckpt.launch.report import format_report
     from peerckpt.tls import use_files
 
+    mode = (
+        checks.RAY
+        if args.ray is not None
+        else checks.HOSTS
+        if args.rdzv_endpoint is not None
+        else checks.LOCAL
+    )
+    checks.check_run_flags(_given(args), mode)  # the launcher checks the JobSpec itself
     use_files(args.tls_cert, args.tls_key, args.tls_ca)  # inherited by every process started
     spec = JobSpec(
         script=args.script,
         args=args.script_args,
-        nodes=args.nodes,
+        nodes=1 if args.nodes is None else args.nodes,
         nproc_per_node=args.nproc_per_node,
-        spares=args.spares,
+        spares=args.spares or 0,
         keep_spares=args.keep_spares,
         replicas=args.replicas,
         chaos=args.chaos or "",
@@ -43,9 +53,10 @@ def _run(args: argparse.Namespace) -> int:
         min_nodes=args.min_nodes,
         persist=_persist(args),
         placement=args.placement,
-        racks=_racks(args.racks, args.nodes),
+        racks=_racks(args.racks),
         metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr,
+        env=checks.parse_env(args.env),
     )
     if args.ray is not None:
         result = _ray_launcher(args, spec).run()
@@ -57,14 +68,35 @@ def _run(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+# Flags of `peerckpt run` that mean something in only some of its modes (``checks._ONLY_IN``).
+_MODE_FLAGS = (
+    "nodes",
+    "spares",
+    "keep_spares",
+    "nnodes",
+    "node_rank",
+    "rdzv_endpoint",
+    "node_addr",
+    "spare_host",
+    "secret_file",
+    "tls_cert",
+    "tls_key",
+    "tls_ca",
+)
+
+
+def _given(args: argparse.Namespace) -> dict[str, object]:
+    """The mode-dependent flags the user gave (left at None or False: not given) → values."""
+    values = {f"--{name.replace('_', '-')}": getattr(args, name) for name in _MODE_FLAGS}
+    return {flag: v for flag, v in values.items() if v is not None and v is not False}
+
+
 def _host_launcher(args: argparse.Namespace, spec: Any) -> Any:
     """This host's launcher of a multi-host job (``peerckpt/launch/host.py``)."""
     from peerckpt.launch.addr import node_address
     from peerckpt.launch.host import HostLauncher, HostSpec
     from peerckpt.secret import job_secret
 
-    if args.nnodes is None or args.node_rank is None:
-        raise PeerckptError("--rdzv-endpoint needs --nnodes and --node-rank on every host")
     rdzv_host = args.rdzv_endpoint.rpartition(":")[0]
     host = HostSpec(
         nnodes=args.nnodes,
@@ -78,11 +110,6 @@ def _host_launcher(args: argparse.Namespace, spec: Any) -> Any:
 
 def _ray_launcher(args: argparse.Namespace, spec: Any) -> Any:
     """The driver of a job on a Ray cluster (``peerckpt/launch/ray.py``)."""
-    if args.rdzv_endpoint is not None or args.nnodes is not None:
-        raise PeerckptError(
-            "--ray places the hosts itself: drop --nnodes/--node-rank/--rdzv-endpoint "
-            "(use --nodes for the Ray nodes that hold ranks, --spares for spare nodes)"
-        )
     try:
         from peerckpt.launch.ray import RayLauncher
     except ImportError as exc:
@@ -92,13 +119,21 @@ def _ray_launcher(args: argparse.Namespace, spec: Any) -> Any:
 
 def _chaos(args: argparse.Namespace) -> int:
     from peerckpt.chaos import default_json_path, format_table, run_campaign, write_json
+    from peerckpt.launch.base import JobSpec
+    from peerckpt.launch.checks import check_campaign
     from peerckpt.outfiles import write_private
 
-    if args.faults < 1 or args.nodes < 2 or (args.every or 2) < 2 or args.start < 1:
-        raise PeerckptError(
-            "peerckpt chaos needs --faults ≥ 1, --nodes ≥ 2 (a node must survive each "
-            "fault), --every ≥ 2 and --start ≥ 1"
-        )
+    check_campaign(args.faults, args.nodes, args.every, args.start, args.json)
+    JobSpec(  # the chaos run's settings, checked as `peerckpt run` checks them
+        script=args.script,
+        args=args.script_args,
+        nodes=args.nodes,
+        nproc_per_node=args.nproc_per_node,
+        spares=args.spares,
+        replicas=args.replicas,
+        heartbeat_timeout=args.heartbeat_timeout,
+        job=f"{args.job}_chaos" if args.job else None,
+    ).check()
     campaign = run_campaign(
         [args.script, *args.script_args],
         args.seed,
@@ -168,17 +203,12 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _racks(text: str | None, nodes: int) -> dict[int, str] | None:
-    """``--racks a,a,b,b``: the rack of node 0, 1, 2, … (the spare node is a rack of its own)."""
+def _racks(text: str | None) -> dict[int, str] | None:
+    """``--racks a,a,b,b``: the rack of node 0, 1, 2, … (the spare node is a rack of its own;
+    ``JobSpec.check`` wants one per node)."""
     if not text:
         return None
-    racks = [r.strip() for r in text.split(",")]
-    if len(racks) != nodes or not all(racks):
-        raise PeerckptError(
-            f"--racks names {len(racks)} rack(s) for {nodes} node(s); give one non-empty name "
-            "per node, in node order, e.g. --racks a,a,b,b for 4 nodes in two racks"
-        )
-    return dict(enumerate(racks))
+    return dict(enumerate(r.strip() for r in text.split(",")))
 
 
 def _persist(args: argparse.Namespace) -> dict[str, object] | None:
@@ -221,9 +251,10 @@ def _mode(text: str | None) -> int | None:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from peerckpt.launch.checks import check_plan
     from peerckpt.recovery.survival import plan
 
-    _check_plan_args(args)
+    check_plan(args.nodes, args.replicas, args.failures, args.state_bytes)
     names = STRATEGY_NAMES if args.strategy == "all" else (args.strategy,)
     plans = plan(args.nodes, args.replicas, args.failures, names)
     size = args.state_bytes
@@ -278,26 +309,6 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_plan_args(args: argparse.Namespace) -> None:
-    if args.nodes < 1:
-        raise PeerckptError(f"--nodes {args.nodes}: a job needs at least 1 node")
-    if args.replicas < 0:
-        raise PeerckptError(f"--replicas {args.replicas}: use 0 (no copies) or more")
-    if args.replicas >= args.nodes:
-        raise PeerckptError(
-            f"--replicas {args.replicas} needs at least {args.replicas + 1} nodes, since every "
-            f"copy lives on a node of its own; use --replicas {args.nodes - 1} or fewer, or "
-            f"more --nodes"
-        )
-    if not 0 <= args.failures <= args.nodes:
-        raise PeerckptError(
-            f"--failures {args.failures}: between 0 and the {args.nodes} nodes can fail; "
-            f"use --failures from 0 to {args.nodes}"
-        )
-    if args.state_bytes is not None and args.state_bytes < 1:
-        raise PeerckptError(f"--state-bytes {args.state_bytes}: a snapshot has 1 byte or more")
-
-
 def _percent(p: Fraction) -> str:
     """Percent to 4 decimals; only a certainty prints as 100% and only an impossibility as 0%."""
     units = math.floor(p * 10**6 + Fraction(1, 2))
@@ -309,18 +320,57 @@ def _percent(p: Fraction) -> str:
     return f"{units // 10**4}.{units % 10**4:04d}%"
 
 
+_DESCRIPTION = """\
+Peer-replicated, in-memory checkpointing for PyTorch training: a lost rank or node is
+recovered from the memory of healthy peers, and training goes on from the last committed
+step. `peerckpt run train.py` starts a job; `peerckpt COMMAND --help` says more.
+Every flag is checked before anything starts: a bad one exits with status 2 and the fix."""
+
+
+def _version() -> str:
+    """The installed package's version (the source tree's when it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("peerckpt")
+    except PackageNotFoundError:
+        from peerckpt import __version__
+
+        return __version__
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="peerckpt", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="peerckpt",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"peerckpt {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser(
         "run",
-        help="run a training script as a local job of simulated nodes",
-        description="Start a coordinator, one agent per node, the ranks and the spares on this "
-        "machine; replace lost ranks with spares and recover their state from peer memory.",
+        help="run a training script as a job: on this machine, on several hosts, or on Ray",
+        description="Start a coordinator, one agent per node, the ranks and the spares (on this "
+        "machine as simulated nodes; with --rdzv-endpoint this host's share of a job over "
+        "several hosts; with --ray on a Ray cluster); replace lost ranks with spares and "
+        "recover their state from peer memory. Every flag is checked before anything starts "
+        "(docs/flags.md).",
     )
-    run.add_argument("--nodes", type=int, default=1, help="simulated nodes (failure domains)")
-    run.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node")
-    run.add_argument("--spares", type=int, default=0, help="hot spare processes, on a spare node")
+    run.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="simulated nodes, the failure domains (default 1; under --ray: Ray nodes with "
+        "ranks; on several hosts give --nnodes instead)",
+    )
+    run.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node (≥ 1)")
+    run.add_argument(
+        "--spares",
+        type=int,
+        default=None,
+        help="hot spare processes, on a spare node (default 0; under --ray: spare Ray nodes; "
+        "on several hosts start --spare-host hosts instead)",
+    )
     run.add_argument(
         "--keep-spares",
         action="store_true",
@@ -332,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         "--replicas",
         type=int,
         default=None,
-        help="buddies per rank, on other nodes (default: the script's, else 1)",
+        help="buddies per rank, on other nodes: fewer than --nodes, since each copy lives on a "
+        "node of its own (default: the script's, else 1, fewer on fewer nodes)",
     )
     run.add_argument(
         "--chaos",
@@ -343,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         "--heartbeat-timeout",
         type=float,
         default=5.0,
-        help="seconds without a heartbeat before a node is declared lost",
+        help="seconds without a heartbeat before a node is declared lost (≥ 0.5)",
     )
     run.add_argument(
         "--placement",
@@ -361,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         "--min-nodes",
         type=int,
         default=None,
-        help="let the world shrink, down to this many nodes, when no spare is left",
+        help="let the world shrink, down to this many nodes (1 … --nodes), when no spare is left",
     )
     run.add_argument(
         "--persist",
@@ -402,7 +453,18 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ADDR",
         help="the address the metrics listen on (default loopback; 0.0.0.0 for every interface)",
     )
-    run.add_argument("--report", default=None, help="write the job's report here as JSON")
+    run.add_argument(
+        "--env",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="set this variable for every process of the job, on every node (repeatable; over "
+        "the launching environment, which --ray forwards less what names this machine: "
+        "docs/ray.md)",
+    )
+    run.add_argument(
+        "--report", default=None, help="write the job's report here as JSON (its folder must exist)"
+    )
     for name in ("cert", "key", "ca"):
         run.add_argument(
             f"--tls-{name}", default=None, help=f"TLS {name} (PEM; default: derived per job)"
@@ -461,6 +523,14 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="ranks on the new node (default: as many as the job's nodes have)",
+    )
+    join.add_argument(
+        "--env",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="set this variable for the new node's processes (repeatable; over the job's "
+        "own --env)",
     )
     join.add_argument(
         "script", nargs="?", default=None, help="the training script (default: the job's)"
@@ -621,10 +691,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "chaos":
             return _chaos(args)
         if args.command == "join":
+            from peerckpt.launch.checks import parse_env
             from peerckpt.launch.join import join as join_job
 
             script = [args.script, *args.script_args] if args.script else None
-            return join_job(args.job, args.nproc_per_node, script)
+            return join_job(args.job, args.nproc_per_node, script, parse_env(args.env))
     except PeerckptError as exc:
         print(f"peerckpt: {exc}", file=sys.stderr)
         return 2

@@ -4,7 +4,8 @@ Layer: top. It may import anything but chaos internals: it starts processes of e
 so it knows all their packages; of ``chaos/`` it uses only the package's public surface
 (``peerckpt.chaos.Chaos``), which it runs beside a job when asked.
 
-- ``base.py``: ``Launcher``, ``JobSpec``, ``JobResult``;
+- ``base.py``: ``Launcher``, ``JobSpec``, ``JobResult``; ``checks.py`` every rule a job's
+  settings must meet, checked before anything starts (by the launchers and the CLI alike);
 - ``local.py``: ``peerckpt run`` on this machine, every node a simulated failure domain;
 - ``processes.py``: starting and stopping agents and training processes on this machine;
 - ``host.py``: one host of a multi-host job (``peerckpt run --nnodes``);

@@ -17,6 +17,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from peerckpt.launch.checks import check_spec
+
 log = logging.getLogger("peerckpt.launcher")
 
 
@@ -35,7 +37,7 @@ class JobSpec:
     start_timeout: float = 300.0
     min_nodes: int | None = None
     report: str | None = None
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # --env: set for every process
     job: str | None = None
     persist: dict[str, Any] | None = None  # PersistConfig.to_msg(), from --persist
     placement: str = "ring"
@@ -44,6 +46,11 @@ class JobSpec:
     record_digests: bool = False  # every snapshot's tensor digest, in the result
     metrics_port: int | None = None  # serve /metrics and /status here (0: any free port)
     metrics_addr: str = "127.0.0.1"
+
+    def check(self) -> None:
+        """Refuse settings that cannot work, before anything starts: a ConfigurationError
+        naming the flag and the fix (``launch/checks.py`` holds the rules)."""
+        check_spec(self)
 
     @property
     def world(self) -> int:

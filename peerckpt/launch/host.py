@@ -41,6 +41,7 @@ import psutil
 
 from peerckpt.errors import ConfigurationError, PeerckptError
 from peerckpt.launch.base import JobSpec
+from peerckpt.launch.checks import check_host
 from peerckpt.launch.local import LocalLauncher
 from peerckpt.messages.control import JobStatus, SparesStarting, Status
 from peerckpt.rpc import RpcClient
@@ -97,8 +98,9 @@ class HostLauncher(LocalLauncher):
                 "a multi-host job needs --job NAME, the same on every host (it names the job "
                 "in every message and authenticates with its secret)"
             )
+        check_host(spec, host)
         super().__init__(
-            replace(spec, nodes=host.nnodes, spares=0),  # spares come from --spare-host hosts
+            replace(spec, nodes=host.nnodes),  # spares come from --spare-host hosts
             secret=secret,
             claim=host.runs_coordinator,
         )

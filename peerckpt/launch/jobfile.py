@@ -1,8 +1,9 @@
 """Where a running job is found on this machine: its claim on its name, and its job file.
 
 ``peerckpt run`` claims the job's name for as long as it runs and publishes what
-``peerckpt join`` needs (the coordinator's address, the job's secret, the script, the run
-id); ``peerckpt join --job NAME`` reads it back. Both live in one directory per user::
+``peerckpt join`` needs (the coordinator's address, the job's secret, the script, its
+``--env``, the run id); ``peerckpt join --job NAME`` reads it back. Both live in one
+directory per user::
 
     $TMPDIR/peerckpt-<uid>/            0700, owned by the user
     $TMPDIR/peerckpt-<uid>/NAME.lock   0600: flock-ed by the launcher while it runs, its pid
@@ -205,6 +206,11 @@ def _parse(raw: bytes, path: str) -> dict[str, Any]:
         nproc = info.get("nproc_per_node")
         if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
             raise ValueError("nproc_per_node is not a positive integer")
+        env = info.setdefault("env", {})  # the job's --env, for its joiners too
+        if not isinstance(env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+        ):
+            raise ValueError("env is not a map of strings to strings")
         check_run_id(info.get("run"))  # type: ignore[arg-type]
         check_secret(bytes.fromhex(info.get("secret")), "the job file's secret")  # type: ignore[arg-type]
     except (ValueError, TypeError, ConfigurationError) as exc:

@@ -18,6 +18,7 @@ import tempfile
 import threading
 
 from peerckpt.errors import PeerckptError
+from peerckpt.launch.checks import check_env, check_join
 from peerckpt.launch.jobfile import find_job
 from peerckpt.launch.processes import ProcessSet
 from peerckpt.messages.control import AllocateNode, Status
@@ -29,15 +30,24 @@ log = logging.getLogger("peerckpt.launcher")
 __all__ = ["find_job", "join"]
 
 
-def join(job: str, nproc_per_node: int | None = None, script: list[str] | None = None) -> int:
-    """Join ``job`` with one node; return the job's exit status once it ends."""
+def join(
+    job: str,
+    nproc_per_node: int | None = None,
+    script: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> int:
+    """Join ``job`` with one node; return the job's exit status once it ends. Its processes
+    get the job's ``--env`` and then ``env`` (``join --env``)."""
+    check_join(nproc_per_node, script)
+    check_env(env or {})
     info = find_job(job)
     secret = bytes.fromhex(info["secret"])
     count = nproc_per_node or info["nproc_per_node"]
     rpc = RpcClient(info["coordinator"], secret, job)
     node = rpc.call(AllocateNode()).node
     rundir = tempfile.mkdtemp(prefix=f"peerckpt-{job}-join{node}-")
-    procs = ProcessSet(job, secret, script or info["script"], rundir, {}, info["run"])
+    extra_env = {**info.get("env", {}), **(env or {})}
+    procs = ProcessSet(job, secret, script or info["script"], rundir, extra_env, info["run"])
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     state = "failed"

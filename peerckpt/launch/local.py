@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from peerckpt.errors import ConfigurationError, PeerckptError, PeerUnavailable
+from peerckpt.errors import PeerckptError, PeerUnavailable
 from peerckpt.faults import ENV as FAULTS_ENV
 from peerckpt.launch.base import JobResult, JobSpec, Launcher, chaos_verdict
 from peerckpt.launch.jobfile import JobClaim
@@ -60,10 +60,7 @@ class LocalLauncher(Launcher):
     def __init__(self, spec: JobSpec, secret: bytes | None = None, claim: bool = True) -> None:
         """``secret``: the job's (a multi-host job shares one; default: a new random one).
         ``claim``: hold the job's name on this machine, and publish it for ``peerckpt join``."""
-        if spec.nodes < 1 or spec.nproc_per_node < 1 or spec.spares < 0:
-            raise ConfigurationError("--nodes and --nproc-per-node must be ≥ 1, --spares ≥ 0")
-        if not os.path.exists(spec.script):
-            raise ConfigurationError(f"training script {spec.script!r} does not exist")
+        spec.check()  # before anything starts: a bad setting is refused with its fix
         self.spec = spec
         self.chaos = _chaos(spec.chaos)  # parsed now: a bad spec fails before anything starts
         shape = self._shape()
@@ -184,6 +181,7 @@ class LocalLauncher(Launcher):
                 "secret": self._secret.hex(),
                 "script": [self.spec.script, *self.spec.args],
                 "nproc_per_node": self.spec.nproc_per_node,
+                "env": self.spec.env,  # --env: the joiners' too
                 "run": self.run_id,
                 "metrics": self._server.address if self._server is not None else None,
             }

@@ -45,6 +45,7 @@ from typing import Any
 
 from peerckpt.errors import ConfigurationError, PeerckptError
 from peerckpt.launch.base import JobResult, JobSpec, Launcher, chaos_verdict
+from peerckpt.launch.checks import check_ray_address
 from peerckpt.launch.rayactor import RayHost
 from peerckpt.launch.rayhost import spec_to_json
 from peerckpt.launch.rayplan import host_order, split_chaos
@@ -79,10 +80,8 @@ class RayLauncher(Launcher):
     counts spare *nodes* (each with ``nproc_per_node`` spares). ``run`` always cleans up."""
 
     def __init__(self, spec: JobSpec, address: str = "auto", secret: bytes | None = None) -> None:
-        if spec.nodes < 1 or spec.nproc_per_node < 1 or spec.spares < 0:
-            raise ConfigurationError("--nodes and --nproc-per-node must be ≥ 1, --spares ≥ 0")
-        if not os.path.exists(spec.script):
-            raise ConfigurationError(f"training script {spec.script!r} does not exist")
+        spec.check()  # before anything starts: a bad setting is refused with its fix
+        check_ray_address(address)
         try:
             import ray  # noqa: F401
         except ImportError:
@@ -153,6 +152,7 @@ class RayLauncher(Launcher):
             chaos=self._host_chaos.get(host.rank, ""),
             report=None,
             spares=0,
+            keep_spares=False,  # the driver keeps spare nodes in reserve (``_replenish``)
             metrics_port=self.spec.metrics_port if host.rank == 0 else None,
         )
         orders = {
