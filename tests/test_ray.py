@@ -328,3 +328,43 @@ def test_a_chaos_campaign_on_ray_ends_bit_exact(tmp_path, ray_cluster) -> None:
     ]
     assert sum(r["recovered_s"] is not None for r in report["rows"]) >= 2
     assert report["steps_compared"] >= 4 * 30
+
+
+def test_the_launching_environment_reaches_the_ranks_on_every_ray_node(
+    tmp_path, ray_cluster
+) -> None:
+    """A variable set only in the shell that runs ``peerckpt run --ray`` (not in the
+    raylets' environment) is seen by the ranks on both Ray nodes; ``--env`` wins over the
+    shell; a variable that names the launching machine (``DISPLAY``) stays the node's."""
+    cluster = ray_cluster(1)
+    names = ["TEST_RAY_FROM_SHELL", "TEST_RAY_OVERRIDE", "DISPLAY"]
+    shell = {
+        "TEST_RAY_FROM_SHELL": "shell value",
+        "TEST_RAY_OVERRIDE": "from the shell",
+        "DISPLAY": "driver-only-display",
+    }
+    argv = [sys.executable, "-m", "peerckpt", "run", "--ray", cluster.address, "--nodes", "2"]
+    argv += ["--env", "TEST_RAY_OVERRIDE=from --env", "--job", job_name()]
+    proc = subprocess.Popen(
+        [*argv, str(JOBS / "env_job.py"), str(tmp_path), *names],
+        cwd=REPO,
+        env=dict(os.environ, PEERCKPT_LOG_LEVEL="INFO", **shell),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        log, _ = proc.communicate(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGINT)  # the driver stops every host on Ctrl-C
+        log, _ = proc.communicate(timeout=90)
+        pytest.fail(f"the job did not end in {DEADLINE_S} s; log tail:\n{log[-4000:]}")
+    assert proc.returncode == 0, log[-6000:]
+    seen = {r: json.loads((tmp_path / f"env{r}.json").read_text()) for r in (0, 1)}
+    assert sorted(s["node"] for s in seen.values()) == [0, 1]  # one rank on each Ray node
+    for record in seen.values():
+        values = record["values"]
+        assert values["TEST_RAY_FROM_SHELL"] == "shell value", record
+        assert values["TEST_RAY_OVERRIDE"] == "from --env", record
+        assert values["DISPLAY"] == os.environ.get("DISPLAY"), record  # the node's own

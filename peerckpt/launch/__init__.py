@@ -11,7 +11,8 @@ so it knows all their packages; of ``chaos/`` it uses only the package's public 
 - ``host.py``: one host of a multi-host job (``peerckpt run --nnodes``);
 - ``ray.py``: ``peerckpt run --ray``, a job on a Ray cluster: the driver; ``rayactor.py`` the
   actor it pins to each Ray node, ``rayhost.py`` the host launcher that actor starts,
-  ``rayplan.py`` the pure rules (host order, where each fault goes);
+  ``rayplan.py`` the pure rules (host order, where each fault goes), ``rayenv.py`` what of
+  the launching environment the hosts get;
 - ``join.py``: ``peerckpt join``, one more node for a running job;
 - ``report.py``: the report of a finished job;
 - ``view.py``: one view of a running job, from the coordinator's ``Status``, that every

@@ -47,6 +47,7 @@ from peerckpt.errors import ConfigurationError, PeerckptError
 from peerckpt.launch.base import JobResult, JobSpec, Launcher, chaos_verdict
 from peerckpt.launch.checks import check_ray_address
 from peerckpt.launch.rayactor import RayHost
+from peerckpt.launch.rayenv import forwarded
 from peerckpt.launch.rayhost import spec_to_json
 from peerckpt.launch.rayplan import host_order, split_chaos
 from peerckpt.messages.control import JobStatus, Status
@@ -165,8 +166,7 @@ class RayLauncher(Launcher):
                 "spare_host": host.role == "spare",
             },
         }
-        env = {k: v for k, v in os.environ.items() if k.startswith("PEERCKPT_")}
-        env.pop("PEERCKPT_SECRET", None)
+        env = forwarded(os.environ)  # the launching shell's, as srun does (``rayenv.py``)
         env["PEERCKPT_JOB"] = self.job  # every process of the job carries its name
         env["PEERCKPT_RAY_CWD"] = os.getcwd()
         ray.get(host.actor.start.remote(orders, self._secret.hex(), env), timeout=120)

@@ -51,7 +51,8 @@ class RayHost:
         raise ConfigurationError(f"no two consecutive free ports on {addr}")
 
     def start(self, orders: dict[str, Any], secret_hex: str, env: dict[str, str]) -> int:
-        """Start ``python -m peerckpt.launch.rayhost`` with ``orders``; return its pid."""
+        """Start ``python -m peerckpt.launch.rayhost`` with ``orders``; return its pid.
+        ``env``: the driver's environment (``rayenv.forwarded``), laid over this node's."""
         fd, self.result_path = tempfile.mkstemp(prefix="peerckpt-ray-result-")
         os.close(fd)
         os.unlink(self.result_path)  # the host writes it when it ends
