@@ -10,15 +10,17 @@ The rules a flag's value must meet are in ``launch/checks.py``, shared with the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
+from collections.abc import Iterator
 from fractions import Fraction
 from typing import Any
 
 from peerckpt import logs
-from peerckpt.errors import PeerckptError
+from peerckpt.errors import CheckpointError, PeerckptError
 from peerckpt.recovery.placement import STRATEGY_NAMES
 
 
@@ -186,7 +188,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from peerckpt.launch.progress import Report, callback
     from peerckpt.persist.inspect import inspect
 
-    with Report("verifying", None, "chunks", delay_s=1.0) as report:
+    with Report("verifying", None, "chunks", delay_s=1.0) as report, _reading(args.url):
         lines, ok = inspect(args.url, args.step, args.verify, args.tensors, callback(report))
     print("\n".join(lines))
     return 0 if ok else 1
@@ -196,11 +198,24 @@ def _export(args: argparse.Namespace) -> int:
     from peerckpt.launch.progress import Report, callback
     from peerckpt.persist.interop import export_safetensors
 
-    with Report(f"exporting to {args.out}", None, "tensors", delay_s=1.0) as report:
+    with (
+        Report(f"exporting to {args.out}", None, "tensors", delay_s=1.0) as report,
+        _reading(args.url),
+    ):
         tensors = export_safetensors(args.url, args.out, args.step, args.prefix, callback(report))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     print(f"wrote {len(tensors)} tensors ({total:,} bytes) to {args.out}")
     return 0
+
+
+@contextlib.contextmanager
+def _reading(url: str) -> Iterator[None]:
+    """What the storage under ``url`` raised while read (refused, unreachable), as an error
+    of the command that names the URL, not a traceback."""
+    try:
+        yield
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {url}: {exc}") from None
 
 
 def _racks(text: str | None) -> dict[int, str] | None:
@@ -235,6 +250,11 @@ def _persist(args: argparse.Namespace) -> dict[str, object] | None:
         args.allow_older,
         _mode(args.persist_mode),
     )
+    from peerckpt.persist.location import check_writable
+
+    # Before any process starts: a location that cannot work would hang the first epoch or
+    # fail every flush (StorageUnusable names the URL and the fix).
+    check_writable(config.url, config.mode)
     return config.to_msg()
 
 

@@ -77,6 +77,12 @@ class NoCheckpoint(CheckpointError):
     """No committed durable checkpoint exists where one was asked for."""
 
 
+class StorageUnusable(CheckpointError, ConfigurationError):
+    """A durable storage URL cannot work: its scheme is unknown, the fsspec package that
+    serves it is not installed, or nothing can be written there. Raised before a job depends
+    on it (``persist/location.py``), naming the URL and the fix."""
+
+
 class CorruptCheckpoint(CheckpointError):
     """Bytes of a durable checkpoint do not match their recorded checksum, or it is malformed."""
 

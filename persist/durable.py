@@ -57,6 +57,7 @@ from peerckpt.persist.format import (
     part_file,
 )
 from peerckpt.persist.localfs import DEFAULT_MODE
+from peerckpt.persist.location import check_scheme
 
 __all__ = [  # what the rest of peerckpt imports from here (the records live in format.py)
     "DEFAULT_MODE",
@@ -181,6 +182,7 @@ class DurableStore:
     def __init__(self, url: str, mode: int = DEFAULT_MODE, **storage_options: Any) -> None:
         self.url = url
         self.mode = localfs.check_mode(mode)
+        check_scheme(url)  # StorageUnusable naming the URL and the fix, not fsspec's error
         self.fs, self.root = fsspec.core.url_to_fs(url, **storage_options)
         self.root = self.root.rstrip("/")
         self.local = is_local_url(url)

@@ -3,7 +3,9 @@
 By default a summary that fits a screen whatever the model's size: the committed steps, and
 for one step its epoch, ranks, bytes, tensor and chunk counts, files, and the verification
 status. The per-tensor listing (thousands of lines on a real model) only with ``tensors``.
-Only reads; verification reads every chunk and checks its checksum.
+Only reads; verification reads every chunk and checks its checksum. A root that holds no
+checkpoint (nothing there, a file, an empty directory) raises NoCheckpoint; one holding only
+steps that were never committed is listed, and reported as not ok.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 
+from peerckpt.errors import NoCheckpoint
 from peerckpt.manifest import META_KEY
 from peerckpt.persist.durable import DurableStore
 from peerckpt.units import human
@@ -26,13 +29,20 @@ def inspect(
     """Lines describing the checkpoints under ``url``; False if ``verify`` found damage.
     ``progress`` is told (chunks verified, chunks in all) while verifying."""
     store = DurableStore(url)
+    _check_root(store)
     committed = store.committed_steps()
     incomplete = [s for s in store.all_steps() if s not in committed]
+    if not committed and not incomplete:
+        raise NoCheckpoint(
+            f"{url} holds no checkpoint (no step-* directory): give the URL a job wrote its "
+            "checkpoints to (peerckpt run --persist, @resilient(persist=…))"
+        )
     lines = [f"{url}: committed steps {committed or 'none'}"]
     if incomplete:
         lines.append(f"  never committed (ignored by readers): {incomplete}")
     if not committed and step is None:
-        return lines, True
+        lines.append("  no committed step: nothing here can be loaded")
+        return lines, False
     ckpt = store.open(step)
     m = ckpt.manifest
     chunks = m.unique_chunks().values()
@@ -76,3 +86,18 @@ def inspect(
     if not tensors:
         lines.append("  (--tensors lists every tensor)")
     return lines, ok
+
+
+def _check_root(store: DurableStore) -> None:
+    """NoCheckpoint unless the root is a directory (on an object store, a prefix with
+    objects under it): a missing path or a file is named as such, not listed as empty."""
+    if not store.fs.exists(store.root):
+        raise NoCheckpoint(
+            f"nothing at {store.url} (no such file or directory); give the URL a job wrote its "
+            "checkpoints to (peerckpt run --persist, @resilient(persist=…))"
+        )
+    if not store.fs.isdir(store.root):
+        raise NoCheckpoint(
+            f"{store.url} is a file, not a checkpoint root (a directory holding step-* "
+            "directories and a 'latest' pointer)"
+        )

@@ -4,7 +4,8 @@ Names: a snapshot key ``model/module.0.weight`` (the ``ctx.track`` name, then th
 ``state_dict`` key) becomes ``model.module.0.weight``, the flattened form
 ``torch.distributed.checkpoint`` uses for ``{"model": model.state_dict()}``. With a
 ``prefix`` (``"model"``) only that object's tensors are taken, named as in its own
-``state_dict`` (``module.0.weight``), which is what Hugging Face tooling expects.
+``state_dict``, less DistributedDataParallel's ``module.`` (``0.weight``): the keys the plain,
+unwrapped model loads, which is what evaluation scripts and Hugging Face tooling expect.
 
 Only shared tensors are exported; per-rank private state (RNG, data-loader positions) is not.
 Every chunk is verified against its checksum as it is read.
@@ -29,8 +30,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from peerckpt.dtypes import dtype_of
-from peerckpt.errors import CorruptCheckpoint
+from peerckpt.errors import CheckpointError, CorruptCheckpoint
 from peerckpt.persist.durable import DurableCheckpoint, DurableStore, StoredChunk
+
+_DDP_PREFIX = "module."  # DistributedDataParallel's name for the model it wraps
 
 
 def fqn(key: str, prefix: str | None = None) -> str | None:
@@ -63,7 +66,31 @@ def shared_chunks(
                     f"{list(c.record.global_shape)}); the manifest is damaged"
                 )
             boxes[(c.record.offsets, c.record.lengths)] = c
+    if prefix is not None:
+        out = _unwrapped(out)
     return {name: list(boxes.values()) for name, boxes in sorted(out.items())}
+
+
+def _unwrapped(tensors: dict[str, Any]) -> dict[str, Any]:
+    """One object's tensors named as the plain module's ``state_dict``: a model tracked
+    wrapped in DistributedDataParallel has every key under ``module.``, which the unwrapped
+    model (the one evaluation and Hugging Face tools build) does not know. Stripped only when
+    every key has it, as ``torch.nn.modules.utils.consume_prefix_in_state_dict_if_present``."""
+    if not tensors or not all(name.startswith(_DDP_PREFIX) for name in tensors):
+        return tensors
+    return {name[len(_DDP_PREFIX) :]: value for name, value in tensors.items()}
+
+
+def tracked_objects(ckpt: DurableCheckpoint) -> list[str]:
+    """The ``ctx.track`` names with shared tensors in the step (what ``prefix`` may be)."""
+    return sorted(
+        {
+            c.record.key.partition("/")[0]
+            for chunks in ckpt.manifest.ranks.values()
+            for c in chunks
+            if c.record.scope == "global" and "/" in c.record.key
+        }
+    )
 
 
 def _chunk_tensor(ckpt: DurableCheckpoint, chunk: StoredChunk) -> torch.Tensor:
@@ -132,6 +159,14 @@ def export_safetensors(
 
     ckpt = DurableStore(url).open(step)
     tensors = full_tensors(ckpt, prefix, progress)
+    if not tensors:  # nothing to write: an empty file would pass for an export
+        objects = ", ".join(tracked_objects(ckpt)) or "none"
+        raise CheckpointError(
+            f"step {ckpt.step} in {url} has no shared tensor"
+            + (f" under prefix {prefix!r}" if prefix is not None else "")
+            + f"; its tracked objects with tensors: {objects} (give one of them to --prefix, "
+            "or no --prefix for every tensor)"
+        )
     save_file(tensors, out, metadata={"peerckpt_step": str(ckpt.step), "source": url})
     return tensors
 

@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.api import CheckpointException
 
+from peerckpt.errors import CheckpointError
 from peerckpt.manifest import META_KEY, ChunkRecord
 from peerckpt.persist.durable import DurableStore
 from peerckpt.persist.interop import PeerckptReader, export_safetensors, full_tensors
@@ -135,3 +136,37 @@ def test_peerckpt_export_command(sharded, tmp_path, capsys) -> None:
     assert main(["export", store.url, "--to", "safetensors", "--out", str(out)]) == 0
     assert "wrote 3 tensors" in capsys.readouterr().out
     assert torch.equal(load_file(str(out))["model.w"], weight)
+
+
+def test_a_ddp_models_export_loads_into_the_plain_model(tmp_path) -> None:
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    store = DurableStore(f"memory://peerckpt-interop-{secrets.token_hex(4)}/ckpt")
+    # What a DDP job's snapshot holds: the wrapper's names, "module.0.weight", ...
+    records, pieces = [], []
+    for key, t in plain.state_dict().items():
+        record = _record(f"model/module.{key}", t, (0,) * t.dim(), t.shape)
+        records.append(record)
+        pieces.append((0, record, t.contiguous().view(torch.uint8).numpy().tobytes()))
+    store.write_part(1, 0, pieces)
+    store.commit(1, epoch=0, layouts={0: records})
+    try:
+        out = tmp_path / "model.safetensors"
+        export_safetensors(store.url, str(out), prefix="model")
+        fresh = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+        fresh.load_state_dict(load_file(str(out)))  # strict: the same keys, no "module."
+        assert all(torch.equal(fresh.state_dict()[k], v) for k, v in plain.state_dict().items())
+        # Without a prefix, the names stay those dcp.load knows: {"model": ddp.state_dict()}.
+        expected = sorted(f"model.module.{k}" for k in plain.state_dict())
+        assert sorted(full_tensors(store.open())) == expected
+    finally:
+        store.fs.rm(store.root, recursive=True)
+
+
+def test_an_export_with_nothing_to_write_fails_naming_what_there_is(sharded, tmp_path) -> None:
+    store, _, _ = sharded
+    out = tmp_path / "none.safetensors"
+    with pytest.raises(CheckpointError, match="no shared tensor under prefix 'nosuch'") as exc:
+        export_safetensors(store.url, str(out), prefix="nosuch")
+    assert "tracked objects with tensors: model, optim" in str(exc.value)
+    assert not out.exists()  # an empty file would pass for an export
