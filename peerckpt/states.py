@@ -42,7 +42,7 @@ class Transitions(Generic[S]):
 class JobState(enum.Enum):
     STARTING = "starting"  # ranks are joining; no epoch yet
     RUNNING = "running"
-    FINISHING = "finishing"  # every rank is done; the last durable flush is being committed
+    FINISHING = "finishing"  # ending (every rank done, or stopped): its last step is flushed
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STOPPED = "stopped"  # stopped by the launcher (Ctrl-C, an error of its own)

@@ -36,7 +36,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from peerckpt.errors import CheckpointError, ConfigurationError, RecoveryFailed, StaleEpoch
+from peerckpt.errors import (
+    CheckpointError,
+    ConfigurationError,
+    RecoveryFailed,
+    StaleEpoch,
+    StorageUnusable,
+)
 from peerckpt.messages import Dispatch
 from peerckpt.messages.control import (
     AgentConfig,
@@ -67,6 +73,7 @@ from peerckpt.messages.control import (
     Watch,
 )
 from peerckpt.persist.config import PersistConfig
+from peerckpt.persist.location import check_scheme, check_writable
 from peerckpt.reads import STORAGE
 from peerckpt.recovery import rebuild
 from peerckpt.recovery.decide import Loss
@@ -138,7 +145,8 @@ class Coordinator:
         self.life = JobLife(self.registry)
         self.spares = Spares(started=spares)  # each joins once it has warmed up
         # Durable checkpoints: from `peerckpt run --persist`, else from the script's decorator.
-        self.flusher = FlushScheduler(persist) if persist is not None else None
+        self.flusher = self._durable_tier(persist, probe=False)
+        self._ending = (JobState.SUCCEEDED, "")  # how the job ends once its last flush settles
         self.epochs = Epochs(
             self.settings,
             self.registry,
@@ -261,8 +269,24 @@ class Coordinator:
         if self.settings.replicas is None and replicas is not None:
             self.settings.replicas = int(replicas)
         if self.flusher is None:
-            config = PersistConfig.from_msg(persist)
-            self.flusher = FlushScheduler(config) if config is not None else None
+            self.flusher = self._durable_tier(PersistConfig.from_msg(persist), probe=True)
+
+    def _durable_tier(self, config: PersistConfig | None, probe: bool) -> FlushScheduler | None:
+        """The flush scheduler of ``config``, if its location can work; else the job fails
+        now, naming the URL and the fix (it hung at the first epoch's cold-start read, or
+        failed every flush). ``probe``: write a probe file too; a launcher probed its own
+        ``--persist`` before it started anything, a script's URL is first seen here."""
+        if config is None:
+            return None
+        try:
+            if probe:
+                check_writable(config.url, config.mode)
+            else:
+                check_scheme(config.url)
+        except StorageUnusable as exc:
+            self.life.fail(str(exc))
+            return None
+        return FlushScheduler(config)
 
     # -- failures -------------------------------------------------------------------------
     def proc_lost(self, msg: ProcLost) -> Ok:
@@ -428,9 +452,14 @@ class Coordinator:
         return reply
 
     def _maybe_flush(self, step: int) -> None:
+        if self.flusher is not None and self.epochs.tracker is not None and self.flusher.due(step):
+            self._start_flush(step)
+
+    def _start_flush(self, step: int) -> bool:
+        """Send committed ``step``'s writers their shares; False if it cannot be flushed."""
         tracker = self.epochs.tracker
-        if self.flusher is None or tracker is None or not self.flusher.due(step):
-            return
+        if self.flusher is None or tracker is None:
+            return False
         try:
             events = self.flusher.start(
                 step,
@@ -441,9 +470,10 @@ class Coordinator:
             )
         except CheckpointError as exc:
             log.warning("step %d cannot be flushed: %s", step, exc)
-            return
+            return False
         for node, event in events.items():
             self.registry.send(node, event)
+        return True
 
     def flushed(self, msg: Flushed) -> Ok:
         """A writer finished its share of a flush (or failed)."""
@@ -486,23 +516,55 @@ class Coordinator:
                 return Ok()
             self.epochs.done.add(msg.rank)
             if self.epochs.done == set(m.ranks) and self.life.state is JobState.RUNNING:
-                if self.flusher is not None and self.flusher.busy():
-                    # Let the flush in progress finish: it is the newest durable checkpoint.
-                    self.life.become(JobState.FINISHING)
-                    self.clocks.finishing_since = time.monotonic()
-                    log.info("every rank is done; waiting for the flush in progress")
-                    self.flusher.on_settled = self._finish
-                    return Ok()
-                self._finish()
+                self._end_after_flush(JobState.SUCCEEDED, "")
             return Ok()
+
+    def _end_after_flush(self, state: JobState, reason: str) -> None:
+        """End the job as ``state`` once its last committed step is durable (with a durable
+        tier; at most ``FINISH_FLUSH_S``): the flush in progress first, then that step's."""
+        self._ending = (state, reason)
+        if self.flusher is None:
+            self._finish()
+            return
+        self.life.become(JobState.FINISHING)
+        self.clocks.finishing_since = time.monotonic()
+        self.flusher.on_settled = self._flush_last
+        self._flush_last()
+
+    def _flush_last(self) -> None:
+        """The job is ending: flush its last committed step unless that was done or tried,
+        once no flush is running; then end it."""
+        with self._lock:
+            flusher, tracker = self.flusher, self.epochs.tracker
+            if self.life.state is not JobState.FINISHING or flusher is None:
+                return
+            if flusher.busy() or flusher.draining():
+                assert flusher.current is not None
+                log.info(
+                    "the job is ending; waiting for the flush of step %d", flusher.current.step
+                )
+                return
+            step = tracker.committed_step if tracker is not None else None
+            if step is not None and flusher.owed(step) and self._start_flush(step):
+                log.info("the job is ending; flushing its last committed step, %d", step)
+                return
+            self._finish()
 
     def _finish(self) -> None:
         with self._lock:
             m = self.epochs.membership
             if self.life.state not in (JobState.RUNNING, JobState.FINISHING) or m is None:
                 return
-            log.info("job succeeded in epoch %d", m.epoch)
-            self.life.end(JobState.SUCCEEDED, "")
+            state, reason = self._ending
+            failure = self.flusher.failure() if self.flusher is not None else ""
+            if failure and state is JobState.SUCCEEDED:
+                self.life.fail(failure)  # a run that protected nothing durably did not succeed
+                return
+            if failure:
+                log.warning("%s", failure)
+            if state is JobState.SUCCEEDED:
+                log.info("job succeeded in epoch %d", m.epoch)
+            self.life.end(state, reason)
 
     def rank_failed(self, msg: RankFailed) -> Ok:
         with self._lock:
@@ -527,7 +589,12 @@ class Coordinator:
 
     def stop(self, msg: Stop) -> Ok:
         with self._lock:
-            if not self.life.state.ended:
+            if msg.flush and self.life.state is JobState.RUNNING and self.flusher is not None:
+                log.info("stopping (%s) once the last committed step is durable", msg.reason)
+                self._end_after_flush(JobState.STOPPED, msg.reason)
+            elif msg.flush and self.life.state is JobState.FINISHING:
+                pass  # the last flush is under way, and ends the job
+            elif not self.life.state.ended:
                 self.life.end(JobState.STOPPED, msg.reason)
             else:  # tell agents that may have missed it
                 self.registry.broadcast(Shutdown(self.life.state, self.life.reason))

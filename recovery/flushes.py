@@ -10,6 +10,11 @@ background thread (``DurableStore.commit``: manifest, marker, ``latest``, retent
 failed writer (full disk, a vanished slot) fails that flush only: it is logged, training goes
 on, and the next due step tries again — once the failed flush's other writers have reported
 (or been lost): an agent still writing the failed step would refuse the next one.
+
+As the job ends (every rank done, or its launcher stopping it on a signal) the coordinator
+waits for the flush in progress, then flushes the last committed step unless a flush of it
+was started (``owed``): the newest state is never left in memory only. A job whose every
+flush failed is told why (``failure``) and does not end as a success.
 """
 
 from __future__ import annotations
@@ -136,6 +141,27 @@ class FlushScheduler:
             return False
         return True
 
+    def owed(self, step: int) -> bool:
+        """Whether committed ``step``, the job's last, is still to be flushed as the job ends:
+        no flush of it was started (one that ran, committed or failed, is not repeated)."""
+        return step != self._last_step
+
+    def failure(self) -> str:
+        """Why no step of the job became durable, if flushes were tried and none committed
+        (the one in progress counts as not committed: the job is ending without it)."""
+        tried = list(self.history)
+        if self.current is not None and self.current not in tried:
+            tried.append(self.current)
+        if not tried or any(f.state is FlushState.COMMITTED for f in tried):
+            return ""
+        last = tried[-1]
+        why = last.error or f"still {last.state.value} when the job ended"
+        return (
+            f"no step was made durable in {self.config.url}: {len(tried)} flush(es) tried, "
+            f"none committed (the last, of step {last.step}: {why}); check that the storage is "
+            "reachable, writable and has space, then run again"
+        )
+
     def start(
         self,
         step: int,
@@ -177,6 +203,8 @@ class FlushScheduler:
             return
         flush.unreported.discard(msg.node)
         if flush.state is not FlushState.WRITING:
+            if flush.state is FlushState.FAILED and not flush.unreported:
+                self._settled()  # its last writer is done: the next flush may start
             return
         if not msg.ok:
             self._failed(flush, f"node {msg.node}: {msg.error or 'failed'}")
@@ -194,9 +222,12 @@ class FlushScheduler:
         flush = self.current
         if flush is None:
             return
+        drained = flush.state is FlushState.FAILED and node in flush.unreported
         flush.unreported.discard(node)
         if flush.state is FlushState.WRITING and node in flush.writers:
             self._failed(flush, f"node {node}, one of its writers, was lost")
+        elif drained and not flush.unreported:
+            self._settled()
 
     def _failed(self, flush: FlushInProgress, why: str) -> None:
         flush.become(FlushState.FAILED, why)

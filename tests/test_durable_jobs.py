@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
+import signal
 import stat
+import subprocess
+import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +23,14 @@ from peerckpt.persist.durable import DurableStore
 from peerckpt.persist.interop import PeerckptReader, export_safetensors
 from peerckpt.runtime import restore
 
-from .conftest import JOBS, assert_same_digests, read_jsonl, run_job, run_with_reference
+from .conftest import (
+    JOBS,
+    assert_same_digests,
+    launch,
+    read_jsonl,
+    run_job,
+    run_with_reference,
+)
 
 
 def _ddp_job():
@@ -57,7 +69,8 @@ def test_a_job_flushes_committed_steps_that_reload_bit_exact(tmp_path) -> None:
     )
     assert run.returncode == 0, run.log[-4000:]
     flushed = [f["step"] for f in run.report["flushes"] if f["state"] == "committed"]
-    assert flushed and all(s % 5 == 0 for s in flushed)
+    # Every 5 steps, and the last step (21) as the job ends.
+    assert flushed[-1] == 21 and flushed[:-1] and all(s % 5 == 0 for s in flushed[:-1])
     store = DurableStore(url)
     assert store.committed_steps() == flushed[-2:]  # keep=2
     assert store.all_steps() == flushed[-2:]  # nothing half-written left behind
@@ -68,17 +81,122 @@ def test_a_job_flushes_committed_steps_that_reload_bit_exact(tmp_path) -> None:
     assert {m for p, m in modes.items() if p != "ckpt" and not p.startswith("step-")} == {0o640}
     assert _assert_committed_steps_reload(url, tmp_path) == flushed[-2:]
     # Other tools read the same bits: a safetensors export and dcp.load through the reader.
-    model, _ = _restore_from_checkpoint(_ddp_job(), store.open(), 0)
-    ours = model.state_dict()
+    job = _ddp_job()
+    model, _ = _restore_from_checkpoint(job, store.open(), 0)
+    ours = model.state_dict()  # as the job's DDP wrapper names them: module.0.weight, …
     export_safetensors(url, str(tmp_path / "m.safetensors"), prefix="model")
     exported = load_file(str(tmp_path / "m.safetensors"))
-    assert sorted(exported) == sorted(ours)
-    assert all(torch.equal(exported[k], v) for k, v in ours.items())
+    # The export loads into the plain, unwrapped model: DDP's "module." is not in its keys.
+    plain = job.build()
+    plain.load_state_dict(exported)  # strict: every key present, none left over
+    assert all(torch.equal(plain.state_dict()[k], v) for k, v in model.module.state_dict().items())
+    assert all(torch.equal(exported[k.removeprefix("module.")], v) for k, v in ours.items())
     state = {"model": {k: torch.zeros_like(v) for k, v in ours.items()}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no process group here: DCP loads as one rank
         dcp.load(state, storage_reader=PeerckptReader(url))
     assert all(torch.equal(state["model"][k], v) for k, v in ours.items())
+
+
+def test_the_last_committed_step_is_made_durable_when_the_job_ends(tmp_path) -> None:
+    url = f"file://{tmp_path}/ckpt"
+    run = run_job(
+        tmp_path, script_args=["--steps", "30"], extra=["--persist", url, "--persist-every", "7"]
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    store = DurableStore(url)
+    assert store.latest_step() == 29  # 28 is the last multiple of 7; 29 the job's last step
+    assert "flushing its last committed step, 29" in run.log
+    job, logged = _ddp_job(), _logged_digests(tmp_path)
+    ckpt = store.open()
+    assert ckpt.verify() == []
+    for rank in range(4):
+        assert _digest_from_checkpoint(job, ckpt, rank) == logged[(rank, 29)]
+
+
+@pytest.mark.parametrize(
+    ("where", "why"),
+    [
+        ("bogus://x/ckpt", "has an unknown scheme 'bogus'"),
+        ("/proc/peerckpt/ckpt", "is not writable: [Errno 2] No such file or directory"),
+        ("{tmp}/a-file/ckpt", "is not writable: [Errno 20] Not a directory"),
+    ],
+)
+def test_a_persist_location_that_cannot_work_is_refused_before_anything_starts(
+    tmp_path, where: str, why: str
+) -> None:
+    # Root may write anywhere else, so "unwritable" is a path under /proc or under a file.
+    (tmp_path / "a-file").write_text("not a directory")
+    url = where.format(tmp=tmp_path)
+    run = run_job(tmp_path / "out", script_args=["--steps", "5"], extra=["--persist", url])
+    assert run.returncode == 2, run.log[-4000:]
+    assert f"peerckpt: storage URL {url!r} {why}" in run.log, run.log[-4000:]
+    assert "coordinator" not in run.log  # refused before any process started
+    assert not (tmp_path / "out" / "report.json").exists()
+
+
+def test_a_scripts_persist_location_that_cannot_work_fails_the_job_at_once(tmp_path) -> None:
+    # @resilient(persist=...) is known only inside the ranks: the coordinator checks it when
+    # rank 0 announces it, before the first epoch opens (it used to hang the job).
+    run = run_job(
+        tmp_path, script_args=["--steps", "5", "--persist", "bogus://x/ckpt"], timeout=120
+    )
+    assert run.returncode == 1, run.log[-4000:]
+    assert run.report["state"] == "failed"
+    assert "storage URL 'bogus://x/ckpt' has an unknown scheme 'bogus'" in run.report["reason"]
+    assert not read_jsonl(tmp_path / "rank0.jsonl"), "no step was trained"
+
+
+def test_ctrl_c_makes_the_last_committed_step_durable_before_the_job_stops(tmp_path) -> None:
+    url = f"file://{tmp_path}/ckpt"
+    proc = launch(
+        tmp_path,
+        script_args=["--steps", "2000", "--sleep", "0.05"],
+        extra=["--persist", url, "--persist-every", "100"],
+    )
+    try:
+        _wait_for_lines(tmp_path / "rank0.jsonl", 12, proc)
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: the launcher stops the job and cleans up
+        log, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, log[-4000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["state"] == "interrupted"
+    step = DurableStore(url).latest_step()
+    # Steps 0 and 100 are the periodic flushes; the signal came at about step 12.
+    assert step is not None and 0 < step < 100, log[-4000:]
+    assert [f["step"] for f in report["flushes"] if f["state"] == "committed"][-1] == step
+    assert "once the last committed step is durable" in log
+    job, logged = _ddp_job(), _logged_digests(tmp_path)
+    ckpt = DurableStore(url).open()
+    for rank in range(4):
+        assert _digest_from_checkpoint(job, ckpt, rank) == logged[(rank, step)]
+
+
+def _wait_for_lines(path: Path, count: int, proc: subprocess.Popen[str]) -> None:
+    """Until ``path`` has ``count`` lines (steps a rank logged); fails if the job ends first."""
+    deadline = time.monotonic() + 180.0
+    while not path.exists() or path.read_text().count("\n") < count:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"the job logged fewer than {count} steps (exit status {proc.poll()})")
+        time.sleep(0.2)
+
+
+def test_a_job_whose_every_flush_failed_fails_naming_the_storage_error(tmp_path) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / ".peerckpt-faults").write_text("eio step=*\n")  # every write of every step fails
+    url = f"faulty://{root}"
+    run = run_job(
+        tmp_path, script_args=["--steps", "12"], extra=["--persist", url, "--persist-every", "5"]
+    )
+    assert run.returncode == 1, run.log[-4000:]
+    assert [f["state"] for f in run.report["flushes"]] == ["failed"] * len(run.report["flushes"])
+    assert [f["step"] for f in run.report["flushes"]][-1] == 11  # the last step was tried too
+    reason = run.report["reason"]
+    assert f"no step was made durable in {url}: " in reason, reason
+    assert "Input/output error" in reason, reason
+    assert DurableStore(url).committed_steps() == []
 
 
 def _logged_digests(out) -> dict[tuple[int, int], str]:

@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("peerckpt.launcher")
 MAX_COORDINATOR_RESTARTS = 10
+# How long a signalled launcher waits for the last committed step to become durable before
+# it stops everything: below the grace period of SLURM's and Kubernetes' SIGTERM (30 s).
+STOP_FLUSH_S = 25.0
 
 
 class LocalLauncher(Launcher):
@@ -79,6 +82,7 @@ class LocalLauncher(Launcher):
         self.address = ""
         self._ranks: dict[int, Proc] = {}  # the first epoch's rank processes
         self._interrupted = threading.Event()
+        self._hurry = threading.Event()  # a second signal: stop without waiting for a flush
         self.rpc: RpcClient | None = None
         self._flushes: list[dict[str, Any]] = []
         self._restarts = 0  # coordinator restarts
@@ -227,7 +231,7 @@ class LocalLauncher(Launcher):
         events: list[dict[str, Any]] = []
         previous = (
             {
-                sig: signal.signal(sig, lambda s, f: self._interrupted.set())
+                sig: signal.signal(sig, lambda s, f: self._on_signal())
                 for sig in (signal.SIGINT, signal.SIGTERM)
             }
             if threading.current_thread() is threading.main_thread()
@@ -244,6 +248,8 @@ class LocalLauncher(Launcher):
             if self.chaos is not None:
                 self.chaos.start(self, self.rpc, self._fault_dir)
             state, reason, events = self._watch()
+            if self._interrupted.is_set():
+                self._flush_before_stop()
         except PeerckptError as exc:
             reason = str(exc)
             log.error("%s", exc)
@@ -323,6 +329,48 @@ class LocalLauncher(Launcher):
                 if problem:
                     return "failed", problem, []
         return "interrupted", "stopped by a signal", self._all_events(events)
+
+    def _on_signal(self) -> None:
+        """Ctrl-C or SIGTERM: stop the job; a second one while the last flush runs: at once."""
+        if self._interrupted.is_set():
+            self._hurry.set()
+        self._interrupted.set()
+
+    def _flush_before_stop(self) -> None:
+        """Told to stop by a signal: make the last committed step durable before anything
+        stops, waiting at most ``STOP_FLUSH_S`` (logged). The training processes are frozen
+        first (SIGSTOP), so that no newer step commits meanwhile and no rank rewrites the
+        slots the writers read; the coordinator ends the job once the flush settled."""
+        assert self.rpc is not None
+        self.procs.pause()
+        try:
+            self.rpc.call(Stop("stopped by a signal", flush=True), timeout=5.0)
+            deadline, told = time.monotonic() + STOP_FLUSH_S, False
+            while not self._hurry.wait(0.1):
+                status = self.rpc.call(Status(), timeout=5.0)
+                self._flushes = [encode(f) for f in status.flushes]
+                if status.state.ended:
+                    return
+                if not told:
+                    told = True
+                    log.warning(
+                        "stopping: flushing the last committed step (%s) first, for up to "
+                        "%.0f s (a second Ctrl-C stops at once)",
+                        status.committed_step,
+                        STOP_FLUSH_S,
+                    )
+                if time.monotonic() > deadline:
+                    log.warning(
+                        "the last committed step was not made durable within %.0f s; "
+                        "stopping without it",
+                        STOP_FLUSH_S,
+                    )
+                    return
+            log.warning("a second signal: stopping without waiting for the last flush")
+        except PeerckptError as exc:
+            log.warning("the last committed step could not be flushed before stopping: %s", exc)
+        finally:
+            self.procs.resume()
 
     def _coordinator_gone(self, state: JobState) -> bool:
         """Whether to give up on a coordinator that does not answer (never, when this

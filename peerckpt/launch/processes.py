@@ -228,6 +228,22 @@ class ProcessSet:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
 
+    def pause(self) -> None:
+        """SIGSTOP every live training process (``resume`` continues them): nothing they
+        hold in their agents' slots changes meanwhile."""
+        self._signal_training(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal_training(signal.SIGCONT)
+
+    def _signal_training(self, sig: int) -> None:
+        with self.lock:
+            procs = [p for node in self.nodes.values() for p in node.procs]
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(proc.pid, sig)
+
     def kill_node(self, n: int) -> None:
         """SIGKILL a node's agent and processes (their children too) and wait for them."""
         with self.lock:

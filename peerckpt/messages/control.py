@@ -339,7 +339,11 @@ class Flushed(Request[Ok]):
 @message("Stop")
 @dataclass(frozen=True)
 class Stop(Request[Ok]):
+    """End the job. ``flush``: once its last committed step is durable (a launcher told to
+    stop by a signal; it waits a bounded time, then stops without it)."""
+
     reason: str = "stopped by the launcher"
+    flush: bool = False
 
 
 # -- the event stream ------------------------------------------------------------------------

@@ -194,6 +194,7 @@ if __name__ == "__main__":
     parser.add_argument(
         "--skew-rank", type=int, default=-1, help="nudges its parameters after every step"
     )
+    parser.add_argument("--persist", default=None, help="resilient(persist=URL)")
     args = parser.parse_args()
     if args.device != "cpu":
         # Bit-exact runs on a GPU: deterministic kernels, and attention through the math path.
@@ -210,6 +211,7 @@ if __name__ == "__main__":
         every=None if args.overhead is not None else args.every,
         overhead=args.overhead or 0.05,
         dedup=not args.no_dedup,
+        persist=args.persist,
     )
     final = resilient(train)(args)
     if int(os.environ["RANK"]) == 0:

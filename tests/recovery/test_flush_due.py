@@ -74,3 +74,32 @@ def test_a_writer_that_never_reports_holds_the_next_flush_for_a_bounded_time(tmp
     assert scheduler.current is not None and scheduler.current.failed_at is not None
     scheduler.current.failed_at -= flushes.DRAIN_LIMIT_S + 1
     assert scheduler.due(30)
+
+
+def test_the_last_step_is_owed_unless_a_flush_of_it_was_started(tmp_path) -> None:
+    scheduler = _two_writer_flush(tmp_path, step=10)
+    assert not scheduler.owed(10) and scheduler.owed(11)
+
+
+def test_a_job_whose_every_flush_failed_is_told_why(tmp_path) -> None:
+    scheduler = _two_writer_flush(tmp_path, step=10)
+    # A job ending while its only flush still writes has nothing durable either.
+    assert "(the last, of step 10: still writing when the job ended)" in scheduler.failure()
+    scheduler.written(Flushed(0, 10, False, error="EIO: Input/output error"))
+    scheduler.written(Flushed(1, 10, True, nbytes=16, seconds=0.1))
+    why = scheduler.failure()
+    assert f"no step was made durable in {tmp_path}: 1 flush(es) tried, none committed" in why
+    assert "(the last, of step 10: node 0: EIO: Input/output error)" in why
+    assert FlushScheduler(scheduler.config).failure() == ""  # none tried: nothing to say
+
+
+def test_a_failed_flush_settles_again_once_its_last_writer_reported(tmp_path) -> None:
+    """The job's end waits for a failed flush's other writers before it flushes its last
+    step (they would refuse it): it hears when they are done."""
+    scheduler = _two_writer_flush(tmp_path)
+    settled: list[set[int]] = []
+    scheduler.on_settled = lambda: settled.append(scheduler.draining())
+    scheduler.written(Flushed(0, 10, False, error="No space left on device"))
+    assert settled == [{1}]
+    scheduler.node_lost(1)
+    assert settled == [{1}, set()]
