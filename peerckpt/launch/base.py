@@ -49,8 +49,17 @@ class JobSpec:
 
     def check(self) -> None:
         """Refuse settings that cannot work, before anything starts: a ConfigurationError
-        naming the flag and the fix (``launch/checks.py`` holds the rules)."""
+        naming the flag and the fix (``launch/checks.py`` holds the rules). The durable
+        location last, once every flag passed: its probe makes the root and writes there."""
         check_spec(self)
+        from peerckpt.persist.config import PersistConfig
+        from peerckpt.persist.location import check_writable
+
+        config = PersistConfig.from_msg(self.persist)
+        if config is not None:
+            # StorageUnusable (a ConfigurationError) names the URL and the fix; the URL
+            # would otherwise hang the first epoch or fail every flush (docs/durable.md).
+            check_writable(config.url, config.mode)
 
     @property
     def world(self) -> int:
