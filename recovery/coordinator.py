@@ -545,7 +545,11 @@ class Coordinator:
                 )
                 return
             step = tracker.committed_step if tracker is not None else None
-            if step is not None and flusher.owed(step) and self._start_flush(step):
+            # A step read from storage (a cold start that trained nothing after it) is there.
+            stored = tracker is not None and any(
+                STORAGE in h for h in tracker.committed_holders.values()
+            )
+            if step is not None and not stored and flusher.owed(step) and self._start_flush(step):
                 log.info("the job is ending; flushing its last committed step, %d", step)
                 return
             self._finish()
