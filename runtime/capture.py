@@ -137,6 +137,10 @@ def capture_rng() -> dict[str, Any]:
         rng["numpy"] = [name, np.asarray(keys).tobytes(), pos, has_gauss, cached]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
+    else:
+        # CUDA not started yet: a fresh process's CUDA generators would be seeded with this,
+        # at their lazy start (``torch.manual_seed`` queues it for every device)
+        rng["cuda_seed"] = torch.initial_seed()
     return rng
 
 
@@ -149,6 +153,8 @@ def restore_rng(rng: dict[str, Any]) -> None:
         np.random.set_state(
             (name, np.frombuffer(keys, dtype=np.uint32).copy(), pos, has_gauss, cached)
         )
+    if "cuda_seed" in rng and "cuda" not in rng and torch.cuda.is_available():
+        torch.cuda.manual_seed_all(int(rng["cuda_seed"]))  # as a fresh process's first use
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(
             [torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in rng["cuda"]]

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from peerckpt.runtime.inflight import IN_FLIGHT, InFlight
+from peerckpt.runtime.userpg import ORIGINAL_DESTROY, ORIGINAL_INIT
 
 log = logging.getLogger("peerckpt.pg")
 
@@ -177,7 +178,7 @@ class ProcessGroupLifecycle:
             # way (an aborted epoch) leaves raised; a fresh spare's is 0. Ranks that disagree
             # wait forever for each other's rendezvous keys, so every epoch starts at 0.
             dist.distributed_c10d._world.group_count = 0
-        dist.init_process_group(
+        ORIGINAL_INIT(  # torch's own: the script's name for it does nothing (runtime/userpg.py)
             self.backend(), store=prefixed, rank=rank, world_size=world_size, timeout=self.timeout
         )
         with self._lock:
@@ -234,7 +235,7 @@ class ProcessGroupLifecycle:
             else:
                 self._retired.extend(groups)
             with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+                ORIGINAL_DESTROY()
         self.epoch = None
 
     def _keep(self, kept: _Kept) -> None:

@@ -46,7 +46,7 @@ from peerckpt.messages.local import (
     Restarting,
     Staging,
 )
-from peerckpt.runtime import capture
+from peerckpt.runtime import capture, userpg
 from peerckpt.runtime.abort import AbortWatchdog, exit_code, exit_if_still_inside
 from peerckpt.runtime.channel import AgentChannel
 from peerckpt.runtime.config import DEFAULTS, ResilientConfig
@@ -113,6 +113,7 @@ class RankRuntime:
             env.agent_socket, env.secret, env.job, hello, self._on_event, self._beat
         )
         self.pg = ProcessGroupLifecycle(env.job, config.pg_timeout_s, config.backend)
+        userpg.install(self.pg.backend)  # the script's own init/destroy_process_group
         self.faults = fault_hooks.load(env.node)
         self.engine = SnapshotEngine(
             self.channel, node=env.node, faults=self.faults, dedup=config.dedup
@@ -344,6 +345,7 @@ class RankRuntime:
             WORLD_SIZE=str(assignment.world_size),
             LOCAL_RANK=str(assignment.local_rank),
         )
+        userpg.install(self.pg.backend)  # modules the function imported meanwhile too
         self.engine.begin_epoch(
             assignment.epoch,
             assignment.rank,
@@ -355,8 +357,13 @@ class RankRuntime:
         self.live.keep_for(
             assignment.rank, assignment.world_size, assignment.restore_step if same else None
         )
-        if assignment.restore_step is None:
-            capture.restore_rng(self._initial_rng)  # a fresh start begins where the first did
+        # Re-entry is a fresh start: the function begins with the RNG states this process
+        # had when it first entered it, whatever the last epoch drew since (setup code that
+        # draws — a synthetic dataset, random_split, an init before ctx.track — then draws
+        # as it did the first time: 28 of 40 steps of the DDP tutorial's trainer, seeded
+        # once at program start, differed without it). ``ctx.steps`` then applies the
+        # restored step's own states.
+        capture.restore_rng(self._initial_rng)
         log.info(
             "joining epoch %d as rank %d of %d (restore step %s)",
             assignment.epoch,

@@ -1,0 +1,99 @@
+"""A script written the way the PyTorch DDP tutorial's multi-GPU Trainer is, then decorated:
+it keeps ``init_process_group``/``destroy_process_group`` (imported by name at the top, as
+the tutorial does), is seeded once at program start, builds a random synthetic dataset in its
+setup (drawn from the global RNG, after the process group is set up), and reads batches from
+a torchdata StatefulDataLoader over a DistributedSampler.
+
+usage: tutorial_job.py OUT_DIR [--steps N] [--sleep S]
+Each rank appends ``{"step", "epoch", "digest"}`` lines to OUT_DIR/rank<r>.jsonl; rank 0
+writes OUT_DIR/final.json.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.distributed import destroy_process_group, init_process_group
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import Dataset
+from torch.utils.data.distributed import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import peerckpt
+
+torch.manual_seed(0)  # once, at program start, as the tutorial's users do
+
+
+class MyTrainDataset(Dataset):
+    """The tutorial's: random pairs, made when the trainer is set up."""
+
+    def __init__(self, size: int) -> None:
+        self.data = [(torch.rand(20), torch.rand(1)) for _ in range(size)]
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int):
+        return self.data[index]
+
+
+def ddp_setup() -> None:
+    init_process_group(backend="gloo")
+
+
+def digest(model: torch.nn.Module, optim: torch.optim.Optimizer) -> str:
+    h = hashlib.sha256()
+    for t in model.state_dict().values():
+        h.update(t.numpy().tobytes())
+    for state in optim.state_dict()["state"].values():
+        for v in state.values():
+            h.update(v.numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
+    return h.hexdigest()
+
+
+@peerckpt.resilient()
+def main(ctx: peerckpt.Context, steps: int, out: str, sleep: float) -> str:
+    ddp_setup()
+    dataset = MyTrainDataset(4096)  # draws from the global RNG: the same on every entry
+    model = DDP(
+        torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    loader = StatefulDataLoader(
+        dataset, batch_size=32, shuffle=False, sampler=DistributedSampler(dataset), num_workers=1
+    )
+    ctx.track(model=model, optim=optimizer, data=loader)
+    batches = iter(loader)
+    rank = int(os.environ["RANK"])
+    with open(os.path.join(out, f"rank{rank}.jsonl"), "a") as log:
+        for step in ctx.steps(steps):
+            source, targets = next(batches)
+            optimizer.zero_grad()
+            loss = F.mse_loss(model(source), targets)
+            loss.backward()
+            optimizer.step()
+            log.write(
+                json.dumps({"step": step, "epoch": ctx.epoch, "digest": digest(model, optimizer)})
+                + "\n"
+            )
+            log.flush()
+            time.sleep(sleep)
+    result = digest(model, optimizer)
+    destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--sleep", type=float, default=0.0)
+    args = parser.parse_args()
+    final = main(args.steps, args.out, args.sleep)
+    if int(os.environ["RANK"]) == 0:
+        with open(os.path.join(args.out, "final.json"), "w") as f:
+            json.dump({"digest": final}, f)

@@ -1,0 +1,82 @@
+"""A script's own ``init_process_group``/``destroy_process_group`` under peerckpt
+(``runtime/userpg.py``): harmless inside an epoch, an error where they contradict it."""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+from peerckpt.errors import ConfigurationError
+from peerckpt.runtime import userpg
+
+
+@pytest.fixture(autouse=True)
+def torchs_own_afterwards(monkeypatch) -> None:
+    """Every test here installs the replacements: torch's own names come back after it."""
+    monkeypatch.setattr(dist, "init_process_group", userpg.ORIGINAL_INIT)
+    monkeypatch.setattr(dist, "destroy_process_group", userpg.ORIGINAL_DESTROY)
+    monkeypatch.setattr(userpg, "_said", set())
+    monkeypatch.setattr(userpg, "_scanned", set())
+
+
+@pytest.fixture
+def one_rank_group(tmp_path) -> Iterator[None]:
+    userpg.ORIGINAL_INIT("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    userpg.ORIGINAL_DESTROY()
+
+
+def test_the_scripts_calls_do_nothing_inside_an_epoch(one_rank_group, caplog) -> None:
+    userpg.install(lambda: "gloo")
+    with caplog.at_level("INFO", logger="peerckpt.rank"):
+        dist.init_process_group(backend="gloo", world_size=1, rank=0)  # as torchrun scripts do
+        dist.destroy_process_group()
+    assert dist.is_initialized() and dist.get_world_size() == 1  # peerckpt's group stays
+    assert "peerckpt already formed this epoch's group (gloo, rank 0 of 1)" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (dict(backend="nccl"), "pass @peerckpt.resilient(backend='nccl')"),
+        (dict(world_size=4), "this epoch has 1 rank(s)"),
+        (dict(rank=3), "this process is rank 0 in this epoch"),
+    ],
+)
+def test_a_call_that_contradicts_the_epoch_names_the_fix(one_rank_group, call, message) -> None:
+    userpg.install(lambda: "gloo")
+    with pytest.raises(ConfigurationError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        dist.init_process_group(**call)
+
+
+def test_names_a_module_bound_to_torchs_functions_are_rebound() -> None:
+    """``from torch.distributed import init_process_group`` at the top of a file binds torch's
+    own function before peerckpt is imported (the PyTorch DDP tutorial does)."""
+    module = types.ModuleType("users_trainer")
+    module.init_process_group = userpg.ORIGINAL_INIT  # type: ignore[attr-defined]
+    module.destroy_process_group = userpg.ORIGINAL_DESTROY  # type: ignore[attr-defined]
+    sys.modules["users_trainer"] = module
+    try:
+        userpg.install(lambda: "gloo")
+        assert module.init_process_group is userpg.init_process_group  # type: ignore[attr-defined]
+        assert module.destroy_process_group is userpg.destroy_process_group  # type: ignore[attr-defined]
+    finally:
+        del sys.modules["users_trainer"]
+
+
+@pytest.mark.parametrize(
+    ("asked", "formed", "ok"),
+    [
+        ("gloo", "gloo", True),
+        ("nccl", "cpu:gloo,cuda:nccl", True),
+        ("gloo", "cpu:gloo,cuda:nccl", False),  # CUDA tensors would not go through gloo
+        ("nccl", "gloo", False),
+        ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl", True),
+    ],
+)
+def test_which_backends_a_script_may_ask_for(asked, formed, ok) -> None:
+    assert userpg._compatible(asked, formed) is ok
