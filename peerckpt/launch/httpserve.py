@@ -54,6 +54,9 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     """``ThreadingHTTPServer`` with the bounds of the module docstring."""
 
     daemon_threads = True
+    # socketserver's default backlog is 5: a flood of connects then waits in SYN retries,
+    # and a scraper behind them with it
+    request_queue_size = 128
 
     def __init__(
         self,
