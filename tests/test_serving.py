@@ -38,7 +38,7 @@ class _Echo:
 def make_listener() -> Iterator[Any]:
     made: list[Listener] = []
 
-    def make(limits: Limits, sock: Any = None) -> tuple[Listener, str]:
+    def make(limits: Limits, sock: Any = None, trusted: Any = None) -> tuple[Listener, str]:
         raw = sock if sock is not None else socket.create_server(("127.0.0.1", 0))
         listener = Listener(
             raw,
@@ -47,6 +47,7 @@ def make_listener() -> Iterator[Any]:
             "test-listener",
             tcp=True,
             limits=limits,
+            trusted=trusted,
         )
         listener.start()
         made.append(listener)
@@ -146,18 +147,10 @@ def test_strangers_from_many_addresses_cannot_lock_the_members_out(make_listener
     """The audit's lock-out: connections that never authenticate filled every pending slot
     and a member holding the secret was refused at accept 94 times in 114. Now a full
     listener drops its oldest stranger for a newcomer, and never a member's connection."""
-    raw = socket.create_server(("127.0.0.1", 0))
-    port = raw.getsockname()[1]
-    listener = Listener(
-        raw,
-        lambda conn: server_handshake(conn, SECRET, JOB),
-        _Echo(),
-        "test-members",
-        tcp=True,
-        limits=Limits(handshake_s=5.0),
-        trusted=lambda: frozenset({"127.0.0.2"}),
+    listener, addr = make_listener(
+        Limits(handshake_s=5.0), trusted=lambda: frozenset({"127.0.0.2"})
     )
-    listener.start()
+    port = int(addr.rpartition(":")[2])
     held: list[socket.socket] = []
     try:
         for i in range(10):  # 200 silent connections from 10 addresses (16 each at most)
@@ -173,11 +166,10 @@ def test_strangers_from_many_addresses_cannot_lock_the_members_out(make_listener
                 assert wire.recv_message()[0]["n"] == 1
             finally:
                 conn.close()
-        _legit_round_trip(f"127.0.0.1:{port}")  # a newcomer too: the oldest stranger goes
+        _legit_round_trip(addr)  # a newcomer too: the oldest stranger goes
     finally:
         for s in held:
             s.close()
-        listener.stop()
 
 
 def test_no_large_allocation_before_authentication(make_listener) -> None:
