@@ -68,26 +68,34 @@ def _unwrap(outcome: torch.futures.Future[Any]) -> Any:
 class InFlight:
     """The collectives of this process whose waiters an abort must release.
 
-    ``watch`` is called where a collective is issued (any thread); ``release`` by the abort
-    (any thread, any number of times). Each watched future is completed exactly once: by the
-    collective, or by ``release``, whichever comes first.
+    ``issue`` starts a collective and watches it (any thread); ``release`` is the abort's (any
+    thread, any number of times); ``reopen`` starts the next epoch. Each watched future
+    completes exactly once: with the collective, or at ``release``, whichever comes first.
+    Once released, ``issue`` starts nothing: the epoch is over, and a collective posted on a
+    connection the abort has just cut may be one that gloo never ends.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._open: dict[int, _Watched] = {}
         self._keys = itertools.count()
+        self._released: str | None = None  # why, once this epoch's collectives were released
 
-    def watch(
-        self, work: torch.futures.Future[Any], pick: Callable[[Any], Any]
+    def issue(
+        self, start: Callable[[], torch.futures.Future[Any]], pick: Callable[[Any], Any]
     ) -> torch.futures.Future[Any]:
-        """A future that completes with ``pick(work's value)`` when ``work`` does, with its
-        error if it fails, or with ``MembershipChanged`` at ``release``."""
+        """Start a collective (``start()`` returns its future) and return a future that
+        completes with ``pick(its value)``, with its error, or with ``MembershipChanged`` at
+        ``release``; failed at once, nothing started, after ``release``."""
         key = next(self._keys)
-        entry = _Watched(work, torch.futures.Future())
-        waited_on = entry.outcome.then(_unwrap)
-        with self._lock:
-            self._open[key] = entry
+        outcome: torch.futures.Future[Any] = torch.futures.Future()
+        waited_on = outcome.then(_unwrap)
+        with self._lock:  # a release waits for a collective being started: it then sees it
+            if self._released is not None:
+                outcome.set_result((None, MembershipChanged(self._released)))
+                return waited_on
+            work = start()
+            self._open[key] = _Watched(work, outcome)
 
         def done(finished: torch.futures.Future[Any]) -> None:
             try:
@@ -106,16 +114,30 @@ class InFlight:
         if entry is not None:  # else released already
             entry.outcome.set_result((value, error))
 
-    def release(self, why: str) -> list[torch.futures.Future[Any]]:
-        """Fail every watched future still open with ``MembershipChanged(why)``; return the
-        collectives among them that have not finished (gloo may hold them until its
-        timeout)."""
+    def release(
+        self,
+        why: str,
+        unfinished: Callable[[list[torch.futures.Future[Any]]], None] = lambda works: None,
+    ) -> int:
+        """Fail every watched future still open with ``MembershipChanged(why)``, and any
+        collective issued from now on, until ``reopen``; return how many were open.
+
+        ``unfinished`` is first told which of them have not finished (gloo may hold them
+        until its timeout): before any waiter wakes, since a waiter's next move is to leave
+        the epoch, which must know them."""
         with self._lock:
+            self._released = why
             entries = list(self._open.values())
             self._open.clear()
+        unfinished([e.work for e in entries if not e.work.done()])
         for entry in entries:
             entry.outcome.set_result((None, MembershipChanged(why)))
-        return [e.work for e in entries if not e.work.done()]
+        return len(entries)
+
+    def reopen(self) -> None:
+        """A new epoch: collectives may be issued again."""
+        with self._lock:
+            self._released = None
 
     def open(self) -> int:
         """How many watched collectives are in flight."""
@@ -137,9 +159,13 @@ def _allreduce(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Futu
     are copied in, then a sum), waited on through ``InFlight``."""
     buffer = bucket.buffer()
     buffer.mul_(1.0 / state.group.size())
-    work = dist.all_reduce(buffer, group=state.group, async_op=True)
-    assert work is not None
-    return state.in_flight.watch(work.get_future(), lambda value: value[0])
+
+    def start() -> torch.futures.Future[Any]:
+        work = dist.all_reduce(buffer, group=state.group, async_op=True)
+        assert work is not None
+        return work.get_future()
+
+    return state.in_flight.issue(start, lambda value: value[0])
 
 
 # DDP checks a hook's annotations against the classes themselves; this module's are strings.

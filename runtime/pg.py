@@ -161,6 +161,7 @@ class ProcessGroupLifecycle:
                 self._hosts |= {"127.0.0.1", "::1"}
             self._aborted = False
             self.epoch = epoch
+        self._in_flight.reopen()
 
     def join(self, store_addr: str, rank: int, world_size: int) -> None:
         """Form the default process group begun with ``begin`` (blocks until all ranks join).
@@ -208,15 +209,21 @@ class ProcessGroupLifecycle:
                 with contextlib.suppress(Exception):
                     group.abort()
         # What the cut did not end (a send gloo had started writing) no longer holds anyone.
-        unfinished = self._in_flight.release(f"epoch {self.epoch} was aborted")
-        with self._lock:
-            self._unfinished.extend(unfinished)
+        left: list[torch.futures.Future[Any]] = []
+
+        def unfinished(works: list[torch.futures.Future[Any]]) -> None:
+            left.extend(works)
+            with self._lock:  # before the training thread wakes and leaves the epoch
+                self._unfinished.extend(works)
+
+        released = self._in_flight.release(f"epoch {self.epoch} was aborted", unfinished)
         log.info(
             "aborted the process group of epoch %s (%d connections cut, %d collective(s) "
-            "still inside gloo released)",
+            "released, %d of them still inside gloo)",
             self.epoch,
             cut,
-            len(unfinished),
+            released,
+            len(left),
         )
         return cut
 

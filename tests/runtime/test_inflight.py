@@ -20,21 +20,32 @@ from peerckpt.runtime.inflight import InFlight
 from tests.conftest import REPO
 
 
+def _issue(in_flight: InFlight) -> tuple[torch.futures.Future[Any], torch.futures.Future[Any]]:
+    """A collective that ends when the test says (its future) and what its waiter waits on."""
+    work: torch.futures.Future[Any] = torch.futures.Future()
+    return work, in_flight.issue(lambda: work, lambda value: value[0])
+
+
 def test_a_watched_collective_completes_its_waiter_with_its_own_result() -> None:
     in_flight = InFlight()
-    work: torch.futures.Future[Any] = torch.futures.Future()
-    waited = in_flight.watch(work, lambda value: value[0])
+    work, waited = _issue(in_flight)
     assert in_flight.open() == 1 and not waited.done()
     work.set_result([torch.ones(2)])
     assert torch.equal(waited.wait(), torch.ones(2)) and in_flight.open() == 0
-    assert in_flight.release("epoch 3 was aborted") == []  # nothing left to release
+    assert in_flight.release("epoch 3 was aborted") == 0  # nothing left to release
 
 
 def test_an_abort_fails_the_waiter_of_a_collective_that_never_ends() -> None:
     in_flight = InFlight()
-    work: torch.futures.Future[Any] = torch.futures.Future()
-    waited = in_flight.watch(work, lambda value: value[0])
-    assert in_flight.release("epoch 3 was aborted") == [work]  # still inside gloo
+    work, waited = _issue(in_flight)
+    told: list[list[torch.futures.Future[Any]]] = []
+
+    def unfinished(works: list[torch.futures.Future[Any]]) -> None:
+        told.append(works)
+        assert not waited.done()  # told before the waiter wakes (and leaves the epoch)
+
+    assert in_flight.release("epoch 3 was aborted", unfinished) == 1
+    assert told == [[work]]  # still inside gloo
     # Raised in ``then``, the error reaches a waiter in C++ (DDP's reducer) as an error too.
     with pytest.raises(RuntimeError, match="MembershipChanged: epoch 3 was aborted"):
         waited.wait()
@@ -42,14 +53,32 @@ def test_an_abort_fails_the_waiter_of_a_collective_that_never_ends() -> None:
     assert in_flight.open() == 0
 
 
+def test_after_an_abort_no_collective_starts_until_the_next_epoch() -> None:
+    in_flight = InFlight()
+    in_flight.release("epoch 3 was aborted")
+    started: list[torch.futures.Future[Any]] = []
+
+    def start() -> torch.futures.Future[Any]:
+        started.append(torch.futures.Future())
+        return started[-1]
+
+    late = in_flight.issue(start, lambda v: v)
+    assert started == [] and in_flight.open() == 0
+    with pytest.raises(RuntimeError, match="MembershipChanged: epoch 3 was aborted"):
+        late.wait()
+    in_flight.reopen()
+    work, waited = _issue(in_flight)
+    work.set_result([7])
+    assert waited.wait() == 7
+
+
 def test_a_collective_that_fails_fails_its_waiter_with_its_error() -> None:
     in_flight = InFlight()
-    work: torch.futures.Future[Any] = torch.futures.Future()
-    waited = in_flight.watch(work, lambda value: value[0])
+    work, waited = _issue(in_flight)
     work.set_exception(RuntimeError("Connection closed by peer"))
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         waited.wait()
-    assert in_flight.release("epoch 3 was aborted") == []
+    assert in_flight.release("epoch 3 was aborted") == 0
 
 
 @contextlib.contextmanager
