@@ -11,15 +11,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from peerckpt.columns import ChunkColumns
 from peerckpt.errors import StaleEpoch
 from peerckpt.manifest import META_KEY
+from peerckpt.recovery.planning.tables import ChunkLists, ChunkTable, LayoutTable, from_columns
+from peerckpt.recovery.planning.types import HeldChunk
 from peerckpt.recovery.twins import Report, complete_nodes, partial_nodes, verify
 
 
-def _with_meta_size(layout: list[Any], nbytes: int | None) -> list[Any]:
-    """A layout (chunk records as msgpack lists) with its blob chunk resized to ``nbytes``."""
+def _with_meta_size(layout: Any, nbytes: int | None) -> Any:
+    """A layout (chunk records as msgpack lists, or ``ChunkColumns``) with its blob chunk
+    resized to ``nbytes``."""
     if nbytes is None:
         return layout
+    if isinstance(layout, ChunkColumns):  # the blob is in its few ``rest`` records
+        return layout.with_meta_size(nbytes)
     out = []
     for c in layout:
         if c[0] == META_KEY:
@@ -48,6 +54,7 @@ class CommitTracker:
         committed_gen: int = 0,
         committed_holders: dict[int, set[int]] | None = None,
         committed_layouts: dict[int, list[Any]] | None = None,
+        committed_table: ChunkTable | None = None,
     ) -> None:
         self.epoch = epoch
         self.ranks = ranks
@@ -62,6 +69,10 @@ class CommitTracker:
         self._pending: dict[int, dict[int, set[int]]] = {}
         self._layouts: dict[int, list[Any]] = {}
         self._layouts_shared = False  # ``_layouts`` is also the committed step's: copy on write
+        # The planner's held table of ``_layouts``, filled as they arrive (columns only), and
+        # the committed step's (``held_lists``): a recovery never builds it.
+        self._table = LayoutTable(ranks)
+        self.committed_table = committed_table
         self._all_layouts = False  # every rank's layout is known (they are never removed)
         self._meta: dict[int, dict[int, int]] = {}  # step → rank → blob size
         self.last_replicated: dict[int, int] = {}
@@ -105,6 +116,22 @@ class CommitTracker:
         if self._layouts_shared:  # the committed step keeps the layouts it had
             self._layouts, self._layouts_shared = dict(self._layouts), False
         self._layouts[rank] = layout
+        self._table.add(rank, layout)
+
+    def held_lists(self) -> ChunkLists:
+        """The committed layouts as the planner's held side (``recovery/planning/tables.py``):
+        the table made as they arrived, the rest (blobs, private state) made now."""
+        layouts = self.committed_layouts
+        table = self.committed_table
+        if table is not None:
+            meta = None
+            for rank in table.ranks:  # a rebuild may have replaced some since
+                layout = layouts.get(rank)
+                if not isinstance(layout, ChunkColumns) or (meta or layout.meta) != layout.meta:
+                    table = None
+                    break
+                meta = layout.meta
+        return from_columns(layouts, HeldChunk, rename=True, table=table)
 
     def record(
         self,
@@ -164,6 +191,8 @@ class CommitTracker:
         self.committed_partial = {r: partial_nodes(reports[r]) for r in verdict.twins}
         self.committed_twins = verdict.twins
         self.committed_absent = {r: reports[r].absent for r in verdict.twins}
+        if self._committed_base is not self._layouts or self.committed_table is None:
+            self.committed_table = self._table.table()  # the arrays as they are: no copy
         self._committed_base, self._layouts_shared = self._layouts, True
         self._committed_sizes = self._meta.get(step, {})
         self._committed_layouts = None

@@ -411,7 +411,7 @@ class Coordinator:
                 msg.rank,
                 msg.step,
                 msg.holders,
-                msg.layout,
+                msg.layout if msg.columns is None else msg.columns,
                 msg.meta_nbytes,
                 twins=msg.twins,
                 partial=msg.partial,
@@ -495,7 +495,8 @@ class Coordinator:
             ):
                 raise StaleEpoch(f"wants of epoch {msg.epoch} are stale")
             try:
-                by_node = epochs.rounds.add(m, tracker, msg.round, msg.rank, msg.chunks)
+                wants = msg.chunks if msg.columns is None else msg.columns
+                by_node = epochs.rounds.add(m, tracker, msg.round, msg.rank, wants)
             except RecoveryFailed as exc:
                 if not epochs.storage_fallback_now(str(exc), partial=True):
                     self.life.fail(str(exc))

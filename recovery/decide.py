@@ -294,6 +294,7 @@ def next_epoch(
             r: set(h) for r, h in (tracker.committed_holders if tracker else {}).items()
         },
         committed_layouts=dict(layouts),
+        committed_table=tracker.committed_table if tracker else None,
     )
     new_tracker.domains = domains_of(membership)
     if tracker is not None:

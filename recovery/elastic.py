@@ -22,13 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from peerckpt.columns import ChunkColumns
 from peerckpt.manifest import META_KEY, ChunkRecord
 from peerckpt.membership import Membership, RankAssignment
 from peerckpt.recovery.commits import CommitTracker
 from peerckpt.recovery.planning.message import encode
 from peerckpt.recovery.planning.reshard import plan
-from peerckpt.recovery.planning.tables import ChunkLists, from_records
-from peerckpt.recovery.planning.types import HeldChunk, WantedChunk
+from peerckpt.recovery.planning.tables import ChunkLists, from_columns
+from peerckpt.recovery.planning.types import WantedChunk
 from peerckpt.recovery.twins import lacking, read_holders
 
 
@@ -94,7 +95,7 @@ def grown(
 
 
 def _records(layout: list[Any]) -> list[ChunkRecord]:
-    return [ChunkRecord.from_msg(c) for c in layout]
+    return [c if isinstance(c, ChunkRecord) else ChunkRecord.from_msg(c) for c in layout]
 
 
 def old_layout_summary(layouts: dict[int, list[Any]]) -> dict[str, Any]:
@@ -103,8 +104,16 @@ def old_layout_summary(layouts: dict[int, list[Any]]) -> dict[str, Any]:
     shared: dict[str, list[Any]] = {}
     private: dict[int, dict[str, list[Any]]] = {}
     meta_bytes: dict[int, int] = {}
+    seen: dict[int, Any] = {}  # ranks' shared parts already read (equal ranks share one)
     for rank, layout in sorted(layouts.items()):
         private[rank] = {}
+        if isinstance(layout, ChunkColumns):  # its tensors once per distinct blob
+            meta = layout.shared()
+            if id(meta) not in seen:
+                seen[id(meta)] = meta  # kept: its id is not reused meanwhile
+                for key, dtype, shape in zip(meta.keys, meta.dtypes, meta.shapes, strict=True):
+                    shared.setdefault(key, [dtype, list(shape)])
+            layout = list(layout.rest)
         for c in _records(layout):
             if c.key == META_KEY:
                 meta_bytes[rank] = c.nbytes
@@ -119,15 +128,21 @@ def old_layout_summary(layouts: dict[int, list[Any]]) -> dict[str, Any]:
 class ReshardRounds:
     """Collects every rank's wants per (epoch, round); plans a round once all have come."""
 
-    _wants: dict[tuple[int, int], dict[int, list[Any]]] = field(default_factory=dict)
+    _wants: dict[tuple[int, int], dict[int, list[Any] | ChunkColumns]] = field(default_factory=dict)
     # The committed layouts (the object itself) and their table, made on first use.
     _held: tuple[dict[int, list[Any]], ChunkLists] | None = None
 
     def add(
-        self, members: Membership, tracker: CommitTracker, round_: int, rank: int, wants: list[Any]
+        self,
+        members: Membership,
+        tracker: CommitTracker,
+        round_: int,
+        rank: int,
+        wants: list[Any] | ChunkColumns,
     ) -> dict[int, dict[int, dict[str, Any]]] | None:
-        """Record ``rank``'s wants; when the round is complete, return node → rank → its
-        reads as a message (``peerckpt/reads.py``, whose ``decode`` the node's agent uses).
+        """Record ``rank``'s wants (records, or columns as agents send them); when the round
+        is complete, return node → rank → its reads as a message (``peerckpt/reads.py``, whose
+        ``decode`` the node's agent uses).
 
         Raises RecoveryFailed (from the planner) if some wanted box survives nowhere.
         """
@@ -140,13 +155,13 @@ class ReshardRounds:
             del self._wants[stale]
         layouts = tracker.committed_layouts
         if self._held is None or self._held[0] is not layouts:
-            self._held = (layouts, from_records(layouts, HeldChunk, rename=True))
+            self._held = (layouts, tracker.held_lists())
         # Partial copies (redundancy-aware replication) are read in the chunks they hold.
         lacks = lacking(tracker.committed_partial, tracker.committed_absent, layouts)
         reads = plan(
             self._held[1],
             read_holders(tracker.committed_holders, lacks),
-            from_records(pending, WantedChunk, rename=False),
+            from_columns(pending, WantedChunk, rename=False),
             {r: a.node for r, a in members.ranks.items()},
             dict(members.previous),
             lacking=lacks,

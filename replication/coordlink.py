@@ -73,7 +73,8 @@ class CoordinatorLink:
         # (epoch, rank) → the chunk layout a report carried that the coordinator did not
         # take: Mirroring sends a layout once per epoch, and without every rank's the
         # coordinator commits nothing more in that epoch, so the next report carries it.
-        self._layouts_owed: dict[tuple[int, int], list[Any]] = {}
+        # Either form: records (``layout``) or columns (``columns``, what Mirroring sends).
+        self._layouts_owed: dict[tuple[int, int], tuple[list[Any] | None, Any]] = {}
         # When the coordinator last took a replicated-snapshot report from this node: it
         # counts as a heart-beat, so a training node sends few others.
         self.reported_at = float("-inf")
@@ -166,8 +167,9 @@ class CoordinatorLink:
                     continue
                 with self._lock:  # not taken (refused, timed out): the layouts are owed
                     for msg in ready:
-                        if msg.layout is not None:
-                            self._layouts_owed[(msg.epoch, msg.rank)] = msg.layout
+                        if msg.layout is not None or msg.columns is not None:
+                            owed = (msg.layout, msg.columns)
+                            self._layouts_owed[(msg.epoch, msg.rank)] = owed
         except BaseException:
             with self._lock:
                 self._reporting = False
@@ -180,7 +182,9 @@ class CoordinatorLink:
         for key in [k for k in owed if k[0] < msg.epoch]:
             del owed[key]  # an epoch that is over needs none
         layout = owed.pop((msg.epoch, msg.rank), None)
-        return replace(msg, layout=layout) if msg.layout is None and layout else msg
+        if layout is None or msg.layout is not None or msg.columns is not None:
+            return msg
+        return replace(msg, layout=layout[0], columns=layout[1])
 
     def rejoin(
         self,

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from peerckpt.columns import ChunkColumns
 from peerckpt.errors import PeerUnavailable, StaleEpoch
 from peerckpt.faults import FaultHooks
 from peerckpt.manifest import META_KEY
@@ -187,7 +188,7 @@ class Mirroring:
             manifest.used_bytes,
             manifest.meta().nbytes,
             manifest.state_digest(),
-            layout=[c.to_msg() for c in manifest.chunks],
+            columns=ChunkColumns.from_records(manifest.chunks),
             twins=dedup.twin_digest(manifest),
             partial=bool(job.absent),
             deduplicated=manifest.used_bytes - dedup.sent_bytes(manifest.without(job.absent)),
@@ -197,5 +198,5 @@ class Mirroring:
         # Sent again, layout and all, to a restarted coordinator (it may have missed it).
         self.coordinator.remember(("Replicated", job.slot.rank), full)
         same = self._reported_layouts.get(key) == signature
-        self.coordinator.report_replicated(replace(full, layout=None) if same else full)
+        self.coordinator.report_replicated(replace(full, columns=None) if same else full)
         self._reported_layouts[key] = signature

@@ -29,6 +29,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from peerckpt.columns import ChunkColumns
 from peerckpt.membership import Membership
 from peerckpt.messages import Message, message
 from peerckpt.states import EpochMode, JobState, ProcRole
@@ -230,6 +231,9 @@ class Replicated(Request["ReplicatedReply"]):
     # Asked for by ``AgentConfig.record_digests``: every tensor's digest, in chunk order
     # (``SnapshotManifest.tensor_digests``), so that a difference can be named.
     tensors: dict[str, str] = field(default_factory=dict)
+    # ``layout`` as columns (``peerckpt/columns.py``), as agents send it: at 10,000 ranks a
+    # record per chunk cost the coordinator more than the plan (either field, not both).
+    columns: ChunkColumns | None = None
 
 
 @message("ReplicatedMany")
@@ -321,6 +325,7 @@ class Wants(Request[Ok]):
     round: int
     rank: int
     chunks: list[Any]
+    columns: ChunkColumns | None = None  # ``chunks`` as columns, as agents send them
 
 
 @message("Flushed")
