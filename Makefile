@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.bench-installed
 
-.PHONY: demo test test-all bench bench-goodput lint clean
+.PHONY: demo test test-all test-gpu gpu-wheels bench bench-goodput lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,28 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q
+
+# The GPU checks, on a machine with a CUDA device (CI has none). Prepare here, where PyPI is
+# reachable: `make gpu-wheels` downloads, for the GPU image's Python 3.12, the dependencies
+# that image lacks (it has CUDA's torch, CuPy, grpcio, msgpack, numpy, ...) into .whl/
+# (ignored by git; carried to the device). There, `make test-gpu` installs them and this
+# package into /tmp/site, runs tests/gpu (NCCL ranks sharing the GPU) and bench/gpu.py
+# --nccl (bench/results/gpu-nccl.json): about 6 minutes on one H100.
+GPU_PY ?= python3
+GPU_SITE := /tmp/site
+
+gpu-wheels:
+	mkdir -p .whl
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .whl \
+	  crc32c setproctitle cryptography cffi pycparser torchdata==0.11.0
+
+test-gpu:
+	$(GPU_PY) -m pip install --quiet --no-index --no-deps --no-build-isolation --no-compile \
+	  --target $(GPU_SITE) .whl/*.whl .
+	PYTHONPATH=$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PY) -m pytest tests/gpu -q -p no:cacheprovider
+	PYTHONPATH=$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PY) bench/gpu.py --nccl --runs 2 --steps 30
 
 # The [bench] extra (torchft) after torch and the package: it must not pick its own torch.
 $(BENCH_STAMP): $(STAMP) pyproject.toml

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import mmap
+import re
 import statistics
 import subprocess
 import sys
@@ -130,15 +131,89 @@ def run_size(mib: int, batch: int, steps: int, runs: int) -> dict[str, Any]:
     }
 
 
+TESTS_JOBS = Path(__file__).resolve().parent.parent / "tests" / "jobs"
+NCCL_ARGS = ["--steps", "30", "--device", "cuda", "--backend", "cpu:gloo,cuda:nccl"]
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) peerckpt\[rank=(\d+)")
+
+
+def _nccl_job(out: Path, chaos: str = "", spares: int = 0) -> tuple[dict[str, Any], str]:
+    """The DDP test job on 4 NCCL ranks sharing this machine's GPU (2 simulated nodes × 2);
+    its report and log."""
+    out.mkdir(parents=True)
+    argv = ["--nodes", "2", "--nproc-per-node", "2", "--spares", str(spares)]
+    argv += ["--report", str(out / "report.json")]
+    argv += ["--chaos", chaos] if chaos else []
+    proc = run_peerckpt([*argv, str(TESTS_JOBS / "ddp_job.py"), str(out), *NCCL_ARGS], "INFO")
+    return json.loads((out / "report.json").read_text()), proc.stdout + proc.stderr
+
+
+def _digests(out: Path) -> dict[tuple[int, int], set[str]]:
+    found: dict[tuple[int, int], set[str]] = {}
+    for path in out.glob("rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            found.setdefault((int(path.stem[4:]), entry["step"]), set()).add(entry["digest"])
+    return found
+
+
+def _released_s(log: str, fired_at: float) -> float | None:
+    """From the chaos action to the last survivor's abort of its group (the log's clock)."""
+    times = []
+    for line in log.splitlines():
+        match = _STAMP.match(line)
+        if match and "aborted the process group of epoch" in line:
+            stamp = time.mktime(time.strptime(match.group(1), "%Y-%m-%d %H:%M:%S"))
+            times.append(stamp + int(match.group(2)) / 1000 - fired_at)
+    return max(times) if times else None
+
+
+def nccl_job() -> dict[str, Any]:
+    """Issue 28's figures: a killed rank and a killed node in a 4-rank NCCL job on one GPU,
+    each against the fault-free run, bit for bit; release and recovery times."""
+    out: dict[str, Any] = {"backend": "cpu:gloo,cuda:nccl", "ranks": 4}
+    with scratch_dir("gpu-nccl") as tmp:
+        base = Path(tmp)
+        _nccl_job(base / "reference")
+        reference = _digests(base / "reference")
+        for name, chaos, spares in (
+            ("kill_rank", "kill rank=2 at=10", 1),
+            ("kill_node", "kill node=1 at=12", 2),
+        ):
+            report, log = _nccl_job(base / name, chaos, spares)
+            got = _digests(base / name)
+            out[f"{name}_bit_exact"] = all(got[k] <= reference.get(k, set()) for k in got)
+            [fired] = report["chaos"]
+            [event] = report["events"]
+            out[f"{name}_release_s"] = _released_s(log, fired["fired_at"])
+            out[f"{name}_recovery_s"] = event["resumed_at"] - fired["fired_at"]
+    out["release_s"] = max(out["kill_rank_release_s"] or 0.0, out["kill_node_release_s"] or 0.0)
+    out["recovery_s"] = max(out["kill_rank_recovery_s"], out["kill_node_recovery_s"])
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="256,1024", help="MiB of state per rank")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--step-ms", type=float, default=200.0)
+    parser.add_argument(
+        "--nccl",
+        action="store_true",
+        help="also the NCCL job on one GPU and the pull (bench/results/gpu-nccl.json)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/gpu.py needs a CUDA device; this machine has none")
+    nccl: dict[str, Any] = {}
+    if args.nccl:
+        nccl = {
+            "device": torch.cuda.get_device_name(),
+            "date": time.strftime("%Y-%m-%d"),
+            "job": nccl_job(),
+            "pull": None,  # issue 29: the NCCL transport of a pull is not built yet
+        }
+        print(f"NCCL job: {nccl['job']}", flush=True)
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "d2h_gbps": ceilings()}
     print(f"device-to-host 1 GiB, GB/s: {result['d2h_gbps']}", flush=True)
     for mib in map(int, args.sizes.split(",")):
@@ -154,6 +229,9 @@ def main() -> None:
         )
     path = write_result("gpu", result)
     print(f"wrote {path}")
+    if args.nccl:  # with the CUDA stall of a snapshot every step, measured above
+        nccl["stall"] = {k: v for k, v in result.items() if k.endswith("MiB")}
+        print(f"wrote {write_result('gpu-nccl', nccl)}", flush=True)
 
 
 if __name__ == "__main__":

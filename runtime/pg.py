@@ -109,6 +109,26 @@ def _shutdown_socket(fd: int, inode: str, hosts: set[str]) -> bool:
         sock.close()
 
 
+def _nccl_backend(group: Any) -> Any:
+    """The NCCL backend of ``group`` for CUDA tensors, or None (gloo, or no CUDA)."""
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return None
+    try:
+        backend = group._get_backend(torch.device("cuda"))
+    except (RuntimeError, AttributeError):
+        return None
+    return backend if isinstance(backend, dist.ProcessGroupNCCL) else None
+
+
+def nccl_environment(environ: dict[str, str]) -> None:
+    """What a rank process needs set before its first NCCL group: peerckpt handles failures
+    itself (``abort``), so NCCL's watchdog must neither end the process on a communicator
+    error (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, torch's default tears it down) nor kill it
+    when a collective hangs (``TORCH_NCCL_ENABLE_MONITORING``). A value the user set wins."""
+    environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+    environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
+
+
 @dataclass
 class _Kept:
     """Groups of an ended epoch that must outlive the collectives an abort left inside them."""
@@ -202,6 +222,7 @@ class ProcessGroupLifecycle:
             mine = inode in owned if owned is not None else inode not in baseline
             if mine and _shutdown_socket(fd, inode, hosts):
                 cut += 1
+        nccl = self._abort_nccl()
         if everything:
             # Last resort before the process gives up: also abort the groups themselves
             # (a no-op for gloo in torch 2.13).
@@ -218,14 +239,50 @@ class ProcessGroupLifecycle:
 
         released = self._in_flight.release(f"epoch {self.epoch} was aborted", unfinished)
         log.info(
-            "aborted the process group of epoch %s (%d connections cut, %d collective(s) "
-            "released, %d of them still inside gloo)",
+            "aborted the process group of epoch %s (%d connections cut, %d NCCL "
+            "communicator group(s) aborted, %d collective(s) released, %d of them still "
+            "inside gloo)",
             self.epoch,
             cut,
+            nccl,
             released,
             len(left),
         )
         return cut
+
+    def _abort_nccl(self) -> int:
+        """Abort the NCCL communicators of this epoch's groups (``ncclCommAbort``, from this
+        thread while the training thread may wait in a collective or in a CUDA
+        synchronisation behind one); return how many groups had one.
+
+        NCCL's kernels do not end when a peer dies or a socket is cut: a survivor blocked in
+        an all-reduce would wait out NCCL's watchdog (minutes), which then, with torch's
+        default ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, ends the process. An abort ends the
+        kernels at once and the survivor's collective raises, or its stream runs on with
+        what the aborted kernel left (the step is discarded: the next step boundary sees the
+        abort and the epoch restores its committed state). The groups are kept referenced
+        until ``release_retired`` (freeing them is then safe), not removed from torch's
+        table here: the training thread may still be using it. Several groups are aborted
+        inside one NCCL group call, as torch's ``_abort_process_group`` does (pytorch#119797:
+        one communicator's abort waiting for another's). Unverified on a GPU in this
+        session's CI (no device): ``make test-gpu`` runs it on one."""
+        groups = list(dist.distributed_c10d._world.pg_map.keys())
+        backends = [b for b in (_nccl_backend(g) for g in groups) if b is not None]
+        if not backends:
+            return 0
+        with self._lock:
+            self._retired.extend(groups)  # referenced until the next epoch committed
+        first = backends[0]
+        with contextlib.suppress(Exception):
+            first._group_start()
+        try:
+            for backend in backends:
+                with contextlib.suppress(Exception):
+                    backend.abort()
+        finally:
+            with contextlib.suppress(Exception):
+                first._group_end()
+        return len(backends)
 
     def leave(self) -> None:
         """Destroy the epoch's process groups (after ``abort`` or at the end of the job).

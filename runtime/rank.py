@@ -52,7 +52,7 @@ from peerckpt.runtime.channel import AgentChannel
 from peerckpt.runtime.config import DEFAULTS, ResilientConfig
 from peerckpt.runtime.env import LaunchEnv, RankFilter
 from peerckpt.runtime.live import LiveState
-from peerckpt.runtime.pg import ProcessGroupLifecycle
+from peerckpt.runtime.pg import ProcessGroupLifecycle, nccl_environment
 from peerckpt.runtime.snapshot import SnapshotEngine
 from peerckpt.runtime.state import Assignment, RankState, check_transition
 from peerckpt.runtime.tracking import AuditOnce, EpochTracking
@@ -112,6 +112,7 @@ class RankRuntime:
         self.channel = AgentChannel(
             env.agent_socket, env.secret, env.job, hello, self._on_event, self._beat
         )
+        nccl_environment(os.environ)  # before any NCCL group: peerckpt aborts them itself
         self.pg = ProcessGroupLifecycle(env.job, config.pg_timeout_s, config.backend)
         userpg.install(self.pg.backend)  # the script's own init/destroy_process_group
         self.faults = fault_hooks.load(env.node)

@@ -71,7 +71,8 @@ def test_equal_ranks_share_their_metadata_bytes_and_decode_it_once() -> None:
         ChunkColumns.from_msg(unpack(pack(rank(0).to_msg()))),
         ChunkColumns.from_msg(unpack(pack(rank(1).to_msg()))),
     )
-    assert a.meta == b.meta and a.meta is not b.meta
+    # Decoded once; every list keeps the first copy of the blob, the others' are freed.
+    assert a.meta is b.meta
     assert meta_of(a.meta) is meta_of(b.meta)
     assert a.boxes != b.boxes
     assert a.box_arrays()[0].tolist() == [0, 0, 0, 0, 0, 0]

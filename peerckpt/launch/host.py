@@ -42,6 +42,7 @@ import psutil
 from peerckpt.errors import ConfigurationError, PeerckptError
 from peerckpt.launch.base import JobSpec
 from peerckpt.launch.checks import check_host
+from peerckpt.launch.gpus import visible_gpus
 from peerckpt.launch.local import LocalLauncher
 from peerckpt.messages.control import JobStatus, SparesStarting, Status
 from peerckpt.rpc import RpcClient
@@ -105,6 +106,9 @@ class HostLauncher(LocalLauncher):
             claim=host.runs_coordinator,
         )
         self.host = host
+        # this host runs its own ranks only: they share its GPUs if they outnumber them
+        gpus = visible_gpus({**os.environ, **spec.env})
+        self.procs.share_gpus = 0 < gpus < spec.nproc_per_node
         try:
             self._check_chaos()
         except ConfigurationError:

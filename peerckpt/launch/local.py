@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from peerckpt.errors import PeerckptError, PeerUnavailable
 from peerckpt.faults import ENV as FAULTS_ENV
 from peerckpt.launch.base import JobResult, JobSpec, Launcher, chaos_verdict
+from peerckpt.launch.gpus import visible_gpus
 from peerckpt.launch.jobfile import JobClaim
 from peerckpt.launch.monitor import JobMonitor, MonitorServer
 from peerckpt.launch.processes import Proc, ProcessSet, coordinator_argv
@@ -78,6 +79,9 @@ class LocalLauncher(Launcher):
         self.procs = ProcessSet(
             self.job, self._secret, [spec.script, *spec.args], self.rundir, spec.env, self.run_id
         )
+        # this machine's ranks (and spares) outnumber its GPUs: NCCL ranks share them
+        gpus = visible_gpus({**os.environ, **spec.env})
+        self.procs.share_gpus = 0 < gpus < spec.world + spec.spares
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.address = ""
         self._ranks: dict[int, Proc] = {}  # the first epoch's rank processes

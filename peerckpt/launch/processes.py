@@ -26,6 +26,7 @@ from typing import IO, Any, Protocol
 
 from peerckpt.errors import PeerckptError
 from peerckpt.launch import prefork
+from peerckpt.launch.gpus import sharing_env
 from peerckpt.names import RUN_ENV
 from peerckpt.states import MAX_RESTARTS, ExitCode
 
@@ -86,6 +87,10 @@ class ProcessSet:
         self._ended: set[int] = set()  # training processes whose group was ended
         self.lock = threading.Lock()
         self.prefork: prefork.PreforkClient | None = None
+        # Ranks outnumber this machine's GPUs: each training process is an NCCL host of its
+        # own (``launch/gpus.py``); the launcher sets it.
+        self.share_gpus = False
+        self._started = 0
 
     def start_prefork(self) -> None:
         """Start this host's prefork server (``prefork.py``): the spares started from now on
@@ -172,6 +177,9 @@ class ProcessSet:
         """Start a training process of ``role`` on node ``n``: a spare is forked from the
         prefork server where there is one, anything else is a fresh ``python script``."""
         node = self.nodes[n]
+        if self.share_gpus:  # more ranks than GPUs: each its own NCCL host (launch/gpus.py)
+            self._started += 1
+            env = {**sharing_env(self.job, n, self._started), **env}
         full = self.env(PEERCKPT_AGENT=node.socket, PEERCKPT_NODE=str(n), PEERCKPT_ROLE=role, **env)
         proc: Proc | None = None
         if role == "spare" and self.prefork is not None:

@@ -293,12 +293,13 @@ def _stacked(meta: ChunkMeta, rows: list[ChunkColumns], ranks: list[int]) -> Chu
     dims = meta.dims
     offsets = np.empty((dims, len(rows)), np.int64)
     lengths = np.empty((dims, len(rows)), np.int64)
+    block = np.empty((min(_BLOCK, len(rows)), 2 * dims), np.int64)  # reused: stays in memory
     for at in range(0, len(rows), _BLOCK):
-        block = rows[at : at + _BLOCK]
-        flat = np.frombuffer(b"".join(c.boxes for c in block), np.int64)
-        flat = flat.reshape(len(block), 2 * dims)
-        offsets[:, at : at + len(block)] = flat[:, :dims].T
-        lengths[:, at : at + len(block)] = flat[:, dims:].T
+        n = min(_BLOCK, len(rows) - at)
+        for i, c in enumerate(rows[at : at + n]):
+            block[i] = np.frombuffer(c.boxes, np.int64)
+        offsets[:, at : at + n] = block[:n, :dims].T
+        lengths[:, at : at + n] = block[:n, dims:].T
     return _table_of(meta, ranks, offsets, lengths)
 
 
