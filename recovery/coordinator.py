@@ -174,6 +174,7 @@ class Coordinator:
             else None
         )
         self._digests_seen: set[tuple[int, int, str]] = set()
+        self.commits = 0  # steps committed since this coordinator started (``Status``)
 
     # -- registration ---------------------------------------------------------------------
     def register_agent(self, msg: RegisterAgent) -> AgentConfig:
@@ -431,6 +432,7 @@ class Coordinator:
                 record = {"rank": msg.rank, "step": msg.step, "digest": msg.digest}
                 self._digests_file.write(json.dumps({**record, "tensors": msg.tensors}) + "\n")
             if committed is not None:
+                self.commits += 1
                 largest = max(self.epochs.snapshot_bytes.values(), default=0)
                 self.registry.broadcast(Commit(msg.epoch, committed, largest))
                 self._maybe_flush(committed)

@@ -3,8 +3,9 @@
 The launcher serves metrics and a status page from the coordinator's ``Status`` reply, and
 ``peerckpt status`` shows it in a terminal. This module gathers the parts of that reply that
 only observers read — the nodes holding each rank's committed copy, each rank's buddies, the
-ranks that resumed in this epoch, the spare nodes, and every node's last heartbeat report
-(``replication/stats.py``) — so that the coordinator's own handlers stay about decisions.
+ranks that resumed in this epoch, the spare nodes, every node's last heartbeat report
+(``replication/stats.py``) and the steps committed (the end-of-run summary) — so that the
+coordinator's own handlers stay about decisions.
 
 It only reads the coordinator's state, under its lock; it never changes it.
 """
@@ -29,6 +30,7 @@ def observed(c: Coordinator) -> dict[str, Any]:
         "node_stats": {n: a.stats for n, a in agents.items() if a.stats is not None},
         "replicas": c.settings.replicas,
         "node_addrs": c.registry.node_addrs(),
+        "commits": c.commits,
     }
 
 

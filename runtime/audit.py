@@ -17,8 +17,10 @@ run differ from a fault-free one and logs one warning per finding, naming the ob
 fix: an optimizer that steps but is not tracked; an LR scheduler or GradScaler of the loop
 that is not tracked; a data loader or sampler with ``state_dict`` that no tracked object
 holds; parameters of modules that ran but belong to no tracked object; a DDP whose module is
-not tracked (its buckets cannot be restored). Loaders, schedulers and scalers are found with
-one walk of the garbage collector's objects, which is why the audit runs once per process.
+not tracked (its buckets cannot be restored); tensors the loop carries from one step into
+the next without tracking them (``runtime/carried.py``: a batch fetched ahead). Loaders,
+schedulers and scalers are found with one walk of the garbage collector's objects, which is
+why the audit runs once per process.
 
 This module never raises for a finding, never changes a user object (``DdpLayouts`` applies
 recorded layouts; ``release_on_abort`` gives a DDP a communication hook that computes what its
@@ -39,6 +41,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader, Sampler
 
 from peerckpt.runtime.capture import param_fqns
+from peerckpt.runtime.carried import CarriedWatch
 from peerckpt.runtime.ddp import DdpLayouts
 from peerckpt.runtime.inflight import release_on_abort
 from peerckpt.runtime.layouts import FlatShard, Shard, local_of
@@ -60,6 +63,7 @@ class FirstStepWatch:
         self._ddps: dict[int, DistributedDataParallel] = {}
         self._ran: dict[int, torch.nn.Module] = {}
         self._stepped: dict[int, torch.optim.Optimizer] = {}
+        self._carried: CarriedWatch | None = None
         self._handles = [
             register_module_forward_pre_hook(self._on_forward),
             register_optimizer_step_post_hook(self._on_step),
@@ -76,13 +80,21 @@ class FirstStepWatch:
     def _on_step(self, optim: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._stepped.setdefault(id(optim), optim)
 
+    def loop_started(self) -> None:
+        """The loop over ``ctx.steps`` begins (called from its generator): when auditing,
+        note what its frame holds that the step may carry to the next."""
+        if self.audit:
+            self._carried = CarriedWatch.at_loop_start(self.tracked)
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._carried = None  # it holds the loop's frame
 
     def finish(self) -> list[str]:
         """Stop watching; when auditing, log each new finding once and return them all."""
+        carried, self._carried = self._carried, None
         self.remove()
         if not self.audit:
             return []
@@ -93,11 +105,25 @@ class FirstStepWatch:
             list(self._stepped.values()),
             gc.get_objects(),
         )
+        if carried is not None:
+            found += carried.finish()
         for text in found:
             if text not in _WARNED:
                 _WARNED.add(text)
                 log.warning("%s%s", PREFIX, text)
         return found
+
+
+def warn_untracked() -> None:
+    """``ctx.steps`` with nothing tracked takes no snapshot (``runtime/tracking.py``), which
+    the job's summary reports as NOT PROTECTED: say why, once per process."""
+    text = (
+        "ctx.steps runs with nothing tracked: no snapshot is taken, and a failure starts the "
+        "function again from its first step; call ctx.track(model=…, optim=…) before the loop"
+    )
+    if text not in _WARNED:
+        _WARNED.add(text)
+        log.warning("%s", text)
 
 
 def findings(

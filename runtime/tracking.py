@@ -33,7 +33,7 @@ from peerckpt.faults import NO_FAULTS, FaultHooks
 from peerckpt.manifest import META_KEY, ChunkRecord
 from peerckpt.messages.local import Arrived, RankResumed, ReleaseStaging, WantChunks
 from peerckpt.runtime import capture, twins
-from peerckpt.runtime.audit import FirstStepWatch
+from peerckpt.runtime.audit import FirstStepWatch, warn_untracked
 from peerckpt.runtime.live import LiveState
 from peerckpt.runtime.policy import Probe, RankReport, SnapshotPolicy
 from peerckpt.runtime.restore import (
@@ -264,7 +264,11 @@ class EpochTracking:
             capture.restore_rng(self._restored["rng"])
             start = a.restore_step + 1
         self._resumed(start)
-        watch = self._watch  # None when nothing was tracked in this epoch
+        watch = self._watch  # None when ctx.track was not called in this epoch
+        if not self.tracked:
+            warn_untracked()
+        if watch is not None:
+            watch.loop_started()  # the loop's frame, for what it carries between steps
         policy = self.policy
         policy.begin_epoch(start, (self._restored or {}).get("every"))
         self.total = total
@@ -286,12 +290,14 @@ class EpochTracking:
             began = time.perf_counter()
             yield step
             self.check()
-            if policy.due(step) or step == total - 1:  # the last step: what the job ends with
-                extra: dict[str, Any] = {"ddp": watch.ddp.layouts() if watch is not None else {}}
+            # Nothing tracked: a snapshot would hold nothing a restore could use. The last
+            # step is always taken: it is what the job ends with.
+            if watch is not None and self.tracked and (policy.due(step) or step == total - 1):
+                extra: dict[str, Any] = {"ddp": watch.ddp.layouts()}
                 if policy.every is not None:
                     extra["every"] = policy.every
                 captured = capture.capture(self.tracked, step, extra)
-                if watch is not None and self.engine.dedup:
+                if self.engine.dedup:
                     captured.twins = twins.declared_keys(self.tracked, watch.ddp.found())
                 self.live.captured(a.rank, a.world_size, step, captured)
                 self.engine.take(step, captured)

@@ -22,7 +22,7 @@ from peerckpt.launch.report import failure_rows
 from peerckpt.runtime.audit import PREFIX
 
 from .conftest import JobRun, assert_same_digests, read_jsonl, run_job, run_with_reference
-from .jobs.user_loop import PATTERNS
+from .jobs.user_loop import EXACT
 
 STEPS = 24
 CHAOS = "kill rank=1 at=8; kill node=1 at=16"
@@ -70,7 +70,7 @@ def test_every_pattern_at_once_recovers_bit_exact_from_a_rank_and_a_node_loss(tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("pattern", EXACT)
 def test_each_pattern_recovers_bit_exact_from_a_rank_and_a_node_loss(tmp_path, pattern) -> None:
     _recover_bit_exact(tmp_path, pattern)
 

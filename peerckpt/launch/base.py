@@ -82,6 +82,7 @@ class JobResult:
     unfired: list[str] = field(default_factory=list)  # a line per chaos action that never fired
     # "rank/step/digest" → that snapshot's tensor digests by key (with ``record_digests``)
     tensor_digests: dict[str, dict[str, str]] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)  # report.summarize: what protected it
 
 
 def chaos_verdict(state: str, reason: str, unfired: list[str]) -> tuple[str, str]:

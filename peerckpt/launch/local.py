@@ -287,6 +287,7 @@ class LocalLauncher(Launcher):
             self.monitor.timeline(),
             unfired,
             tensor_digests,
+            self.monitor.summary(),
         )
         if self.spec.report:
             write_private(self.spec.report, json.dumps(result.__dict__, indent=2, default=str))

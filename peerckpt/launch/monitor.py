@@ -3,9 +3,9 @@ serves it (``peerckpt run --metrics-port PORT``).
 
 ``JobMonitor`` is fed every ``Status`` the launcher polls (with the failure events of the
 whole job and the chaos records); it keeps the newest view, the last report of every node
-(a restarted coordinator forgets lost nodes), and the samples a timeline picture is drawn
-from: each rank's newest replicated step, the committed step and the epoch over wall-clock
-time. ``MonitorServer`` serves ``/metrics`` (Prometheus text), ``/status`` (an HTML page that
+(a restarted coordinator forgets lost nodes), the steps committed over the job (the
+end-of-run summary), and the samples a timeline picture is drawn from: each rank's newest
+replicated step, the committed step and the epoch over wall-clock time. ``MonitorServer`` serves ``/metrics`` (Prometheus text), ``/status`` (an HTML page that
 reloads itself) and ``/status.json``, on loopback unless told otherwise, on a server that
 strangers cannot starve (``launch/httpserve.py``).
 
@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from peerckpt.errors import ConfigurationError
 from peerckpt.launch import metrics, statuspage
 from peerckpt.launch.httpserve import DEFAULT_LIMITS, BoundedHTTPServer, HttpLimits, host_allowed
+from peerckpt.launch.report import summarize
 from peerckpt.launch.view import JobView, build_view
 
 log = logging.getLogger("peerckpt.launcher")
@@ -46,6 +47,10 @@ class JobMonitor:
         self._epochs: list[list[float]] = []  # [t, epoch, world size]
         self._last: dict[int, int] = {}
         self._full_logged = False
+        # Steps committed: a restarted coordinator counts from 0 again, the job does not.
+        self._commits_before = self._commits_now = 0
+        self._events: list[dict[str, Any]] = []
+        self._flushes: list[dict[str, Any]] = []
 
     def observe(
         self, status: dict[str, Any], events: list[dict[str, Any]], chaos: list[dict[str, Any]]
@@ -55,6 +60,11 @@ class JobMonitor:
         with self._lock:
             for node, stats in (status.get("node_stats") or {}).items():
                 self._node_stats[int(node)] = stats
+            commits = int(status.get("commits") or 0)
+            if commits < self._commits_now:
+                self._commits_before += self._commits_now
+            self._commits_now = commits
+            self._events, self._flushes = events, list(status.get("flushes") or [])
             view = build_view(status, events, chaos, dict(self._node_stats))
             self._view = view
             self._sample(now, status, view)
@@ -81,6 +91,18 @@ class JobMonitor:
     def view(self) -> JobView | None:
         with self._lock:
             return self._view
+
+    def summary(self) -> dict[str, Any]:
+        """The end-of-run summary's figures (``report.summarize``), as of the last status."""
+        with self._lock:
+            view = self._view
+            return summarize(
+                self._commits_before + self._commits_now,
+                view.committed_step if view is not None else None,
+                sum(int(s.get("snapshots", 0)) for s in self._node_stats.values()),
+                self._events,
+                self._flushes,
+            )
 
     def timeline(self) -> dict[str, Any]:
         """The samples for ``peerckpt timeline`` (the report's ``timeline``)."""

@@ -188,8 +188,68 @@ def format_failures(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -
     return lines
 
 
+def summarize(
+    commits: int,
+    committed_step: int | None,
+    rank_snapshots: int,
+    events: list[dict[str, Any]],
+    flushes: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The end-of-run summary's figures (the JSON report's ``summary``): ``commits`` steps
+    committed over the job, the last committed step, the snapshots the ranks took (one per
+    rank and step, as the agents counted them), the last durable step, and the faults the
+    job survived (failures whose recovery ended: every rank stepping again)."""
+    faults = [i for i, e in enumerate(events) if e.get("kind") not in ("grow", "cold_start")]
+    durable = [int(f["step"]) for f in flushes if f.get("state") == "committed"]
+    return {
+        "protected": commits > 0,
+        "snapshots_committed": commits,
+        "committed_step": committed_step,
+        "rank_snapshots": rank_snapshots,
+        "persisted": bool(flushes),
+        "durable_step": max(durable) if durable else None,
+        "faults": len(faults),
+        "faults_survived": sum(settled_at(events, i) is not None for i in faults),
+    }
+
+
+def format_summary(summary: dict[str, Any], state: str = "succeeded") -> list[str]:
+    """Human lines of ``summarize``'s figures: what the job was protected by, or that it was
+    not (nothing claims a protection it did not give). A job that failed before anything was
+    committed is not told how to loop: it may have failed before its loop began."""
+    if not summary:
+        return []
+    if not summary["protected"] and state == "failed":
+        return ["no snapshot was committed before the job failed"]
+    if not summary["protected"]:
+        taken = summary["rank_snapshots"]
+        return [
+            "NOT PROTECTED: no snapshot was taken (loop over ctx.steps)"
+            if not taken
+            else f"NOT PROTECTED: no snapshot was committed ({taken} taken by the ranks)",
+            "    a failure would have started the job again from its first step: iterate "
+            "`for step in ctx.steps(total)`, not range(), after ctx.track(model=…, optim=…)",
+        ]
+    n = summary["snapshots_committed"]
+    parts = [
+        f"{n} snapshot{'s' if n != 1 else ''} committed",
+        f"last committed step {summary['committed_step']}",
+    ]
+    if summary["persisted"]:
+        durable = summary["durable_step"]
+        parts.append(f"last durable step {durable if durable is not None else 'none'}")
+    faults, survived = summary["faults"], summary["faults_survived"]
+    parts.append(
+        f"{survived} of {faults} fault{'s' if faults != 1 else ''} survived"
+        if survived != faults
+        else f"{faults} fault{'s' if faults != 1 else ''} survived"
+    )
+    return ["protection: " + ", ".join(parts)]
+
+
 def format_report(result: JobResult) -> str:
-    """A short human report: how the job ended and, per failure, detection and recovery."""
+    """A short human report: how the job ended, per failure detection and recovery, and the
+    summary of what protected it."""
     head = f"job {result.state} in {result.wall_s:.1f} s"
     if result.reason:
         head += f": {result.reason}"
@@ -201,4 +261,5 @@ def format_report(result: JobResult) -> str:
         lines.append(f"durable checkpoints written: step(s) {steps}")
     for f in failed:
         lines.append(f"durable checkpoint of step {f['step']} failed: {f['error']}")
+    lines += format_summary(result.summary, result.state)
     return "\n".join(lines)

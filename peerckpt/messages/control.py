@@ -507,6 +507,7 @@ class JobStatus(Message):
     # Every live node's agent (data address): where the coordinator moves if its host dies
     # (``peerckpt/succession.py``); the hosts' launchers read it.
     node_addrs: dict[int, str] = field(default_factory=dict)
+    commits: int = 0  # steps committed since this coordinator started (the end-of-run summary)
 
 
 @message("Status")

@@ -1,7 +1,7 @@
 """A training script written the way users write them, with the pieces a matrix test picks.
 
 usage: user_loop.py OUT_DIR [--steps N] [--patterns P,P,...|all] [--leave-out NAME,...]
-                    [--record-workers]
+                    [--record-workers] [--loop steps|range] [--sleep S]
 
 Patterns (each a habit of ordinary training scripts; ``all`` is every one at once):
 
@@ -17,7 +17,12 @@ Patterns (each a habit of ordinary training scripts; ``all`` is every one at onc
 - ``accumulation``: two micro-batches a step, the first under ``ddp.no_sync()``;
 - ``batchnorm``: a ``BatchNorm1d`` layer (running statistics in its buffers);
 - ``user-stateful``: a user object with ``state_dict``/``load_state_dict`` holding a tensor and
-  a Python int, both changing every step.
+  a Python int, both changing every step;
+- ``prefetch`` (never in ``all``: it is not exact after a restore): nanoGPT's batch fetched
+  ahead, before the loop and again at the end of each step for the next one.
+
+``--loop range`` iterates ``range(N)`` instead of ``ctx.steps(N)``, as a user who kept the
+script's own loop would (no snapshot is ever taken); ``--sleep S`` sleeps S seconds a step.
 
 ``--leave-out`` names tracked objects (``sched``, ``data``, ``head_optim``, ``scaler``, …) that the
 script then uses without passing them to ``ctx.track``, as a user who forgot them would.
@@ -56,7 +61,9 @@ PATTERNS = (
     "accumulation",
     "batchnorm",
     "user-stateful",
+    "prefetch",
 )
+EXACT = tuple(p for p in PATTERNS if p != "prefetch")  # the patterns that recover bit for bit
 BATCH = 8
 ROWS = 4096
 
@@ -224,11 +231,13 @@ def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
         return x, y
 
     micro_batches = 2 if "accumulation" in use else 1
+    steps = range(args.steps) if args.loop == "range" else ctx.steps(args.steps)
+    ahead = next_batch(0, 0) if "prefetch" in use else None
     with open(os.path.join(args.out, f"rank{ctx.rank}.jsonl"), "a") as log:
-        for step in ctx.steps(args.steps):
+        for step in steps:
             net.train()
             for micro in range(micro_batches):
-                x, y = next_batch(step, micro)
+                x, y = ahead if ahead is not None else next_batch(step, micro)
                 last = micro == micro_batches - 1
                 with nullcontext() if last else ddp.no_sync():
                     logits = ddp(x)
@@ -247,6 +256,10 @@ def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
                 sched.step()
             for optim in optims:
                 optim.zero_grad()
+            if ahead is not None:
+                ahead = next_batch(step + 1, 0)  # for the next step, as nanoGPT does
+            if args.sleep:
+                time.sleep(args.sleep)
             entry = {
                 "step": step,
                 "epoch": ctx.epoch,
@@ -271,10 +284,12 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--patterns", default="all")
     parser.add_argument("--leave-out", default="", help="names used but not tracked")
     parser.add_argument("--record-workers", action="store_true")
+    parser.add_argument("--loop", choices=("steps", "range"), default="steps")
+    parser.add_argument("--sleep", type=float, default=0.0)
     args = parser.parse_args()
     args.leave_out = set(filter(None, args.leave_out.split(",")))
     args.patterns = (
-        set(PATTERNS) - {"module-tracked", "ddp-tracked"}
+        set(EXACT) - {"module-tracked", "ddp-tracked"}
         if args.patterns == "all"
         else set(args.patterns.split(","))
     )
