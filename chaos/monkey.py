@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from peerckpt.chaos.points import ENDED, LOOP, read_json, released_path
 from peerckpt.chaos.spec import ChaosAction
-from peerckpt.errors import PeerckptError
+from peerckpt.errors import NotReshardable, PeerckptError
 from peerckpt.messages.control import JobStatus, Status
 from peerckpt.states import JobState
 
@@ -277,7 +277,11 @@ class ChaosMonkey:
         if action.kind == "add_node":
             self._say(action, status)
             record["fired_at"] = time.time()
-            record["node"] = self._target.add_node()
+            try:
+                record["node"] = self._target.add_node()
+            except NotReshardable as exc:  # the job refuses to grow: it goes on as it was
+                log.error("chaos: %s refused: %s", action.text, exc)
+                return {**record, "fired_at": None, "skipped": f"the job refused it: {exc}"}
             return record
         if action.kind == "kill_coordinator":
             self._say(action, status)

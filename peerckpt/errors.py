@@ -15,6 +15,19 @@ class ConfigurationError(PeerckptError):
     """The job was started with settings that cannot work (missing environment, bad flags)."""
 
 
+class NotReshardable(ConfigurationError):
+    """The job tracks state that cannot follow a change of world size (a data loader without
+    ``load_resharded_state``), so a shrink or grow is refused before it happens: an elastic
+    start (``--min-nodes``) or a node that joins. The message names the objects and the fix,
+    ``FIX``, said the same by the ranks and the coordinator."""
+
+    FIX = (
+        "draw batches with peerckpt.ResumableSampler (sampler.take(batch) in the step, tracked "
+        "as ctx.track(..., sampler=sampler)), which hands out every sample of a data epoch "
+        "exactly once across a change of world size (docs/resharding.md)"
+    )
+
+
 class AuthenticationError(PeerckptError):
     """A connection did not prove knowledge of the job's secret, or was refused for that."""
 

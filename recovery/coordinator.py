@@ -39,6 +39,7 @@ from typing import Any
 from peerckpt.errors import (
     CheckpointError,
     ConfigurationError,
+    NotReshardable,
     RecoveryFailed,
     StaleEpoch,
     StorageUnusable,
@@ -69,13 +70,14 @@ from peerckpt.messages.control import (
     SparesStarting,
     Status,
     Stop,
+    Unreshardable,
     Wants,
     Watch,
 )
 from peerckpt.persist.config import PersistConfig
 from peerckpt.persist.location import check_scheme, check_writable
 from peerckpt.reads import STORAGE
-from peerckpt.recovery import rebuild
+from peerckpt.recovery import rebuild, unreshardable
 from peerckpt.recovery.decide import Loss
 from peerckpt.recovery.dedupwatch import DedupWatch
 from peerckpt.recovery.epochs import Epochs
@@ -223,7 +225,18 @@ class Coordinator:
 
     def allocate_node(self, msg: AllocateNode) -> NodeAllocated:
         with self._lock:
+            refused = unreshardable.join_refusal(self.settings)
+            if refused is not None:
+                raise NotReshardable(refused)
             return NodeAllocated(self.registry.allocate_node())
+
+    def cannot_reshard(self, msg: Unreshardable) -> Ok:
+        """Rank 0 tracks state that cannot reshard: the world may no longer change size."""
+        with self._lock:
+            refused = unreshardable.record(self.settings, msg.objects)
+            if refused is not None:
+                self.life.fail(refused)
+            return Ok()
 
     def spares_starting(self, msg: SparesStarting) -> Ok:
         with self._lock:
@@ -316,6 +329,9 @@ class Coordinator:
     def lose_node(self, node: int, reason: str) -> None:
         """Declare node ``node`` lost, with every process on it."""
         lost = self.registry.lose_node(node, self.epochs.membership)
+        if node in self.epochs.refused_joins:  # never a member: nothing to recover
+            log.info("node %d, refused as it joined, is gone", node)
+            return
         if self.epochs.tracker is not None:
             self.epochs.tracker.forget_node(node)
         if self.flusher is not None:
@@ -655,6 +671,7 @@ class Coordinator:
                 ReplicatedMany: self.replicated_many,
                 Resumed: self.resumed_rank,
                 Done: self.rank_done,
+                Unreshardable: self.cannot_reshard,
                 RankFailed: self.rank_failed,
                 ReplicationFailed: self.replication_failed,
                 Wants: self.wants,

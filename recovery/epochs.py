@@ -42,6 +42,7 @@ from peerckpt.recovery.elastic import ReshardRounds
 from peerckpt.recovery.fallback import durable_to_restore, same_chunks
 from peerckpt.recovery.job import JobLife, Settings, Spares
 from peerckpt.recovery.registry import Registry
+from peerckpt.recovery.unreshardable import join_refusal
 from peerckpt.states import EpochMode, JobState, ProcRole
 
 log = logging.getLogger("peerckpt.coordinator")
@@ -77,6 +78,9 @@ class Epochs:
         self.resumed: set[int] = set()
         self.snapshot_bytes: dict[int, int] = {}
         self.rounds = ReshardRounds()
+        # Nodes whose join came before rank 0 named state that cannot reshard, refused when
+        # their processes connected (``recovery/unreshardable.py``): node → why.
+        self.refused_joins: dict[int, str] = {}
 
     # -- the view the decisions read ---------------------------------------------------------
     def topology(self) -> Topology:
@@ -245,6 +249,11 @@ class Epochs:
             if len(joiners) < agent.joining:
                 continue
             agent.joining = 0
+            refused = join_refusal(self.settings)
+            if refused is not None:
+                log.error("node %d is not added: %s", agent.node, refused)
+                self.refused_joins[agent.node] = refused
+                continue
             event = self._record("grow", frozenset(), {agent.node}, f"node {agent.node} joined")
             join = Join(agent.node, tuple((p.node, p.pid) for p in joiners))
             self._carry_out(decide_join(self.view(), join), event)

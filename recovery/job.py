@@ -31,6 +31,9 @@ class Settings:
     min_nodes: int | None  # None: the world never shrinks
     placement: Placement
     restart_based: bool = False  # torchrun: every worker restarts after any failure
+    # Rank 0's tracked objects that cannot follow a change of world size (its
+    # ``Unreshardable`` report): while there are any, the world neither shrinks nor grows.
+    unreshardable: tuple[str, ...] = ()
 
 
 class JobLife:

@@ -4,8 +4,9 @@ The launcher serves metrics and a status page from the coordinator's ``Status`` 
 ``peerckpt status`` shows it in a terminal. This module gathers the parts of that reply that
 only observers read — the nodes holding each rank's committed copy, each rank's buddies, the
 ranks that resumed in this epoch, the spare nodes, every node's last heartbeat report
-(``replication/stats.py``) and the steps committed (the end-of-run summary) — so that the
-coordinator's own handlers stay about decisions.
+(``replication/stats.py``), the steps committed (the end-of-run summary) and the nodes
+refused as they joined (``peerckpt join`` exits on them) — so that the coordinator's own
+handlers stay about decisions.
 
 It only reads the coordinator's state, under its lock; it never changes it.
 """
@@ -31,6 +32,7 @@ def observed(c: Coordinator) -> dict[str, Any]:
         "replicas": c.settings.replicas,
         "node_addrs": c.registry.node_addrs(),
         "commits": c.commits,
+        "refused_joins": dict(c.epochs.refused_joins),
     }
 
 

@@ -59,6 +59,7 @@ from peerckpt.messages.control import (
     Resumed,
     Shutdown,
     SparesStarting,
+    Unreshardable,
     Wants,
 )
 from peerckpt.messages.local import (
@@ -73,6 +74,7 @@ from peerckpt.messages.local import (
     SlotGranted,
     SnapshotTaken,
     ToAgent,
+    UnreshardableState,
     WantChunks,
 )
 from peerckpt.names import RUN_ENV
@@ -201,6 +203,7 @@ class Agent:
                 RankResumed: self._on_resumed,
                 RankDone: self._on_done,
                 RankError: self._on_rank_error,
+                UnreshardableState: self._on_unreshardable,
                 WantChunks: self._on_wants,
                 ReleaseStaging: self._on_release,
             },
@@ -437,6 +440,12 @@ class Agent:
         done = Done(self.node, msg.epoch, msg.rank)
         self.coordinator.remember(("Done", msg.rank), done)
         self.coordinator.report(done)
+
+    def _on_unreshardable(self, msg: UnreshardableState, link: ProcLink) -> None:
+        report = Unreshardable(self.node, msg.epoch, msg.rank, msg.objects)
+        # Replayed to a restarted coordinator, which would otherwise let the world change.
+        self.coordinator.remember(("Unreshardable", msg.rank), report)
+        self.coordinator.report(report)
 
     def _on_rank_error(self, msg: RankError, link: ProcLink) -> None:
         self.coordinator.report(RankFailed(self.node, msg.epoch, msg.rank, msg.error, msg.message))

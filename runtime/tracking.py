@@ -31,11 +31,18 @@ import torch
 from peerckpt.errors import StateMismatch
 from peerckpt.faults import NO_FAULTS, FaultHooks
 from peerckpt.manifest import META_KEY, ChunkRecord
-from peerckpt.messages.local import Arrived, RankResumed, ReleaseStaging, WantChunks
+from peerckpt.messages.local import (
+    Arrived,
+    RankResumed,
+    ReleaseStaging,
+    UnreshardableState,
+    WantChunks,
+)
 from peerckpt.runtime import capture, twins
 from peerckpt.runtime.audit import FirstStepWatch, warn_untracked
 from peerckpt.runtime.live import LiveState
 from peerckpt.runtime.policy import Probe, RankReport, SnapshotPolicy
+from peerckpt.runtime.reshardable import refusal, unreshardable
 from peerckpt.runtime.restore import (
     ChunkSource,
     OldLayout,
@@ -145,6 +152,7 @@ class EpochTracking:
             if isinstance(obj, torch.optim.Optimizer):
                 self._hooks.append(obj.register_step_pre_hook(self._before_optimizer_step))
         a = self.assignment
+        self._report_unreshardable(state)
         if a.mode is EpochMode.RESHARD:
             self._restore_resharded(state)
             return
@@ -180,6 +188,23 @@ class EpochTracking:
             adopted,
             len(alive),
         )
+
+    def _report_unreshardable(self, state: dict[str, Any]) -> None:
+        """Name what cannot follow a change of world size (``runtime/reshardable.py``): rank 0
+        tells the coordinator, which refuses an elastic start and nodes that join; a rank
+        asked to reshard it refuses rather than load another rank's data position."""
+        a = self.assignment
+        if a.rank != 0 and a.mode is not EpochMode.RESHARD:
+            return
+        objects = unreshardable(state)
+        if not objects:
+            return
+        if a.mode is EpochMode.RESHARD:
+            raise StateMismatch(
+                f"the world changed from {a.old_world} to {a.world_size} ranks, but "
+                + refusal(objects)
+            )
+        self.channel.notify(UnreshardableState(a.epoch, a.rank, objects))
 
     def _await_state(self) -> Assignment:
         """Wait for the state the agent pulls while this process built its objects; from

@@ -124,6 +124,64 @@ def test_sharded_state_restores_into_the_shrunk_world(tmp_path, kind, chaos, wor
     _assert_full_restore_matches(tmp_path, world=world, log=run.log)
 
 
+LOADER = ["--patterns", "inner-tracked,stateful-loader"]  # tests/jobs/user_loop.py
+NAMED = "data (a StatefulDataLoader with a DistributedSampler)"
+
+
+def test_an_elastic_job_tracking_a_stateful_loader_is_refused_at_start(tmp_path) -> None:
+    """torchdata's StatefulDataLoader over a DistributedSampler cannot reshard: with
+    --min-nodes the job fails as rank 0 tracks it, naming it and the fix."""
+    run = run_job(
+        tmp_path,
+        "user_loop.py",
+        [*LOADER, "--steps", "20"],
+        nodes=2,
+        nproc=1,
+        extra=["--min-nodes", "1"],
+    )
+    assert run.returncode == 1, run.log[-4000:]
+    reason = run.report["reason"]
+    assert reason.startswith("the job may shrink (--min-nodes 1), but it tracks data-loader")
+    assert NAMED in reason and "peerckpt.ResumableSampler" in reason, reason
+    assert run.report["events"] == []
+
+
+def test_a_node_joining_a_job_tracking_a_stateful_loader_is_refused_and_the_job_goes_on(
+    tmp_path,
+) -> None:
+    """`peerckpt join` is refused before it starts anything, naming the loader and the fix;
+    the job, held at step 3 until the join is over, then trains every step once in epoch 0."""
+    hold = tmp_path / "go"
+    proc = launch(tmp_path, "user_loop.py", [*LOADER, "--steps", "8", "--hold", str(hold)], nodes=1)
+    try:
+        job = proc.args[proc.args.index("--job") + 1]
+        deadline = time.monotonic() + 120
+        while len(read_jsonl(tmp_path / "rank0.jsonl")) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        joined = subprocess.run(
+            [sys.executable, "-m", "peerckpt", "join", "--job", job],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        hold.touch()
+        log, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)  # the launcher cleans up on Ctrl-C
+            proc.communicate(timeout=60)
+    assert joined.returncode == 2, joined.stderr[-3000:]
+    assert f"job {job} cannot grow" in joined.stderr and NAMED in joined.stderr
+    assert "peerckpt.ResumableSampler" in joined.stderr
+    assert proc.returncode == 0, log[-4000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["events"] == [] and report["summary"]["committed_step"] == 7
+    for rank in (0, 1):
+        records = read_jsonl(tmp_path / f"rank{rank}.jsonl")
+        assert [(r["epoch"], r["step"]) for r in records] == [(0, s) for s in range(8)]
+
+
 @pytest.mark.slow  # make test: tests/runtime/test_sampler.py
 def test_the_sampler_delivers_every_index_once_across_a_shrink_and_a_grow(tmp_path) -> None:
     """4 ranks → 2 (node lost) → 4 (node joins); a 160-sample dataset, 4 samples per rank per

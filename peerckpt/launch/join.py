@@ -7,6 +7,11 @@ coordinator, starts an agent and
 connected, the coordinator widens the world and every rank restores the last committed step
 into the new layout. ``peerckpt join`` then stays until the job ends, and stops what it
 started on the way out — also on Ctrl-C.
+
+A job that tracks a data loader that cannot reshard refuses the node (``NotReshardable``,
+``recovery/unreshardable.py``): before anything starts, or, when rank 0 named that loader
+only after the node was given its index, once its processes connected; ``peerckpt join``
+then exits non-zero with the reason, and the job goes on as it was.
 """
 
 from __future__ import annotations
@@ -59,9 +64,14 @@ def join(
         log.info("node %d joins job %s with %d rank(s)", node, job, count)
         while not stop.wait(0.2):
             try:
-                state = rpc.call(Status(), timeout=5.0).state.value
+                status = rpc.call(Status(), timeout=5.0)
             except PeerckptError:
                 state = "failed"  # the coordinator is gone: the job is over
+                break
+            state = status.state.value
+            if node in status.refused_joins:  # the job is not harmed: only this node goes
+                log.error("node %d was refused: %s", node, status.refused_joins[node])
+                state = "failed"
                 break
             if state in ("succeeded", "failed", "stopped") or agent.agent.poll() is not None:
                 break

@@ -14,6 +14,7 @@ Sequences (one agent; every call carries the agent's ``node``)::
     agent ── Replicated ────────────▶                  (a snapshot has all its buddies' acks)
     agent ── ReplicatedMany ────────▶                  (several at once, ready together)
     agent ── Resumed / Done / RankFailed / Wants ▶     (relayed for its ranks)
+    agent ── Unreshardable ─────────▶                  (rank 0's, relayed)
     agent ── ReplicationFailed / Flushed ▶
 
 Pure data: no I/O here.
@@ -287,6 +288,19 @@ class Done(Request[Ok]):
     rank: int
 
 
+@message("Unreshardable")
+@dataclass(frozen=True)
+class Unreshardable(Request[Ok]):
+    """Rank 0 tracks ``objects`` (one line each: its name and what it is), data loaders or
+    samplers whose state cannot follow a change of world size (``runtime/reshardable.py``): the
+    coordinator then refuses to start the job elastic and refuses nodes that join."""
+
+    node: int
+    epoch: int
+    rank: int
+    objects: list[str]
+
+
 @message("RankFailed")
 @dataclass(frozen=True)
 class RankFailed(Request[Ok]):
@@ -508,6 +522,7 @@ class JobStatus(Message):
     # (``peerckpt/succession.py``); the hosts' launchers read it.
     node_addrs: dict[int, str] = field(default_factory=dict)
     commits: int = 0  # steps committed since this coordinator started (the end-of-run summary)
+    refused_joins: dict[int, str] = field(default_factory=dict)  # node → why it may not join
 
 
 @message("Status")
@@ -527,6 +542,7 @@ UNARY: tuple[type[Any], ...] = (
     ReplicatedMany,
     Resumed,
     Done,
+    Unreshardable,
     RankFailed,
     ReplicationFailed,
     Wants,

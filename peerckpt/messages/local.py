@@ -7,6 +7,7 @@ handshake). Then::
     rank ── AllocSlot ─────────▶ agent ── SlotGranted ─▶ rank      (requests: ``req`` ids)
     rank ── Restarting ────────▶ agent ── Granted ─────▶ rank
     rank ── SnapshotTaken / RankResumed / RankDone / RankError / WantChunks / ReleaseStaging
+    rank ── UnreshardableState (rank 0, at ctx.track, when it tracks a loader that cannot reshard)
     rank ── Beat (every HEARTBEAT_S)
     agent ─ Abort / EpochStart / Arrived / Commit / Staging / Shutdown / Fenced ─▶ rank  (events)
 
@@ -130,6 +131,18 @@ class RankResumed(ToAgent):
 class RankDone(ToAgent):
     epoch: int
     rank: int
+
+
+@message("unreshardable")
+@dataclass(frozen=True)
+class UnreshardableState(ToAgent):
+    """Rank 0 tracks ``objects`` whose state cannot follow a change of world size (data
+    loaders and samplers without ``load_resharded_state``), one line each; sent at
+    ``ctx.track``, relayed to the coordinator as ``Unreshardable``."""
+
+    epoch: int
+    rank: int
+    objects: list[str]
 
 
 @message("rank_error")

@@ -1,7 +1,7 @@
 """A training script written the way users write them, with the pieces a matrix test picks.
 
 usage: user_loop.py OUT_DIR [--steps N] [--patterns P,P,...|all] [--leave-out NAME,...]
-                    [--record-workers] [--loop steps|range] [--sleep S]
+                    [--record-workers] [--loop steps|range] [--sleep S] [--hold FILE]
 
 Patterns (each a habit of ordinary training scripts; ``all`` is every one at once):
 
@@ -22,7 +22,8 @@ Patterns (each a habit of ordinary training scripts; ``all`` is every one at onc
   ahead, before the loop and again at the end of each step for the next one.
 
 ``--loop range`` iterates ``range(N)`` instead of ``ctx.steps(N)``, as a user who kept the
-script's own loop would (no snapshot is ever taken); ``--sleep S`` sleeps S seconds a step.
+script's own loop would (no snapshot is ever taken); ``--sleep S`` sleeps S seconds a step;
+``--hold FILE``: at step 3 every rank waits until FILE exists (a test acts on the job meanwhile).
 
 ``--leave-out`` names tracked objects (``sched``, ``data``, ``head_optim``, ``scaler``, …) that the
 script then uses without passing them to ``ctx.track``, as a user who forgot them would.
@@ -235,6 +236,8 @@ def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
     ahead = next_batch(0, 0) if "prefetch" in use else None
     with open(os.path.join(args.out, f"rank{ctx.rank}.jsonl"), "a") as log:
         for step in steps:
+            while args.hold and step == 3 and not os.path.exists(args.hold):
+                time.sleep(0.05)
             net.train()
             for micro in range(micro_batches):
                 x, y = ahead if ahead is not None else next_batch(step, micro)
@@ -286,6 +289,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--record-workers", action="store_true")
     parser.add_argument("--loop", choices=("steps", "range"), default="steps")
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--hold", default="")
     args = parser.parse_args()
     args.leave_out = set(filter(None, args.leave_out.split(",")))
     args.patterns = (
