@@ -17,13 +17,15 @@ over ``ctx.steps``, from two facts that must both hold:
 
 Only tensors count: carried ints and floats (a timer, a running average for the log) do not
 change what is trained. Reading the frame costs one ``f_locals`` at the loop's start and one
-after its first step, once per process; nothing is ever written to it. A loop over
+after its first step, once per process; no local is ever changed, and no value is kept alive
+past the first step (``_read``). A loop over
 something other than a ``for`` (``next()`` by hand) is not looked at.
 """
 
 from __future__ import annotations
 
 import dis
+import inspect
 import os
 import sys
 import types
@@ -58,18 +60,14 @@ class CarriedWatch:
         """Watch ``frame``, by default the one looping over ``ctx.steps`` (None where there is
         nothing to watch: no ``for`` loop, or no name it reads before writing holds a tensor)."""
         frame = frame or _user_frame()
-        if frame is None:
-            return None
+        if frame is None or not frame.f_code.co_flags & inspect.CO_OPTIMIZED:
+            return None  # a module's or class's namespace: not a loop's locals
         names = carried_names(frame.f_code, frame.f_lasti)
         if not names:
             return None
         ids = {id(obj) for obj in tracked.values()}
-        values = frame.f_locals
-        held = {
-            n: values[n]
-            for n in sorted(names)
-            if n in values and id(values[n]) not in ids and _tensors(values[n])
-        }
+        values = _read(frame, names)
+        held = {n: v for n, v in values.items() if id(v) not in ids and _tensors(v)}
         return cls(frame, held) if held else None
 
     def finish(self) -> list[str]:
@@ -78,7 +76,7 @@ class CarriedWatch:
         before, self._before = self._before, {}
         if frame is None:
             return []
-        now = frame.f_locals
+        now = _read(frame, set(before))
         del frame
         changed = [
             n for n, v in before.items() if n in now and now[n] is not v and _tensors(now[n])
@@ -124,6 +122,19 @@ def _accesses(ins: dis.Instruction) -> list[tuple[str, str]]:
     if pair is not None and isinstance(ins.argval, tuple) and len(ins.argval) == 2:
         return list(zip(ins.argval, pair, strict=True))
     return []
+
+
+def _read(frame: types.FrameType, names: set[str]) -> dict[str, Any]:
+    """The values of ``names`` in ``frame`` (a function's). Before Python 3.13 ``f_locals`` is
+    a snapshot of every local that the frame keeps until it is read again: emptied here, or
+    it would keep the values of that moment alive for the rest of the loop (a step's logits,
+    gigabytes on a GPU). The frame's own locals are untouched: the snapshot is a copy, and
+    a tracer refreshes it before it could write it back."""
+    values = frame.f_locals
+    out = {n: values[n] for n in sorted(names) if n in values}
+    if type(values) is dict:  # 3.13's write-through proxy is not a snapshot: left alone
+        values.clear()
+    return out
 
 
 def _user_frame() -> types.FrameType | None:

@@ -10,6 +10,7 @@ runtime does at the first snapshot.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -92,3 +93,18 @@ def test_the_names_come_from_the_loop_body_only() -> None:
     head = next(i for i in __import__("dis").get_instructions(code) if i.opname == "FOR_ITER")
     assert carried_names(code, head.offset) == {"a"}
     assert carried_names(code, 0) == set()  # not a FOR_ITER: nothing
+
+
+def test_the_watch_keeps_no_value_of_the_loop_alive() -> None:
+    """Reading a frame's locals before Python 3.13 leaves a snapshot of them on the frame:
+    the step's tensors would outlive their step for the rest of the loop."""
+    X = torch.zeros(3)  # a candidate: the watch reads the frame twice
+    steps = Steps(3)
+    refs = []
+    for step in steps:
+        y = torch.full((3,), float(step)) + X.sum()
+        refs.append(weakref.ref(y))
+        X = y
+    del y, X
+    assert steps.found is not None and len(steps.found) == 1
+    assert [r() for r in refs] == [None, None, None]
