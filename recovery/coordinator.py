@@ -131,7 +131,11 @@ class Coordinator:
         digests_file: str | None = None,
         restart_based: bool = False,
         moved_from: str | None = None,
+        max_restarts: int = 0,
     ) -> None:
+        """``max_restarts``: how many times a rank lost on a live node may be restarted in
+        place over the job (``peerckpt run --max-restarts``); 0, the default here, for a
+        launcher that does not carry restarts out (``JobStatus.in_place``)."""
         self._lock = threading.RLock()
         self.settings = Settings(
             job,
@@ -142,6 +146,7 @@ class Coordinator:
             min_nodes,
             placement or RingPlacement(),
             restart_based,
+            max_restarts,
         )
         self.registry = Registry()
         self.life = JobLife(self.registry)
@@ -185,7 +190,11 @@ class Coordinator:
             known = self.registry.agents.get(msg.node)
             if msg.rejoin is not None and known is not None and not known.alive:
                 return AgentConfig(s.replicas, s.heartbeat_timeout, lost=True)
-            self.registry.add_agent(AgentInfo(msg.node, msg.data_addr, msg.spare_node, msg.joining))
+            self.registry.add_agent(
+                AgentInfo(
+                    msg.node, msg.data_addr, msg.spare_node, msg.joining, grew=msg.joining > 0
+                )
+            )
             log.info("agent of node %d registered (data %s)", msg.node, msg.data_addr)
             if msg.rejoin is not None:
                 self.rebuild_back.add(msg.node)
@@ -275,6 +284,7 @@ class Coordinator:
                 self.epochs.open_first()
             self.epochs.maybe_grow()
             if p.role is ProcRole.SPARE:
+                self.epochs.spare_joined(msg.node)
                 self.epochs.retry_deferred()
             return Ok()
 
@@ -645,6 +655,7 @@ class Coordinator:
                 events=list(self.epochs.events),
                 flushes=self.flusher.records() if self.flusher else [],
                 flush_skipped=list(self.flusher.skipped) if self.flusher else [],
+                in_place={r: [n, pid] for r, (n, pid) in self.epochs.in_place.items()},
                 **observed(self),
             )
 

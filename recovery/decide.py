@@ -9,7 +9,9 @@ A ``Loss`` (ranks gone, with their nodes) is decided as:
 
 0. restart-based (torchrun): some member still alive, or restarted workers still starting,
    and the wait not over → ``Wait`` (torchrun restarts every worker after any failure);
-1. fewer spares joined than ranks lost, but more starting and the wait not over → ``Wait``;
+1. fewer spares joined than ranks lost, but more starting and the wait not over → ``Wait``
+   (a rank the coordinator restarts in place counts as a spare starting on its node: the
+   shell asks ``restarts_in_place`` first, orders those restarts, then decides);
 2. enough spares → they take the lost ranks, those on a lost rank's node first
    (``elastic.replaced``);
 3. else, if the job may shrink (``min_nodes``) and enough nodes remain → the survivors are
@@ -66,6 +68,12 @@ class JobView:
     # waits until no member of the epoch is alive and the restarted processes have joined.
     restart_based: bool = False
     members_alive: int = 0  # processes of the current epoch not lost yet
+    # Restart in place (``restarts_in_place``): how many times a rank may be restarted on its
+    # node over the job (``--max-restarts``; 0: never), how many times each was, and the
+    # nodes where a launcher of the job would start the fresh process (agent alive).
+    max_restarts: int = 0
+    restarts: Mapping[int, int] = field(default_factory=dict)
+    restartable_nodes: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -73,7 +81,8 @@ class Loss:
     """Ranks lost, and the nodes lost with them. ``restarted``: those of ``ranks`` whose
     process is restarted in place (a survivor that could not leave an aborted epoch; a fresh
     process on its healthy node takes the rank). ``deadline``: until then a recovery may wait
-    for spares still starting (set once it waits); ``never_joined``: spares given up on."""
+    for spares still starting (set once it waits); ``never_joined``: spares given up on;
+    ``ordered``: those of ``ranks`` the coordinator ordered restarted in place on their node."""
 
     kind: str  # "rank" or "node"
     ranks: frozenset[int]
@@ -83,6 +92,7 @@ class Loss:
     deadline: float | None = None
     never_joined: int = 0
     restarted: frozenset[int] = frozenset()
+    ordered: frozenset[int] = frozenset()
 
     def merged(self, other: Loss) -> Loss:
         """One recovery for both losses (the second struck while the first waited)."""
@@ -95,6 +105,7 @@ class Loss:
             self.deadline,
             self.never_joined,
             self.restarted | other.restarted,
+            self.ordered | other.ordered,
         )
 
 
@@ -182,9 +193,63 @@ def decide_loss(view: JobView, loss: Loss, now: float, spare_wait_s: float) -> D
         )
     missing = view.spares_starting or loss.never_joined
     never = f" ({missing} more never joined)" if missing else ""
+    note = _no_restart(view, loss)
+    more = ", a higher --max-restarts" if note else ""
     return Fail(
         f"lost rank(s) {sorted(ranks)} ({loss.reason}) and only {len(view.spares)} spare(s) are "
-        f"left{never}; start the job with more --spares, or let it shrink with --min-nodes"
+        f"left{never}{note}; start the job with more --spares{more}, or let it shrink with "
+        "--min-nodes"
+    )
+
+
+def restarts_in_place(view: JobView, loss: Loss) -> dict[int, int]:
+    """The ranks of ``loss`` to restart in place now, each on the node it was lost on:
+    rank → node. The shell orders them (a launcher starts a fresh process there, counted as
+    a spare starting) before it asks ``decide_loss``, which then waits for them.
+
+    A rank whose process died while its node's agent lives has its state in that agent's
+    memory: a fresh process on the node restores it with no network. Free spares still come
+    first: a spare has started Python and imported torch already and takes the rank at once,
+    pulling its state over the network (0.1 s for the test job), where a fresh process needs
+    seconds to start (``docs/architecture.md``, One recovery). So only the ranks that spares,
+    joined or starting, cannot take are restarted, and only when restarts can take every one
+    of them: restarting some while the world stays short would only delay the shrink or the
+    failure that follows anyway. A rank is restarted at most ``max_restarts`` times over the
+    job; none under torchrun (``restart_based``: it restarts its workers itself), none twice
+    for one loss, and none that restarts by itself (``loss.restarted``, a survivor stuck in
+    an aborted epoch)."""
+    if view.restart_based or view.max_restarts <= 0:
+        return {}
+    short = len(loss.ranks) - len(view.spares) - view.spares_starting
+    if short <= 0:
+        return {}
+    old = view.membership.ranks
+    able = [
+        r
+        for r in sorted(loss.ranks - loss.restarted - loss.ordered)
+        if r in old
+        and old[r].node in view.restartable_nodes
+        and old[r].node not in loss.nodes
+        and view.restarts.get(r, 0) < view.max_restarts
+    ]
+    if len(able) < short:
+        return {}
+    return {r: old[r].node for r in able[:short]}
+
+
+def _no_restart(view: JobView, loss: Loss) -> str:
+    """Why no lost rank was restarted in place, when ``--max-restarts`` is why (a rank lost
+    with its node cannot be: nothing to say then)."""
+    if view.restart_based:
+        return ""
+    if view.max_restarts <= 0:
+        return "; restarting in place is off (--max-restarts 0)"
+    spent = sorted(r for r in loss.ranks if view.restarts.get(r, 0) >= view.max_restarts)
+    if not spent:
+        return ""
+    return (
+        f"; rank(s) {spent} were restarted in place {view.max_restarts} time(s) already, all "
+        f"that --max-restarts {view.max_restarts} allows"
     )
 
 

@@ -37,6 +37,7 @@ from peerckpt.recovery.decide import (
     decide_join,
     decide_loss,
     next_epoch,
+    restarts_in_place,
 )
 from peerckpt.recovery.elastic import ReshardRounds
 from peerckpt.recovery.fallback import durable_to_restore, same_chunks
@@ -81,6 +82,11 @@ class Epochs:
         # Nodes whose join came before rank 0 named state that cannot reshard, refused when
         # their processes connected (``recovery/unreshardable.py``): node → why.
         self.refused_joins: dict[int, str] = {}
+        # Restart in place (``decide.restarts_in_place``): each rank's restarts over the job,
+        # and those ordered whose process has not taken the rank yet: rank → (node, pid of
+        # the process lost), which the launchers read in ``JobStatus.in_place``.
+        self.restarts: dict[int, int] = {}
+        self.in_place: dict[int, tuple[int, int]] = {}
 
     # -- the view the decisions read ---------------------------------------------------------
     def topology(self) -> Topology:
@@ -100,6 +106,9 @@ class Epochs:
             self.topology(),
             self.settings.restart_based,
             self._members_alive(),
+            max_restarts=self.settings.max_restarts,
+            restarts=dict(self.restarts),
+            restartable_nodes=self.registry.restartable_nodes(),
         )
 
     def _members_alive(self) -> int:
@@ -149,11 +158,13 @@ class Epochs:
         """Ranks were lost: replace them, shrink, wait for spares, or fail."""
         if self.life.state is not JobState.RUNNING or self.membership is None:
             return
+        self._forget_restarts_on(loss.nodes)
         if loss.deadline is None and self.deferred is not None:
             # A recovery is waiting for spares: this loss joins it (one epoch change for both).
-            self.deferred = self.deferred.merged(loss)
+            self.deferred = self._restart_in_place(self.deferred.merged(loss))
             self.retry_deferred()
             return
+        loss = self._restart_in_place(loss)
         wait_s = RESTART_WAIT_S if self.settings.restart_based else SPARE_WAIT_S
         decision = decide_loss(self.view(), loss, time.monotonic(), wait_s)
         if isinstance(decision, Wait):
@@ -182,7 +193,49 @@ class Epochs:
                 detected_at=loss.detected_at,
                 waited_for_spares_s=round(time.time() - loss.detected_at, 3),
             )
+        if isinstance(decision, OpenEpoch) and loss.ordered:
+            old = self.membership.ranks
+            here = {r: self.restarts[r] for r in sorted(loss.ordered) if _on(decision, r, old)}
+            event = self._amend(event, in_place=here)
         self._carry_out(decision, event)
+
+    def _restart_in_place(self, loss: Loss) -> Loss:
+        """Order the restarts in place that ``decide.restarts_in_place`` picks for ``loss``:
+        each is counted as a spare starting now, before any launcher could start it, so the
+        decision that follows waits for it (no window in which the job fails or shrinks for
+        want of a spare); the launchers read the order in ``JobStatus.in_place``."""
+        assert self.membership is not None
+        orders = restarts_in_place(self.view(), loss)
+        for rank, node in orders.items():
+            self.restarts[rank] = self.restarts.get(rank, 0) + 1
+            self.in_place[rank] = (node, self.membership.ranks[rank].pid)
+            log.warning(
+                "rank %d was lost on node %d, whose agent holds its state: restarting it in "
+                "place (restart %d of at most %d, --max-restarts)",
+                rank,
+                node,
+                self.restarts[rank],
+                self.settings.max_restarts,
+            )
+        self.spares.started += len(orders)
+        return replace(loss, ordered=loss.ordered | frozenset(orders)) if orders else loss
+
+    def _forget_restarts_on(self, nodes: frozenset[int]) -> None:
+        """Nodes lost: the restarts ordered there will never join; stop waiting for them."""
+        for rank, (node, _) in list(self.in_place.items()):
+            if node in nodes:
+                del self.in_place[rank]
+                self.spares.started -= 1
+
+    def spare_joined(self, node: int) -> None:
+        """A spare joined on ``node``: where a restart in place was ordered, it is that
+        restart's process, and no launcher is to start it any more. (An order stays until
+        then, also when another spare took its rank: its process, counted as starting, is
+        on its way and joins as a free spare.)"""
+        for rank, (n, _) in sorted(self.in_place.items()):
+            if n == node:
+                del self.in_place[rank]
+                return
 
     def _ongoing(self, loss: Loss) -> int | None:
         """The recovery that ``loss`` is part of: the last one, while it has not finished, when
@@ -492,3 +545,9 @@ class Epochs:
     def _amend(self, index: int, **fields: Any) -> int:
         self.events[index] = replace(self.events[index], **fields)
         return index
+
+
+def _on(decision: OpenEpoch, rank: int, old: dict[int, RankAssignment]) -> bool:
+    """Whether the process that takes ``rank`` in ``decision`` is on the node it was lost on."""
+    where = decision.replacements.get(rank)
+    return where is not None and where[0] == old[rank].node

@@ -26,6 +26,9 @@ class AgentInfo:
     data_addr: str
     spare_node: bool
     joining: int = 0  # ranks this node brings to a running job (``peerckpt join``)
+    # Registered to join a running job: its launcher (``peerckpt join``) may not restart its
+    # processes in place, so the coordinator never waits for it to (``restartable_nodes``).
+    grew: bool = False
     # Its ``Watch`` stream's events; ``Registry.add_agent`` gives it one fed by broadcasts.
     events: Mailbox = field(default_factory=lambda: EventHub().mailbox())
     alive: bool = True
@@ -127,6 +130,11 @@ class Registry:
             ),
             key=lambda p: p.pid,
         )
+
+    def restartable_nodes(self) -> frozenset[int]:
+        """Nodes where a lost rank may be restarted in place: agent alive (it holds the
+        rank's state), started with the job (its launcher carries the restarts out)."""
+        return frozenset(n for n, a in self.agents.items() if a.alive and not a.grew)
 
     def node_addrs(self) -> dict[int, str]:
         """The live agents' data addresses."""

@@ -47,6 +47,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the host of the coordinator this one replaces, which died (its nodes are lost)",
     )
     parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restarts in place per rank over the job, carried out by the launcher (peerckpt "
+        "run passes its --max-restarts); 0: none",
+    )
+    parser.add_argument(
         "--restart-based",
         action="store_true",
         help="every worker restarts after any failure (torchrun): wait for them",
@@ -70,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         digests_file=args.digests_file,
         restart_based=args.restart_based,
         moved_from=args.moved_from,
+        max_restarts=args.max_restarts,
     )
     unary, streams = coordinator.handlers()
     server = RpcServer(

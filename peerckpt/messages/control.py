@@ -468,6 +468,9 @@ class RecoveryEvent(Message):
     # rank → when (wall clock) its process, a survivor that could not leave the aborted
     # epoch, was restarted in place during this recovery: part of its cost, not a new failure
     restarted: dict[int, float] = field(default_factory=dict)
+    # rank → which of its restarts in place (1 … --max-restarts) this was: a lost rank that
+    # a fresh process on its own node took, restoring from that node's memory
+    in_place: dict[int, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The report's JSON form (``peerckpt run --report``): fields that are set."""
@@ -518,6 +521,9 @@ class JobStatus(Message):
     spare_nodes: list[int] = field(default_factory=list)
     node_stats: dict[int, NodeStats] = field(default_factory=dict)
     replicas: int | None = None
+    # Restarts in place the coordinator waits for: rank → [node, pid of the process lost];
+    # the launcher that started that process starts a fresh one on the node, once.
+    in_place: dict[int, list[int]] = field(default_factory=dict)
     # Every live node's agent (data address): where the coordinator moves if its host dies
     # (``peerckpt/succession.py``); the hosts' launchers read it.
     node_addrs: dict[int, str] = field(default_factory=dict)

@@ -43,7 +43,7 @@ def _spare(node: int, pid: int) -> ProcJoined:
     return ProcJoined(node, ProcReport(pid, ProcRole.SPARE, None))
 
 
-def _job(spares: int = 1, started: int | None = None) -> Coordinator:
+def _job(spares: int = 1, started: int | None = None, max_restarts: int = 0) -> Coordinator:
     """A 2 x 2 job whose launcher started ``started`` spares (default: all joined)."""
     c = Coordinator(
         "j",
@@ -51,6 +51,7 @@ def _job(spares: int = 1, started: int | None = None) -> Coordinator:
         replicas=1,
         store_addr="127.0.0.1:1",
         spares=spares if started is None else started,
+        max_restarts=max_restarts,
     )
     for node in (0, 1):
         c.register_agent(RegisterAgent(node, f"127.0.0.1:{1000 + node}"))
@@ -188,6 +189,58 @@ def test_a_loss_waits_for_spares_still_starting_then_recovers_them_together() ->
     assert m.epoch == 2 and m.ranks[3].pid == 201 and m.ranks[1].pid == 200
     event = c.epochs.events[-1]
     assert event.ranks == [3] and event.waited_for_spares_s is not None
+
+
+def test_a_rank_lost_on_a_live_node_waits_for_its_restart_in_place_and_takes_it() -> None:
+    c = _job(spares=0, max_restarts=3)
+    _commit(c, 0, 5)
+    _events(c, 0)
+    c.proc_lost(ProcLost(0, 101, "exited"))
+    # Ordered before any launcher could act: counted as a spare starting, so the job waits.
+    assert c.life.state is JobState.RUNNING and _events(c, 0) == []
+    assert c.status(Status()).in_place == {1: [0, 101]} and c.spares.starting == 1
+    c.proc_joined(_spare(0, 500))  # the launcher's fresh process on node 0
+    m = _events(c, 0)[-1].membership
+    assert m.epoch == 1 and m.mode is EpochMode.SAME and m.restore_step == 5
+    assert (m.ranks[1].node, m.ranks[1].pid) == (0, 500) and m.sources[1][0] == 0
+    event = c.epochs.events[-1]
+    assert event.ranks == [1] and event.in_place == {1: 1} and event.replacements == {1: [0, 500]}
+    assert c.status(Status()).in_place == {} and c.spares.starting == 0
+
+
+def test_restarts_in_place_are_counted_per_rank_over_the_job_then_the_job_fails() -> None:
+    c = _job(spares=0, max_restarts=2)
+    _commit(c, 0, 3)
+    pid = 101
+    for epoch, new in ((1, 500), (2, 501)):
+        c.proc_lost(ProcLost(0, pid, "exited"))
+        c.proc_joined(_spare(0, new))
+        assert c.epochs.membership.epoch == epoch and c.epochs.events[-1].in_place == {1: epoch}
+        _commit(c, epoch, 3 + epoch)
+        pid = new
+    c.proc_lost(ProcLost(1, 103, "exited"))  # another rank: a count of its own
+    c.proc_joined(_spare(1, 502))
+    assert c.epochs.membership.epoch == 3 and c.epochs.events[-1].in_place == {3: 1}
+    c.proc_lost(ProcLost(0, pid, "exited"))  # rank 1's third loss: none left
+    assert c.life.state is JobState.FAILED
+    assert "rank(s) [1] were restarted in place 2 time(s) already" in c.life.reason
+    assert "--max-restarts 2" in c.life.reason
+
+
+def test_a_restart_ordered_on_a_node_then_lost_is_not_waited_for() -> None:
+    c = _job(spares=0, max_restarts=3)
+    _commit(c, 0, 2)
+    c.proc_lost(ProcLost(0, 101, "exited"))
+    assert c.spares.starting == 1
+    c.lose_node(0, "test")  # its memory is gone: no restart there, no spare: fail now
+    assert c.life.state is JobState.FAILED and "only 0 spare(s) are left" in c.life.reason
+    assert c.spares.starting == 0 and c.status(Status()).in_place == {}
+
+
+def test_a_rank_on_a_node_that_joined_the_running_job_is_not_restarted_in_place() -> None:
+    c = _job(spares=0, max_restarts=3)
+    c.register_agent(RegisterAgent(3, "127.0.0.1:1003", joining=1))
+    assert c.registry.restartable_nodes() == {0, 1, 2}
 
 
 def test_a_spare_that_never_joins_ends_the_wait_with_a_clear_reason() -> None:

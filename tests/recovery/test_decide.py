@@ -18,6 +18,7 @@ from peerckpt.recovery.decide import (
     Wait,
     decide_join,
     decide_loss,
+    restarts_in_place,
 )
 from peerckpt.recovery.placement import RingPlacement
 from peerckpt.states import EpochMode
@@ -178,3 +179,76 @@ def test_restarted_workers_of_the_surviving_nodes_form_the_shrunk_world() -> Non
     assert m.mode is EpochMode.RESHARD and m.old_world == 4
     assert {r: (a.node, a.pid) for r, a in m.ranks.items()} == {0: (0, 400), 1: (0, 401)}
     assert d.promoted == {(0, 400): 0, (0, 401): 1} and m.previous == {0: None, 1: None}
+
+
+def _restartable(max_restarts: int = 3, **view: object) -> JobView:
+    """``_view`` where a launcher restarts lost ranks in place on nodes 0, 1 and 2."""
+    return replace(
+        _view(**view),  # type: ignore[arg-type]
+        max_restarts=max_restarts,
+        restartable_nodes=frozenset({0, 1, 2}),
+    )
+
+
+def test_a_rank_lost_on_a_live_node_with_no_spare_is_restarted_there() -> None:
+    view = _restartable()
+    assert restarts_in_place(view, _loss(1)) == {1: 0}  # rank 1 ran on node 0
+    assert restarts_in_place(view, _loss(1, 2)) == {1: 0, 2: 1}
+    # Ordered once: the shell counts it as a spare starting, and decide_loss waits for it.
+    ordered = replace(_loss(1), ordered=frozenset({1}))
+    assert restarts_in_place(replace(view, spares_starting=1), ordered) == {}
+    d = decide_loss(replace(view, spares_starting=1), ordered, now=5.0, spare_wait_s=60.0)
+    assert isinstance(d, Wait) and d.loss.deadline == 65.0 and d.loss.ordered == {1}
+    # Its process joins as a spare on node 0 and takes rank 1, from node 0's own memory.
+    d = decide_loss(replace(view, spares=((0, 500),)), d.loss, now=8.0, spare_wait_s=60.0)
+    assert isinstance(d, OpenEpoch) and d.replacements == {1: [0, 500]}
+    assert d.membership.mode is EpochMode.SAME and d.membership.sources[1][0] == 0
+
+
+def test_free_spares_are_preferred_and_restarts_cover_only_what_they_cannot() -> None:
+    assert restarts_in_place(_restartable(spares=((2, 200),)), _loss(1)) == {}
+    assert restarts_in_place(_restartable(starting=1), _loss(1)) == {}  # one is coming
+    # Two lost, one spare: one restart, the lowest rank that can be restarted.
+    assert restarts_in_place(_restartable(spares=((2, 200),)), _loss(1, 3)) == {1: 0}
+
+
+def test_no_restart_where_the_node_is_gone_the_count_is_spent_or_the_launcher_restarts() -> None:
+    view = _restartable()
+    assert restarts_in_place(view, _loss(2, 3, nodes=(1,))) == {}  # node 1's memory is gone
+    # Rank 3's node died with it: restarting rank 1 alone would leave the world short.
+    assert restarts_in_place(view, _loss(1, 3, nodes=(1,))) == {}
+    gone = replace(view, restartable_nodes=frozenset({1, 2}))  # node 0: agent lost, or joined
+    assert restarts_in_place(gone, _loss(1)) == {}
+    assert restarts_in_place(replace(view, restarts={1: 3}), _loss(1)) == {}
+    assert restarts_in_place(replace(view, restarts={1: 2}), _loss(1)) == {1: 0}
+    assert restarts_in_place(_restartable(max_restarts=0), _loss(1)) == {}
+    assert restarts_in_place(replace(view, restart_based=True), _loss(1)) == {}  # torchrun's
+    stuck = replace(_loss(1), restarted=frozenset({1}))  # it restarts itself
+    assert restarts_in_place(view, stuck) == {}
+
+
+def test_with_no_restart_left_the_failure_names_max_restarts() -> None:
+    off = decide_loss(_restartable(max_restarts=0), _loss(1), now=0.0, spare_wait_s=60.0)
+    assert isinstance(off, Fail)
+    assert "only 0 spare(s) are left; restarting in place is off (--max-restarts 0)" in off.reason
+    assert "more --spares, a higher --max-restarts, or let it shrink" in off.reason
+    spent = replace(_restartable(max_restarts=2), restarts={1: 2})
+    d = decide_loss(spent, _loss(1), now=0.0, spare_wait_s=60.0)
+    assert isinstance(d, Fail)
+    assert "rank(s) [1] were restarted in place 2 time(s) already" in d.reason
+    assert "--max-restarts 2 allows" in d.reason
+    # A rank lost with its node could not be restarted anyway: no word of it.
+    node = decide_loss(_restartable(), _loss(2, 3, nodes=(1,)), now=0.0, spare_wait_s=60.0)
+    assert isinstance(node, Fail) and "--max-restarts" not in node.reason
+
+
+def test_restarts_spent_fall_back_to_shrinking_with_min_nodes() -> None:
+    view = replace(_restartable(max_restarts=1, min_nodes=1), restarts={1: 1})
+    assert restarts_in_place(view, _loss(1)) == {}
+    d = decide_loss(view, _loss(1), now=0.0, spare_wait_s=60.0)
+    assert isinstance(d, OpenEpoch) and d.shrunk_to == 3
+
+
+def test_merged_losses_keep_the_ranks_ordered_restarted() -> None:
+    first = replace(_loss(1), ordered=frozenset({1}))
+    assert first.merged(_loss(2)).ordered == {1}
