@@ -53,6 +53,7 @@ def _run(args: argparse.Namespace) -> int:
         report=args.report,
         job=args.job,
         min_nodes=args.min_nodes,
+        max_restarts=args.max_restarts,
         persist=_persist(args),
         placement=args.placement,
         racks=_racks(args.racks),
@@ -428,6 +429,14 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="let the world shrink, down to this many nodes (1 … --nodes), when no spare is left",
+    )
+    run.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        metavar="N",
+        help="with no spare free, restart a rank process that died on a healthy node there, "
+        "from its node's memory, up to N times per rank (default 3, as torchrun; 0: never)",
     )
     run.add_argument(
         "--persist",

@@ -45,6 +45,23 @@ def test_a_hung_rank_is_declared_lost_replaced_and_fenced_when_it_wakes(tmp_path
     assert f"fenced rank pid {hang['pid']} exited" in run.log
 
 
+@pytest.mark.slow  # make test: tests/launch/test_processes.py (a live process killed first)
+def test_a_hung_rank_with_no_spare_is_killed_and_restarted_in_place(tmp_path) -> None:
+    """No spare: rank 2, stopped, is declared lost while alive. Its launcher SIGKILLs it
+    before a fresh process on node 1 maps the same slots and takes rank 2 from them."""
+    args = ["--steps", "60", "--sleep", "0.08"]
+    reference, run = run_with_reference(
+        tmp_path, args, chaos="hang rank=2 at=10 for=6", extra=["--heartbeat-timeout", "1.5"]
+    )
+    event = _one_recovery(run, "rank")
+    assert event["ranks"] == [2] and "hung or stopped" in event["reason"]
+    assert event["in_place"] == {"2": 1} and event["replacements"]["2"][0] == 1
+    [hang] = run.report["chaos"]
+    assert f"pid {hang['pid']} on node 1 was declared lost alive: killing it" in run.log
+    assert "this process exits without touching the job" not in run.log  # it never woke
+    assert_same_digests(run, reference)
+
+
 def test_a_killed_agent_loses_its_node_and_its_ranks_are_replaced(tmp_path, reference_run) -> None:
     run = run_job(
         tmp_path, script_args=["--steps", "30"], spares=2, chaos="kill agent node=1 at=12"

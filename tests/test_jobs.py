@@ -109,6 +109,43 @@ def test_a_rank_stuck_in_an_aborted_epoch_is_restarted_in_place(tmp_path, refere
     assert "repaired together" not in run.log
 
 
+def test_a_killed_rank_with_no_spare_is_restarted_in_place_from_its_nodes_memory(
+    tmp_path, reference_run
+) -> None:
+    """No spares: rank 1's process dies on node 0, whose agent still holds its state. The
+    coordinator orders it restarted in place (``--max-restarts``, 3 by default) and waits for
+    it; the launcher starts a fresh process on node 0, which takes rank 1 from that node's
+    memory, with no network, and the job ends bit for bit as the fault-free run."""
+    run = run_job(tmp_path, script_args=["--steps", "30"], chaos="kill rank=1 at=10")
+    assert run.returncode == 0, run.log[-4000:]
+    _assert_bit_exact(run, reference_run)
+    [event] = run.report["events"]
+    assert event["kind"] == "rank" and event["ranks"] == [1] and event["in_place"] == {"1": 1}
+    [kill] = run.report["chaos"]
+    node, pid = event["replacements"]["1"]
+    assert node == 0 and pid != kill["pid"]  # a new process, on rank 1's node
+    pulls = {p["rank"]: p for p in event["pulls"]}
+    for rank in range(4):  # every rank from its own node's memory: nothing over the network
+        assert pulls[rank]["source"] == pulls[rank]["node"] and pulls[rank]["bytes"] == 0
+    assert "rank 1 restarted in place on node 0, from its node's memory (its restart 1" in run.log
+
+
+def test_with_max_restarts_0_a_killed_rank_and_no_spare_fail_the_job_naming_the_flag(
+    tmp_path,
+) -> None:
+    run = run_job(
+        tmp_path,
+        script_args=["--steps", "30"],
+        chaos="kill rank=1 at=5",
+        extra=["--max-restarts", "0"],
+    )
+    assert run.returncode == 1
+    reason = run.report["reason"]
+    assert "lost rank(s) [1]" in reason and "only 0 spare(s) are left" in reason, reason
+    assert "restarting in place is off (--max-restarts 0)" in reason
+    assert "restarted in place" not in run.log
+
+
 def test_a_lost_node_is_replaced_by_two_spares_from_peer_memory(tmp_path, reference_run) -> None:
     run = run_job(tmp_path, script_args=["--steps", "30"], spares=2, chaos="kill node=1 at=12")
     assert run.returncode == 0, run.log[-4000:]

@@ -72,7 +72,7 @@ def test_a_rank_lost_without_spares_shrinks_four_ranks_to_three(tmp_path) -> Non
         tmp_path,
         script_args=["--steps", "20"],
         chaos="kill rank=2 at=6",
-        extra=["--min-nodes", "1"],
+        extra=["--min-nodes", "1", "--max-restarts", "0"],  # else restarted in place
     )
     assert run.returncode == 0, run.log[-4000:]
     _assert_ddp_restores_match(tmp_path, world=3, log=run.log)
@@ -118,7 +118,7 @@ def test_sharded_state_restores_into_the_shrunk_world(tmp_path, kind, chaos, wor
         "reshard_job.py",
         ["--kind", kind, "--steps", "15"],
         chaos=chaos,
-        extra=["--min-nodes", "1"],
+        extra=["--min-nodes", "1", "--max-restarts", "0"],  # a killed rank shrinks the world
     )
     assert run.returncode == 0, run.log[-4000:]
     _assert_full_restore_matches(tmp_path, world=world, log=run.log)

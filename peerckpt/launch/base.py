@@ -36,6 +36,9 @@ class JobSpec:
     heartbeat_timeout: float = 5.0
     start_timeout: float = 300.0
     min_nodes: int | None = None
+    # A rank process lost on a live node, with no spare free: restarted there, from its
+    # node's memory, at most this many times per rank over the job (torchrun's default)
+    max_restarts: int = 3
     report: str | None = None
     env: dict[str, str] = field(default_factory=dict)  # --env: set for every process
     job: str | None = None

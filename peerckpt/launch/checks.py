@@ -93,6 +93,7 @@ def check_spec(spec: JobSpec, nodes_flag: str = "--nodes") -> None:
     _at_least(nodes_flag, spec.nodes, 1, "a job needs at least 1 node")
     _at_least("--nproc-per-node", spec.nproc_per_node, 1, "every node runs at least 1 rank")
     _at_least("--spares", spec.spares, 0, "0 means no hot spare")
+    _at_least("--max-restarts", spec.max_restarts, 0, "0 turns restarting in place off")
     if spec.replicas is not None:
         check_replicas(spec.replicas, spec.nodes, nodes_flag)
     if spec.min_nodes is not None:

@@ -154,6 +154,7 @@ class LocalLauncher(Launcher):
             heartbeat_timeout=spec.heartbeat_timeout,
             replicas=spec.replicas,
             min_nodes=spec.min_nodes,
+            max_restarts=spec.max_restarts,
             # a restarted one counts the spares the agents report
             spares=spec.spares if spec.spares and not restart else None,
             placement=spec.placement,
@@ -327,6 +328,7 @@ class LocalLauncher(Launcher):
             self.procs.end_groups()  # a rank that died takes its DataLoader workers along
             if state is JobState.RUNNING:
                 self.procs.restart_stuck(WORLD_SIZE=str(self.spec.world))
+                self.procs.restart_in_place(status.in_place, WORLD_SIZE=str(self.spec.world))
             if self.spec.keep_spares and state is JobState.RUNNING:
                 self._replenish(status)
             if state is JobState.STARTING and not self._restarts:

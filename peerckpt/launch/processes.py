@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
@@ -220,6 +220,46 @@ class ProcessSet:
                     MAX_RESTARTS,
                 )
                 started.append((node.index, proc.pid, new.pid))
+        return started
+
+    def restart_in_place(
+        self, orders: Mapping[int, Sequence[int]], **env: str
+    ) -> list[tuple[int, int, int]]:
+        """Carry out the coordinator's restarts in place (``JobStatus.in_place``: rank →
+        [node, pid of the process lost]): a fresh spare on that node, once per lost process,
+        and only for a process this launcher started (another host's node is its launcher's).
+        The coordinator counted it as a spare starting when it ordered it, so the recovery
+        waits for it; it joins, takes the rank, and restores from its node's memory.
+
+        A process declared lost while alive (hung: its heartbeats stopped) is SIGKILLed
+        first: its successor maps the same snapshot slots of the rank on this node, which a
+        woken process could still be copying into. Returns (node, old pid, new pid) for each
+        restart."""
+        started = []
+        for rank, (n, pid) in sorted(orders.items()):
+            with self.lock:
+                node = self.nodes.get(n)
+            if node is None or not node.alive or pid in node.restarted:
+                continue
+            old = next((p for p in node.procs if p.pid == pid), None)
+            if old is None:
+                continue
+            node.restarted.add(pid)
+            if old.poll() is None:
+                log.warning("pid %d on node %d was declared lost alive: killing it", pid, n)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+                wait_all([old], 10.0)
+            new = self.start_proc(n, "spare", **env)
+            log.warning(
+                "rank %d (pid %d) died on node %d, whose agent holds its state: pid %d takes "
+                "its place (restart in place)",
+                rank,
+                pid,
+                n,
+                new.pid,
+            )
+            started.append((n, pid, new.pid))
         return started
 
     def end_groups(self) -> None:

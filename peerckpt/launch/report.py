@@ -36,6 +36,8 @@ class FailureRow:
     fallback: str = ""  # why the state came from durable storage instead of memory
     restarted: dict[int, tuple[int | None, float]] = field(default_factory=dict)
     # rank → (its node, seconds after the kill or detection): survivors restarted in place
+    in_place: dict[int, tuple[int | None, int]] = field(default_factory=dict)
+    # rank → (its node, which restart of it): lost ranks restarted in place on their node
 
 
 def settled_at(events: list[dict[str, Any]], index: int) -> float | None:
@@ -113,6 +115,10 @@ def failure_rows(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -> l
                     int(r): (replaced[int(r)][0] if int(r) in replaced else None, at - t0)
                     for r, at in sorted(event.get("restarted", {}).items())
                 },
+                in_place={
+                    int(r): (replaced[int(r)][0] if int(r) in replaced else None, count)
+                    for r, count in sorted(event.get("in_place", {}).items())
+                },
                 change=(
                     f"the world grew to {event['grown_to']} ranks"
                     if "grown_to" in event
@@ -150,6 +156,11 @@ def format_failures(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -
             lines.append(
                 f"    rank {rank} could not leave the aborted epoch: restarted in place{on} "
                 f"{after_s:.1f} s after {since}"
+            )
+        for rank, (node, count) in row.in_place.items():
+            lines.append(
+                f"    rank {rank} restarted in place on node {node}, from its node's memory "
+                f"(its restart {count} in this job)"
             )
         if row.superseded:
             lines.append(

@@ -44,6 +44,7 @@ BASE = JobSpec(script=SCRIPT, nodes=2, nproc_per_node=1)
         ({"nodes": True}, r"--nodes True"),
         ({"nproc_per_node": 0}, r"--nproc-per-node 0: .*give --nproc-per-node 1 or more"),
         ({"spares": -2}, r"--spares -2: .*give --spares 0 or more"),
+        ({"max_restarts": -1}, r"--max-restarts -1: 0 turns .*give --max-restarts 0 or more"),
         ({"placement": "star"}, r"--placement 'star': choose one of ring, group, mixed"),
         ({"racks": {0: "a"}}, r"--racks names 1 rack\(s\) for 2 node\(s\)"),
         ({"racks": {0: "a", 1: " "}}, r"one non-empty name per node"),
@@ -74,7 +75,7 @@ def test_settings_at_their_limits_are_accepted() -> None:
         env={"NCCL_DEBUG": "INFO", "EMPTY": ""},
         report=os.path.join(tempfile.gettempdir(), "report.json"),
     ).check()
-    replace(BASE, nodes=1, replicas=0, min_nodes=1, metrics_port=0).check()
+    replace(BASE, nodes=1, replicas=0, min_nodes=1, metrics_port=0, max_restarts=0).check()
     replace(BASE, keep_spares=True).check()  # the campaign's spec: no spares to keep is no harm
 
 
@@ -171,6 +172,7 @@ def _cli(*argv: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
         (["run", "--heartbeat-timeout", "0"], "--heartbeat-timeout 0.0: give at least 0.5"),
         (["run", "--metrics-port", "99999"], "--metrics-port 99999: a TCP port"),
         (["run", "--nodes", "-1"], "--nodes -1: a job needs at least 1 node"),
+        (["run", "--max-restarts", "-1"], "--max-restarts -1: 0 turns restarting in place off"),
         (["run", "--env", "NOVALUE"], "--env 'NOVALUE': give KEY=VALUE"),
         (
             ["run", "--spares", "1", "--rdzv-endpoint", "127.0.0.1:1", "--nnodes", "2"],

@@ -71,6 +71,15 @@ def test_a_survivor_restarted_in_place_is_costed_in_the_recovery_of_its_fault() 
     assert "repaired together" not in text
 
 
+def test_a_lost_rank_restarted_in_place_says_so_with_its_node() -> None:
+    rank = {**EVENTS[1], "in_place": {"0": 2}, "replacements": {"0": [0, 400]}}  # as JSON
+    [row] = failure_rows([rank], [])
+    assert row.in_place == {0: (0, 2)}
+    text = "\n".join(format_failures([rank], []))
+    assert "rank 0 restarted in place on node 0, from its node's memory (its restart 2" in text
+    assert "restarted in place" not in "\n".join(format_failures(EVENTS, CHAOS))
+
+
 def test_a_failure_repaired_with_the_next_one_costs_until_that_repair_ended() -> None:
     first = {**EVENTS[0], "epoch": 1, "from_epoch": 0, "resumed_at": None}
     second = {**EVENTS[1], "epoch": 2, "from_epoch": 1, "detected_at": 10.5, "resumed_at": 11.0}
