@@ -1,7 +1,7 @@
 """One coordinator, 1,000 simulated nodes × 8 ranks committing a step every second.
 
     python bench/coordinator.py [--nodes 1000] [--ranks-per-node 8] [--steps 40]
-                                [--procs 1] [--unbatched] [--profile] [--quick]
+                                [--procs 1] [--unbatched] [--unary] [--profile] [--quick]
 
 The coordinator is the real one (``python -m peerckpt.recovery.server``, its own process);
 the agents are simulated, many per process (``--procs`` processes, asyncio), but speak the
@@ -13,7 +13,9 @@ for epoch 0, then heart-beats as the agent does (every ``heartbeat_timeout / 5``
 default timeout is 30 s, as the other benchmarks' jobs) and, at every step (one a second,
 all nodes at once, each node a few ms apart as snapshots finish), reports its ranks' replicated snapshots: as the agent sends them
 (``CoordinatorLink.report_replicated``: the reports ready together travel as one
-``ReplicatedMany``), or one ``Replicated`` call per rank (``--unbatched``).
+``ReplicatedMany`` on the node's stream of calls, ``peerckpt/rpcstream.py``), or one
+``Replicated`` per rank (``--unbatched``), or each report and heart-beat as a gRPC call of
+its own (``--unary``, as before the stream).
 
 Measured over the steps after ``--warmup``: the coordinator's CPU (cores, from /proc) and
 memory (RSS, peak); commit latency, from the last rank's report of a step (its call's start)
@@ -171,6 +173,7 @@ def run(args: Any) -> dict[str, Any]:
         "steps": args.steps,
         "period": 1.0,
         "batched": not args.unbatched,
+        "streamed": not args.unary,
         "heartbeat_interval": hb_interval,
         "heartbeat_timeout": args.heartbeat_timeout,
     }
@@ -243,6 +246,7 @@ def run(args: Any) -> dict[str, Any]:
         "ranks_per_node": per_node,
         "ranks": nodes * per_node,
         "batched": not args.unbatched,
+        "streamed": not args.unary,
         "steps_measured": len(measured),
         "join_s": round(join_s, 2),
         "coordinator_cpu_cores": round(cpu_cores, 3),
@@ -290,6 +294,9 @@ def main() -> None:
     # must not be declared lost (the agent's heart-beat interval is 0.5 s all the same).
     parser.add_argument("--heartbeat-timeout", type=float, default=float(HEARTBEAT_TIMEOUT_S))
     parser.add_argument("--unbatched", action="store_true", help="one call per rank's report")
+    parser.add_argument(
+        "--unary", action="store_true", help="each report a call of its own, not on a stream"
+    )
     parser.add_argument("--profile", action="store_true", help="py-spy the coordinator")
     args = parser.parse_args()
     if args.quick:

@@ -3,7 +3,9 @@ real protocol through ``peerckpt/rpc.py`` (``AsyncRpcClient``), one connection p
 
 Each registers, holds its ``Watch`` stream, reports its ranks, waits for epoch 0, heart-beats
 as the agent does, and at every step reports its ranks' snapshots; it records when it saw
-each commit. Benchmark code: nothing here is imported by the package.
+each commit. Reports and heart-beats travel on the node's stream of calls, as the agent's
+(``peerckpt/rpcstream.py``), or each as a call of its own (``streamed`` False: as before).
+Benchmark code: nothing here is imported by the package.
 """
 
 from __future__ import annotations
@@ -78,16 +80,24 @@ class Node:
         self.beat_skip_s = 0.0  # heartbeat_timeout / 5: a report this recent stands for a beat
         self.lost = False
         self.layouts_owed = True  # as the agent: until a report with them was taken
+        self.calls: Any = None  # the node's stream of calls, or its channel (one call each)
 
-    async def join(self, heartbeat_interval: float, until: list[float]) -> None:
+    async def call(self, msg: Any, timeout: float) -> Any:
+        if self.calls is not self.rpc and self.calls.broken is not None:
+            self.calls.close()  # as the agent: a stream that ended is opened again
+            self.calls = self.rpc.call_stream()
+        return await self.calls.call(msg, timeout=timeout)
+
+    async def join(self, heartbeat_interval: float, until: list[float], streamed: bool) -> None:
         await self.rpc.call(
             RegisterAgent(self.node, f"10.{self.node >> 8}.{self.node & 255}.1:29400")
         )
+        self.calls = self.rpc.call_stream() if streamed else self.rpc
         self.watching = asyncio.create_task(self.watch())
         self.beating = asyncio.create_task(self.heartbeat(heartbeat_interval, until))
         for rank in self.ranks:
-            await self.rpc.call(
-                ProcJoined(self.node, ProcReport(100_000 + rank, ProcRole.RANK, rank))
+            await self.call(
+                ProcJoined(self.node, ProcReport(100_000 + rank, ProcRole.RANK, rank)), 10.0
             )
 
     async def watch(self) -> None:
@@ -114,7 +124,7 @@ class Node:
                 await asyncio.sleep(interval)  # for this heart-beat
                 continue
             try:
-                await self.rpc.call(Heartbeat(self.node, 0), timeout=2.0)  # as the agent
+                await self.call(Heartbeat(self.node, 0), timeout=2.0)  # as the agent
             except PeerckptError:
                 self.failed_beats += 1  # the agent logs it and beats again
                 continue
@@ -141,12 +151,12 @@ class Node:
         ]
         sent = time.monotonic()
         if batched:
-            await self.rpc.call(ReplicatedMany(self.node, reports), timeout=30.0)
+            await self.call(ReplicatedMany(self.node, reports), timeout=30.0)
         else:
             calls = []
             for msg in reports:
                 sent = time.monotonic()
-                calls.append(asyncio.ensure_future(self.rpc.call(msg, timeout=30.0)))
+                calls.append(asyncio.ensure_future(self.call(msg, timeout=30.0)))
             await asyncio.gather(*calls)
         self.layouts_owed = False  # a report that failed leaves them owed, as the agent does
         self.reported_at = time.monotonic()
@@ -186,7 +196,8 @@ async def _simulate(
     for i in range(0, len(sims), 50):  # joins in waves (a real cluster's agents start spread out)
         wave = sims[i : i + 50]
         joined = await asyncio.gather(
-            *(s.join(args["heartbeat_interval"], until) for s in wave), return_exceptions=True
+            *(s.join(args["heartbeat_interval"], until, args["streamed"]) for s in wave),
+            return_exceptions=True,
         )
         for sim, error in zip(wave, joined, strict=True):
             if error is not None:
@@ -236,4 +247,6 @@ async def _simulate(
     await asyncio.gather(*(s.beating for s in sims))
     for s in sims:
         s.watching.cancel()
+        if s.calls is not s.rpc:
+            s.calls.close()
     await asyncio.gather(*(s.rpc.close() for s in sims), return_exceptions=True)

@@ -29,11 +29,11 @@ from peerckpt.codec import pack, unpack
 from peerckpt.messages import Dispatch, decode, encode, type_name
 from peerckpt.messages.control import Event, Request, reply_class
 from peerckpt.rpcauth import PROOF_KEY, CallSigner, CallVerifier, nonce_of, reply_proof
+from peerckpt.rpcstream import CALLS, SERVICE, AsyncCallStream, CallStream, open_item
 from peerckpt.serving import RefusalLog
 
 R = TypeVar("R")  # the reply class of a request (``Request[R]``)
 
-SERVICE = "peerckpt.Coordinator"
 log = logging.getLogger("peerckpt.rpc")
 
 # A server stream: an async generator of events, or of events already packed (``bytes``).
@@ -76,6 +76,8 @@ class RpcServer:
             handlers[type_name(cls)] = grpc.unary_stream_rpc_method_handler(
                 self._wrap_stream(cls, gen)
             )
+        if self._inline:  # a node's stream of calls (``peerckpt/rpcstream.py``)
+            handlers[CALLS] = grpc.stream_stream_rpc_method_handler(self._wrap_calls(unary))
         self._pool = futures.ThreadPoolExecutor(max_workers, thread_name_prefix="peerckpt-rpc")
         self._loop = asyncio.new_event_loop()
         self._loop.set_default_executor(self._pool)
@@ -126,8 +128,8 @@ class RpcServer:
         proof = self._proof(name, context, -1, detail.encode())
         await context.abort(code, detail, trailing_metadata=((PROOF_KEY, proof),))
 
-    async def _authenticate(self, name: str, body: bytes, context: grpc.aio.ServicerContext) -> Any:
-        """Check the call's MAC, time and nonce; return its decoded body."""
+    async def _verify(self, name: str, body: bytes, context: grpc.aio.ServicerContext) -> None:
+        """Check the call's MAC, time and nonce; end the call if they do not hold."""
         try:
             self.verifier.verify(name, context.invocation_metadata(), body)
         except errors.AuthenticationError as exc:
@@ -135,6 +137,10 @@ class RpcServer:
             await self._abort(
                 name, context, grpc.StatusCode.UNAUTHENTICATED, f"AuthenticationError: {exc}"
             )
+
+    async def _authenticate(self, name: str, body: bytes, context: grpc.aio.ServicerContext) -> Any:
+        """Check the call's MAC, time and nonce; return its decoded body."""
+        await self._verify(name, body, context)
         try:
             return unpack(body) or {}
         except Exception:  # any bytes: msgpack raises many types
@@ -151,14 +157,7 @@ class RpcServer:
         name = type_name(cls)
 
         def call(request: Any, where: str) -> tuple[grpc.StatusCode | None, Any]:
-            try:
-                msg = decode({**_fields(request), "type": name}, cls, where=where)
-                return None, encode(table.handle(msg))
-            except errors.PeerckptError as exc:
-                return grpc.StatusCode.FAILED_PRECONDITION, f"{type(exc).__name__}: {exc}"
-            except Exception:
-                log.exception("handler %s failed", name)
-                return grpc.StatusCode.INTERNAL, f"coordinator error in {name}; see its log"
+            return _handle(cls, table, request, where)
 
         async def handler(body: bytes, context: grpc.aio.ServicerContext) -> Any:
             request = await self._authenticate(name, body, context)
@@ -197,6 +196,48 @@ class RpcServer:
             except errors.PeerckptError as exc:
                 detail = f"{type(exc).__name__}: {exc}"
                 await self._abort(name, context, grpc.StatusCode.FAILED_PRECONDITION, detail)
+
+        return handler
+
+    def _wrap_calls(
+        self, table: Dispatch[Any]
+    ) -> Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext], AsyncIterator[bytes]]:
+        """A node's calls on one stream, each answered in order on the event loop, as the
+        same call made alone would be (the ``inline`` classes only: they never wait)."""
+        classes = {type_name(cls): cls for cls in table.table if cls in self._inline}
+
+        async def handler(
+            requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[bytes]:
+            await self._verify(CALLS, b"", context)  # the opening: a call with no body
+            nonce = nonce_of(context.invocation_metadata() or ()) or ""
+            where = _caller(context)
+            seq = 0
+            async for item in requests:
+                try:
+                    method, body = open_item(self._secret, self._job, nonce, seq, item)
+                except errors.PeerckptError as exc:
+                    self._refusals.refused_peer(context.peer(), str(exc))
+                    await self._abort(
+                        CALLS,
+                        context,
+                        grpc.StatusCode.UNAUTHENTICATED,
+                        f"{type(exc).__name__}: {exc}",
+                    )
+                cls = classes.get(method)
+                if cls is None:
+                    code: grpc.StatusCode | None = grpc.StatusCode.FAILED_PRECONDITION
+                    out: Any = f"ProtocolError: {method} is not taken on a stream; call it alone"
+                else:
+                    try:
+                        request = unpack(body) or {}
+                    except Exception:  # any bytes: msgpack raises many types
+                        request = None
+                    code, out = _handle(cls, table, request, where)
+                payload = pack(out) if code is None else str(out).encode()
+                proof = reply_proof(self._secret, self._job, method, nonce, seq, payload)
+                yield pack([seq, "" if code is None else code.name, payload, proof])
+                seq += 1
 
         return handler
 
@@ -268,6 +309,10 @@ class RpcClient:
         proven = _Proven(self._signer, method, metadata, f"the coordinator at {self.address}")
         return EventStream(stub(body, metadata=metadata), self.address, proven)
 
+    def call_stream(self) -> CallStream:
+        """A stream of calls on this client's channel (``peerckpt/rpcstream.py``)."""
+        return CallStream(self._channel, self._signer, self.address)
+
     def close(self) -> None:
         self._channel.close()
 
@@ -325,6 +370,10 @@ class AsyncRpcClient:
             raw = proven.event(item)
             yield decoder(raw) if decoder is not None else decode(raw, Event, where=where)
 
+    def call_stream(self) -> AsyncCallStream:
+        """A stream of calls on this client's channel (``peerckpt/rpcstream.py``)."""
+        return AsyncCallStream(self._channel, self._signer, self.address)
+
     async def close(self) -> None:
         await self._channel.close()
 
@@ -362,6 +411,21 @@ class EventStream:
 
     def cancel(self) -> None:
         self._call.cancel()
+
+
+def _handle(
+    cls: type[Any], table: Dispatch[Any], request: Any, where: str
+) -> tuple[grpc.StatusCode | None, Any]:
+    """A call's reply (its map), or the status and text of its error."""
+    name = type_name(cls)
+    try:
+        msg = decode({**_fields(request), "type": name}, cls, where=where)
+        return None, encode(table.handle(msg))
+    except errors.PeerckptError as exc:
+        return grpc.StatusCode.FAILED_PRECONDITION, f"{type(exc).__name__}: {exc}"
+    except Exception:
+        log.exception("handler %s failed", name)
+        return grpc.StatusCode.INTERNAL, f"coordinator error in {name}; see its log"
 
 
 def _body(msg: Any) -> dict[str, Any]:

@@ -80,6 +80,10 @@ class CallSigner:
         self._secret = secret
         self._job = job
 
+    def item(self, nonce: str, seq: int, method: str, body: bytes) -> str:
+        """The MAC of item ``seq`` (a call of ``method``) on a stream opened with ``nonce``."""
+        return item_mac(self._secret, self._job, nonce, seq, method, body)
+
     def metadata(self, method: str, body: bytes) -> tuple[tuple[str, str], ...]:
         stamp = f"{time.time():.3f}"
         nonce = os.urandom(16).hex()
@@ -186,6 +190,31 @@ class CallVerifier:
                 )
             self._seen.add(nonce)
             heapq.heappush(self._expiry, (forget_at, nonce))
+
+
+_ITEM_DOMAIN = b"peerckpt-rpc-item-v1"
+
+
+def item_mac(secret: bytes, job: str, nonce: str, seq: int, method: str, body: bytes) -> str:
+    """The MAC of item ``seq`` of a stream of calls (``peerckpt/rpcstream.py``) opened with
+    ``nonce``: one call of ``method`` with ``body``. The stream's opening is checked like any
+    call (time, nonce never seen); its items are bound to it and to their place in it, so an
+    item can be neither changed, replayed, reordered nor moved to another stream."""
+    digest = hashlib.sha256(body).digest()
+    parts = [_ITEM_DOMAIN, job.encode(), nonce.encode(), str(seq).encode(), method.encode()]
+    return hmac.new(secret, b"|".join([*parts, digest]), hashlib.sha256).hexdigest()
+
+
+def check_item(
+    secret: bytes, job: str, nonce: str, seq: int, method: str, body: bytes, mac: Any
+) -> None:
+    """Raise AuthenticationError unless ``mac`` is ``item_mac`` of this item."""
+    expected = item_mac(secret, job, nonce, seq, method, body)
+    if not isinstance(mac, str) or not hmac.compare_digest(expected, mac):
+        raise AuthenticationError(
+            f"call {seq} ({method}) on a stream refused: its MAC does not prove the job's "
+            "secret for this stream and place (changed, replayed or moved in transit)"
+        )
 
 
 _ADDRESS_DOMAIN = b"peerckpt-coordinator-address-v1"

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from peerckpt.coding import Coding
 from peerckpt.columns import ChunkColumns
 from peerckpt.errors import StaleEpoch
 from peerckpt.manifest import META_KEY
+from peerckpt.recovery.erasure import mark_rebuildable
 from peerckpt.recovery.planning.tables import ChunkLists, ChunkTable, LayoutTable, from_columns
 from peerckpt.recovery.planning.types import HeldChunk
 from peerckpt.recovery.twins import Report, complete_nodes, partial_nodes, verify
@@ -86,6 +88,12 @@ class CommitTracker:
         self.committed_absent: dict[int, tuple[int, ...]] = {}  # rank → chunks its partials lack
         self.short: list[tuple[int, int]] = []  # (rank, step) found short by the last record
         self.layouts_owed: list[int] = []  # ranks whose layout the last complete step lacked
+        # Erasure coding (``recovery/erasure.py``): this epoch's groups, the committed step's,
+        # the nodes lost since it committed, and the ranks lost beyond a rebuild.
+        self.coding: Coding | None = None
+        self.committed_coding: Coding | None = None
+        self.lost_nodes: set[int] = set()
+        self.unrebuildable: list[int] = []
 
     def __repr__(self) -> str:
         return (
@@ -163,16 +171,20 @@ class CommitTracker:
         if layout is not None:
             self._set_layout(rank, layout)
         by_rank = self._pending.setdefault(step, {})
-        node = self.domains.get(rank, (holders[0] if holders else -1, 0))[0]
-        report = Report(node, frozenset(holders), twins, partial, tuple(absent))
-        self._twin_reports.setdefault(step, {})[rank] = report
-        by_rank[rank] = complete_nodes(report)
+        if twins or partial:  # redundancy-aware replication: its twins are checked at commit
+            node = self.domains.get(rank, (holders[0] if holders else -1, 0))[0]
+            report = Report(node, frozenset(holders), twins, partial, tuple(absent))
+            self._twin_reports.setdefault(step, {})[rank] = report
+            by_rank[rank] = complete_nodes(report)
+        else:  # a whole copy on every holder: nothing to verify (8,000 of them a second)
+            self._twin_reports.get(step, {}).pop(rank, None)  # it replaces a partial one
+            by_rank[rank] = set(holders)
         if meta_nbytes is not None:
             self._meta.setdefault(step, {})[rank] = meta_nbytes
         self.short, self.layouts_owed = [], []
         if len(by_rank) != len(self.ranks):  # only members are counted: every one has it
             return None
-        reports = self._twin_reports[step]
+        reports = self._twin_reports.get(step, {})
         verdict = verify(reports, {r: self.domains.get(r, (-1, 1 << 30))[1] for r in reports})
         if verdict.short:  # too few twins hold their chunks: push them whole first
             self.short = [(r, step) for r in verdict.short]
@@ -188,6 +200,7 @@ class CommitTracker:
         self.committed_step = step
         self.committed_gen = self.gen
         self.committed_holders = by_rank
+        self.committed_coding, self.lost_nodes, self.unrebuildable = self.coding, set(), []
         self.committed_partial = {r: partial_nodes(reports[r]) for r in verdict.twins}
         self.committed_twins = verdict.twins
         self.committed_absent = {r: reports[r].absent for r in verdict.twins}
@@ -209,6 +222,10 @@ class CommitTracker:
         for by_rank in self._pending.values():
             for holders in by_rank.values():
                 holders.discard(node)
+        self.lost_nodes.add(node)
+        self.unrebuildable = mark_rebuildable(
+            self.committed_coding, self.committed_holders, self.lost_nodes
+        )
 
     def add_holder(self, rank: int, node: int) -> None:
         """A recovery copied ``rank``'s committed snapshot to ``node``."""

@@ -72,9 +72,9 @@ def verify(reports: Mapping[int, Report], buddies: Mapping[int, int]) -> Verdict
             classes.setdefault(report.digest, []).append(rank)
     twins: dict[int, tuple[int, ...]] = {}
     short: list[int] = []
-    for rank, report in sorted(reports.items()):
-        if not report.partial:
-            continue
+    # Only partial ranks are checked: a step of 8,000 whole ranks costs one pass, no sort.
+    for rank in sorted(r for r, report in reports.items() if report.partial):
+        report = reports[rank]
         group = classes.get(report.digest, [rank]) if report.digest else [rank]
         domains = {reports[r].node for r in group}
         if len(domains) < 1 + buddies.get(rank, 0):

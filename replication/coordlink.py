@@ -10,7 +10,10 @@ started just before the coordinator died) is in the same position as one that lo
 instead of failing the node (and with it the launcher's job) at the first refused connection.
 Only silence is waited out: a coordinator that answers with a refusal is final.
 
-Every report is a typed request (``peerckpt/messages/control.py``). While the chaos harness
+Every report is a typed request (``peerckpt/messages/control.py``). The frequent ones
+(replicated snapshots, heart-beats, ranks resumed or done, flushes written) travel on one
+stream of calls per node (``peerckpt/rpcstream.py``): a call each cost the coordinator's
+server three times the CPU, and at 1,000 nodes that was most of its core. While the chaos harness
 partitions the node, reports wait until it heals (a partitioned node's coordinator hears
 nothing). The last report of each kind per rank is kept, and sent again when the agent
 registers with a restarted coordinator, which rebuilds its state from what agents tell it.
@@ -29,19 +32,30 @@ from peerckpt.errors import PeerckptError, PeerUnavailable
 from peerckpt.faults import NetHooks
 from peerckpt.messages.control import (
     AgentConfig,
+    Done,
+    Flushed,
+    Heartbeat,
+    ProcJoined,
     RegisterAgent,
     RejoinState,
     Replicated,
     ReplicatedMany,
     Request,
+    Resumed,
+    SparesStarting,
     Watch,
 )
 from peerckpt.rpc import EventStream, RpcClient
+from peerckpt.rpcstream import CallStream
 
 log = logging.getLogger("peerckpt.agent")
 R = TypeVar("R")
 RETRY_S = 0.2  # between two registrations while the coordinator is away
 REGISTER_TIMEOUT_S = 10.0  # one registration call, the coordinator answering
+# Calls sent on the node's stream: frequent, and answered by the coordinator without waiting.
+STREAMED = frozenset(
+    {Heartbeat, ProcJoined, SparesStarting, Replicated, ReplicatedMany, Resumed, Done, Flushed}
+)
 
 
 class CoordinatorLink:
@@ -78,9 +92,35 @@ class CoordinatorLink:
         # When the coordinator last took a replicated-snapshot report from this node: it
         # counts as a heart-beat, so a training node sends few others.
         self.reported_at = float("-inf")
+        self._calls: tuple[RpcClient, CallStream] | None = None  # the stream and its client
+        self._calls_lock = threading.Lock()
+        self._unary_only = False  # the coordinator has no stream of calls
 
     def call(self, msg: Request[R], timeout: float = 10.0) -> R:
-        return self.rpc.call(msg, timeout=timeout)
+        """Call the coordinator: on the node's stream for ``STREAMED`` calls, else alone."""
+        if type(msg) not in STREAMED or self._unary_only:
+            return self.rpc.call(msg, timeout=timeout)
+        stream = self._stream()
+        try:
+            return stream.call(msg, timeout=timeout)
+        except PeerUnavailable:
+            if not stream.unsupported:
+                raise
+            self._unary_only = True
+            log.info("the coordinator takes no stream of calls: calling it call by call")
+            return self.rpc.call(msg, timeout=timeout)
+
+    def _stream(self) -> CallStream:
+        """The open stream of calls to the current coordinator (a new one if it ended)."""
+        with self._calls_lock:
+            if self._calls is not None:
+                rpc, stream = self._calls
+                if rpc is self.rpc and stream.broken is None:
+                    return stream
+                stream.close()
+            stream = self.rpc.call_stream()
+            self._calls = (self.rpc, stream)
+            return stream
 
     def register(self, msg: RegisterAgent, grace_s: float) -> AgentConfig:
         """Register this node's agent for the first time. While the coordinator does not
@@ -136,7 +176,7 @@ class CoordinatorLink:
         if self._net is not None:
             self._net.wait_healed(self._stopping)
         try:
-            self.rpc.call(msg)
+            self.call(msg)
             return True
         except PeerckptError as exc:
             log.warning("coordinator refused %s: %s", type(msg).__name__, exc)
@@ -240,4 +280,8 @@ class CoordinatorLink:
         raise error
 
     def close(self) -> None:
+        with self._calls_lock:
+            if self._calls is not None:
+                self._calls[1].close()
+                self._calls = None
         self.rpc.close()

@@ -67,6 +67,9 @@ class Refusals:
     def stream(self, msg: Any) -> Any:
         return self.rpc.stream(msg)
 
+    def call_stream(self) -> Any:
+        return self.rpc.call_stream()
+
     def close(self) -> None:
         self.rpc.close()
 

@@ -39,6 +39,21 @@ class SlowRpc:
     def close(self) -> None:
         pass
 
+    def call_stream(self) -> Any:
+        """The node's stream of calls: here, the fake's own calls."""
+        return _Stream(self)
+
+
+class _Stream:
+    broken = None
+    unsupported = False
+
+    def __init__(self, rpc: SlowRpc) -> None:
+        self.call = rpc.call
+
+    def close(self) -> None:
+        pass
+
 
 def _report(rank: int) -> Replicated:
     return Replicated(0, 0, rank, 5, [0, 1], 10, 4)
