@@ -57,6 +57,7 @@ def _run(args: argparse.Namespace) -> int:
         persist=_persist(args),
         placement=args.placement,
         racks=_racks(args.racks),
+        erasure=args.erasure,
         metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr,
         env=checks.parse_env(args.env),
@@ -423,6 +424,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="R0,R1,…",
         help="the rack of each node, in node order: copies go to distinct racks where possible",
+    )
+    run.add_argument(
+        "--erasure",
+        default=None,
+        metavar="K+M",
+        help="erasure-coded redundancy instead of replicas: groups of K+M nodes survive any "
+        "M of them lost together, for M/K of a node's state in parity (docs/erasure.md)",
     )
     run.add_argument(
         "--min-nodes",

@@ -54,6 +54,11 @@ class Membership:
     # rank → [node, twin rank] pairs, best first: where a rank restored from a copy without
     # its data-parallel chunks reads them (a twin's complete copy; recovery/twins.py).
     twins: dict[int, list[list[int]]] = field(default_factory=dict)
+    # ``--erasure K+M`` (``peerckpt/coding.py``): this epoch's coding groups (``Coding``'s
+    # message; None: buddy replicas), and what rebuilding a rank of the committed step needs:
+    # its step's groups and, per rank still held, a node holding it (``recovery/erasure.py``).
+    erasure: dict[str, Any] | None = None
+    erasure_restore: dict[str, Any] = field(default_factory=dict)
 
     def rank_nodes(self) -> dict[int, int]:
         return {r: a.node for r, a in self.ranks.items()}
@@ -79,6 +84,8 @@ class Membership:
             "old_layout": self.old_layout,
             "restore_url": self.restore_url,
             "twins": self.twins,
+            "erasure": self.erasure,
+            "erasure_restore": self.erasure_restore,
         }
 
     @classmethod
@@ -102,6 +109,8 @@ class Membership:
             old_layout=w.old_layout,
             restore_url=w.restore_url,
             twins=w.twins,
+            erasure=w.erasure,
+            erasure_restore=w.erasure_restore,
         )
 
 
@@ -128,3 +137,5 @@ class _Wire:
     old_layout: dict[str, Any] | None
     restore_url: str | None = None
     twins: dict[int, list[list[int]]] = field(default_factory=dict)
+    erasure: dict[str, Any] | None = None
+    erasure_restore: dict[str, Any] = field(default_factory=dict)

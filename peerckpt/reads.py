@@ -41,6 +41,7 @@ from peerckpt.errors import ProtocolError
 from peerckpt.manifest import ChunkRecord
 
 STORAGE = -1  # the durable tier as a holder: read only where no memory copy survived
+ERASURE = -2  # a rank no node holds, rebuilt from its group's pieces and parity (--erasure)
 I32, I64, U8 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("u1")
 
 

@@ -40,6 +40,7 @@ from peerckpt.recovery.decide import (
     restarts_in_place,
 )
 from peerckpt.recovery.elastic import ReshardRounds
+from peerckpt.recovery.erasure import open_epoch, why_unrebuildable
 from peerckpt.recovery.fallback import durable_to_restore, same_chunks
 from peerckpt.recovery.job import JobLife, Settings, Spares
 from peerckpt.recovery.registry import Registry
@@ -316,8 +317,9 @@ class Epochs:
             self.life.fail(decision.reason)
         elif isinstance(decision, NeedStorage):
             d = decision
-            if not self.storage_fallback(event, d.assignments, d.why, d.previous):
-                self.life.fail(d.why)
+            why = why_unrebuildable(self.tracker) or d.why  # --erasure: which group lost too many
+            if not self.storage_fallback(event, d.assignments, why, d.previous):
+                self.life.fail(why)
         elif isinstance(decision, OpenEpoch):
             for (node, pid), rank in decision.promoted.items():
                 self.registry.procs[(node, pid)].promote(rank)
@@ -336,6 +338,7 @@ class Epochs:
             raise AssertionError(f"unexpected decision {decision!r}")
 
     def _open(self, membership: Membership, tracker: CommitTracker) -> None:
+        membership = open_epoch(self.settings.placement, self.tracker, membership, tracker)
         self.membership, self.tracker = membership, tracker
         self.settings.world_size = membership.world_size
         self.done.clear()

@@ -15,14 +15,26 @@ import os
 import sys
 from typing import Any
 
+from peerckpt.coding import parse_spec
 from peerckpt.persist.config import PersistConfig
 from peerckpt.recovery.coordinator import Coordinator
-from peerckpt.recovery.placement import placement_by_name
+from peerckpt.recovery.erasure import ErasurePlacement
+from peerckpt.recovery.placement import Placement, placement_by_name
 from peerckpt.rpc import RpcServer
 from peerckpt.service import service_process, stop_on_signals
 from peerckpt.storegate import StoreGate, bound_socket, tunnelled
 
 log = logging.getLogger("peerckpt.coordinator")
+
+
+def _placement(args: argparse.Namespace) -> Placement:
+    """Buddies by ``--placement`` and ``--racks``; with ``--erasure``, no buddies but
+    parity groups, in the same node order (``recovery/erasure.py``)."""
+    racks = {int(n): r for n, r in json.loads(args.racks).items()} if args.racks else None
+    placement = placement_by_name(args.placement, racks)
+    if args.erasure:
+        return ErasurePlacement(parse_spec(args.erasure), placement)
+    return placement
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spares", type=int, default=0, help="spares the launcher starts")
     parser.add_argument("--placement", default="ring")
     parser.add_argument("--racks", default=None, help="node → rack, as JSON")
+    parser.add_argument("--erasure", default=None, help="K+M: parity instead of replicas")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--persist", default=None, help="durable checkpoints, as JSON")
     parser.add_argument("--digests-file", default=None, help="append snapshot digests here")
@@ -69,10 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.host}:{gate.port if gate is not None else store.port}",
         min_nodes=args.min_nodes,
         spares=args.spares,
-        placement=placement_by_name(
-            args.placement,
-            {int(n): r for n, r in json.loads(args.racks).items()} if args.racks else None,
-        ),
+        placement=_placement(args),
         persist=PersistConfig.from_msg(json.loads(args.persist)) if args.persist else None,
         digests_file=args.digests_file,
         restart_based=args.restart_based,

@@ -539,6 +539,11 @@ class Agent:
                 or (s.kind is SlotKind.REPLICA and s.rank not in mirrored)
             )
         )
+        if members.erasure is not None:  # parity of other groups, or of an older layout
+            keep = {tuple(r for r, _ in g) for g in members.erasure["groups"]}
+            freed += [None] * self.data.parity.release_where(
+                lambda key: key[0] != members.gen or key[1] not in keep
+            )
         if freed:
             log.info("freed %d slot(s) no longer in this node's placement", len(freed))
 

@@ -17,18 +17,20 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from peerckpt.coding import Coding
 from peerckpt.columns import ChunkColumns
 from peerckpt.errors import PeerUnavailable, StaleEpoch
 from peerckpt.faults import FaultHooks
-from peerckpt.manifest import META_KEY
+from peerckpt.manifest import META_KEY, SnapshotManifest
 from peerckpt.membership import Membership
 from peerckpt.messages.control import Replicated, ReplicationFailed
 from peerckpt.messages.local import SnapshotTaken
 from peerckpt.replication import dedup
 from peerckpt.replication.coordlink import CoordinatorLink
+from peerckpt.replication.encoding import Encoding, pieces_of
 from peerckpt.replication.replicator import BuddySender, ReplicationJob
 from peerckpt.replication.stats import NodeCounters
-from peerckpt.replication.store import SlotStore
+from peerckpt.replication.store import Slot, SlotStore
 from peerckpt.replication.transfer import Cancelled
 from peerckpt.states import SlotKind
 
@@ -63,6 +65,7 @@ class Mirroring:
         self._reported_layouts: dict[tuple[int, int], tuple[Any, ...]] = {}
         self._whole: set[tuple[int, int]] = set()  # (epoch, rank): pushed whole, not deduplicated
         self.counters = NodeCounters()  # sent with every heartbeat (replication/stats.py)
+        self.encoding = Encoding(job, secret, current_epoch, committed_step, self._sent, faults)
 
     def replicate(self, members: Membership, msg: SnapshotTaken) -> None:
         """Checksum and push ``msg``'s snapshot to the rank's buddies in ``members``."""
@@ -72,6 +75,9 @@ class Mirroring:
         manifest = msg.manifest
         manifest.validate_bounds(slot.segment.size)
         self.counters.snapshot(msg.epoch, msg.rank, manifest.step, manifest.used_bytes)
+        if members.erasure is not None:
+            self._encode(members, msg.epoch, slot, manifest)
+            return
         buddies = members.placement.get(msg.rank, [])
         with slot.lock:
             job = ReplicationJob.start(msg.epoch, slot, manifest, buddies)
@@ -80,6 +86,23 @@ class Mirroring:
         if msg.epoch != self._epoch():
             return  # the epoch ended meanwhile; its snapshot must not count
         self._submit(job, members)
+
+    def _encode(
+        self, members: Membership, epoch: int, slot: Slot, manifest: SnapshotManifest
+    ) -> None:
+        """``--erasure``: send the snapshot's pieces to its stripes' parity holders."""
+        assert members.erasure is not None
+        pieces = pieces_of(Coding.from_msg(members.erasure), slot.rank, manifest.used_bytes)
+        with slot.lock:
+            job = ReplicationJob.start(epoch, slot, manifest, sorted({p.node for p in pieces}))
+        job.coded = True
+        if epoch != self._epoch():
+            return
+        if not pieces:
+            self._replicated(job)
+            return
+        self.encoding.retry_s = self.retry_s
+        self.encoding.submit(job, pieces, members.node_addrs)
 
     def _submit(self, job: ReplicationJob, members: Membership) -> None:
         if not job.buddies:
@@ -109,6 +132,7 @@ class Mirroring:
             senders = list(self._senders.values())
         for sender in senders:
             sender.cancel_inflight()
+        self.encoding.cancel_inflight()
 
     def forget_reported_layouts(self) -> None:
         """A restarted coordinator knows no layout: send each with the next report."""
@@ -120,6 +144,7 @@ class Mirroring:
             self._senders.clear()
         for sender in senders:
             sender.stop()
+        self.encoding.stop()
 
     def _sender(self, node: int, addr: str) -> BuddySender:
         with self._lock:
@@ -184,7 +209,7 @@ class Mirroring:
             job.epoch,
             job.slot.rank,
             manifest.step,
-            [self.node, *job.acked],
+            [self.node] if job.coded else [self.node, *job.acked],
             manifest.used_bytes,
             manifest.meta().nbytes,
             manifest.state_digest(),

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from peerckpt.errors import (
     ChecksumMismatch,
@@ -23,6 +24,8 @@ from peerckpt.errors import (
     no_answer,
 )
 from peerckpt.manifest import SnapshotManifest
+from peerckpt.reads import ERASURE
+from peerckpt.replication.decoding import rebuild
 from peerckpt.replication.dedup import sent_bytes
 from peerckpt.replication.store import Slot, SlotStore
 from peerckpt.replication.transfer import fetch
@@ -54,16 +57,26 @@ def obtain_committed(
     sources: list[int],
     connect: Callable[[int], Connection],
     twins: list[list[int]] | None = None,
+    erasure: dict[str, Any] | None = None,
+    alive: set[int] | None = None,
 ) -> Obtained:
     """Make ``rank``'s snapshot of ``step`` (layout ``gen``) available, verified, in one of
     its own slots. A source's copy lacking the data-parallel chunks is completed from the
-    first of ``twins`` ([node, twin rank] pairs) that has them (``replication/twinfill.py``)."""
+    first of ``twins`` ([node, twin rank] pairs) that has them (``replication/twinfill.py``).
+    The source ``ERASURE`` rebuilds it from its coding group (``erasure``: the membership's
+    ``erasure_restore``; ``alive``: the nodes of the epoch; ``replication/decoding.py``)."""
     failures = []
     unreachable = False  # some source's node did not answer (it may be dying)
     for source in sources:
         start = time.monotonic()
         try:
-            if source == node:
+            if source == ERASURE:
+                index = _pull_target(store, gen, rank, step)
+                got = rebuild(
+                    store, epoch, gen, rank, step, erasure or {}, alive or set(), connect, index
+                )
+                slot, nbytes = got.slot, sum(got.pulled.values())
+            elif source == node:
                 slot, nbytes = _local_copy(store, gen, rank, step), 0
             else:
                 slot = _pull(store, epoch, gen, rank, step, connect(source))

@@ -240,6 +240,8 @@ class Preparer:
             members.sources.get(rank, []),
             self._connect(members),
             twins=members.twins.get(rank),
+            erasure=members.erasure_restore,
+            alive=set(members.node_addrs),
         )
         with self._lock:
             key = (members.epoch, rank)

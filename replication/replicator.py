@@ -47,6 +47,9 @@ class ReplicationJob:
     # Chunks the buddies' copies go without: data-parallel ones the twins hold
     # (``replication/dedup.py``); empty for a full push.
     absent: tuple[int, ...] = ()
+    # ``--erasure``: ``buddies`` are parity holders, which keep pieces, not copies
+    # (``replication/encoding.py``); the rank's own node is its only complete copy.
+    coded: bool = False
     acked: list[int] = field(default_factory=list)
     failed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)

@@ -64,12 +64,16 @@ from peerckpt.messages.data import (
     End,
     Fetch,
     FetchBoxes,
+    FetchParity,
+    FetchRanges,
     ManifestReply,
+    ParityPiece,
     Push,
     Ready,
 )
 from peerckpt.replication.checksums import RunningChecksums
 from peerckpt.replication.gather import serve_boxes
+from peerckpt.replication.parity import ParityStore, serve_parity, serve_piece, serve_ranges
 from peerckpt.replication.store import SlotStore
 from peerckpt.serving import Listener
 from peerckpt.states import SlotKind
@@ -252,9 +256,12 @@ class DataServer:
         host: str = "127.0.0.1",
         net: NetHooks | None = None,
         trusted: Callable[[], frozenset[str]] | None = None,
+        parity: ParityStore | None = None,
     ) -> None:
-        """``trusted``: the hosts of the job's agents, admitted first (``peerckpt/serving.py``)."""
+        """``trusted``: the hosts of the job's agents, admitted first (``peerckpt/serving.py``);
+        ``parity``: the parity pieces this agent keeps (``--erasure``)."""
         self._net = net
+        self.parity = parity if parity is not None else ParityStore(store.arena)
         self.store = store
         self._committed_step = committed_step
         self._secret = secret
@@ -274,7 +281,16 @@ class DataServer:
         )
         self.bytes_served = 0
         self._requests = Dispatch[None](
-            {Push: self._on_push, Fetch: self._on_fetch, FetchBoxes: self._on_fetch_boxes},
+            {
+                Push: self._on_push,
+                Fetch: self._on_fetch,
+                FetchBoxes: self._on_fetch_boxes,
+                ParityPiece: lambda m, c: serve_piece(
+                    c, m, self.parity, self._current_epoch(), self._committed_step()
+                ),
+                FetchParity: lambda m, c: serve_parity(c, m, self.parity),
+                FetchRanges: lambda m, c: serve_ranges(c, m, self.store),
+            },
             "a data server",
         )
 

@@ -45,6 +45,7 @@ class JobSpec:
     persist: dict[str, Any] | None = None  # PersistConfig.to_msg(), from --persist
     placement: str = "ring"
     racks: dict[int, str] | None = None  # node → rack
+    erasure: str | None = None  # "K+M": parity over groups instead of buddy replicas
     keep_spares: bool = False  # start a new spare (and spare node) for every one used or lost
     record_digests: bool = False  # every snapshot's tensor digest, in the result
     metrics_port: int | None = None  # serve /metrics and /status here (0: any free port)

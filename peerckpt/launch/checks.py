@@ -119,6 +119,8 @@ def check_spec(spec: JobSpec, nodes_flag: str = "--nodes") -> None:
         )
     if spec.racks is not None:
         _check_racks(spec.racks, spec.nodes)
+    if spec.erasure is not None:
+        check_erasure(spec.erasure, spec.replicas, spec.nodes, nodes_flag)
     if spec.metrics_port is not None:
         _check_port(spec.metrics_port)
     if not isinstance(spec.metrics_addr, str) or not spec.metrics_addr:
@@ -325,4 +327,28 @@ def _check_output(flag: str, path: object) -> None:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigurationError(
             f"{flag} {path}: you cannot write in {folder}; give a path in a folder you can"
+        )
+
+
+def check_erasure(text: str, replicas: int | None, nodes: int, nodes_flag: str) -> None:
+    """``--erasure K+M``: a code the job's nodes can hold (K + M of them, each piece of a
+    stripe on a node of its own), not combined with ``--replicas``."""
+    from peerckpt.coding import parse_spec
+
+    try:
+        spec = parse_spec(text)
+    except ValueError as exc:
+        raise ConfigurationError(str(exc)) from None
+    if replicas is not None:
+        raise ConfigurationError(
+            f"--erasure {spec} and --replicas {replicas} both give the job's redundancy; "
+            "choose one (--erasure K+M keeps M/K of a node's state as parity, --replicas k "
+            "k whole copies)"
+        )
+    if nodes < spec.width:
+        raise ConfigurationError(
+            f"--erasure {spec} puts each stripe's {spec.width} pieces on {spec.width} distinct "
+            f"nodes, but the job has {nodes} ({nodes_flag} {nodes}): give {nodes_flag} "
+            f"{spec.width} or more, or a smaller code (--erasure {max(1, nodes - spec.m)}+"
+            f"{spec.m} needs {max(1, nodes - spec.m) + spec.m})"
         )

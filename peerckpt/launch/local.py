@@ -159,6 +159,7 @@ class LocalLauncher(Launcher):
             spares=spec.spares if spec.spares and not restart else None,
             placement=spec.placement,
             racks=json.dumps(spec.racks) if spec.racks else None,
+            erasure=spec.erasure,
             persist=json.dumps(spec.persist) if spec.persist else None,
             digests_file=os.path.join(self.rundir, "digests.txt") if spec.record_digests else None,
         )

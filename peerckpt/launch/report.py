@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from peerckpt.launch.base import JobResult
-from peerckpt.reads import STORAGE
+from peerckpt.reads import ERASURE, STORAGE
 
 
 @dataclass
@@ -185,6 +185,11 @@ def format_failures(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -
                 lines.append(
                     f"    rank {pull['rank']} on node {pull['node']}: read {pull['bytes']:,} bytes "
                     f"from durable storage in {ms:.1f} ms"
+                )
+            elif pull["source"] == ERASURE:
+                lines.append(
+                    f"    rank {pull['rank']} on node {pull['node']}: rebuilt from its group's "
+                    f"pieces and parity, {pull['bytes']:,} bytes pulled in {ms:.1f} ms"
                 )
             elif pull["source"] == pull["node"]:
                 lines.append(

@@ -102,3 +102,66 @@ class ManifestReply(Message):
     PAYLOAD = "manifest"
 
     manifest: SnapshotManifest
+
+
+# -- erasure coding (``--erasure K+M``; ``replication/parity.py`` draws the exchanges) --------
+@message("parity_piece")
+@dataclass(frozen=True)
+class ParityPiece(DataRequest):
+    """Fold piece ``piece`` of ``rank``'s snapshot of ``step`` (``length`` bytes, as data
+    frames) into parity row ``row`` of stripe ``stripe`` of the coding group ``group`` (its
+    ranks by position), which has ``k`` data pieces, times ``coef``. ``manifest``: the
+    rank's, kept beside the parity (a rebuild needs it); its checksums come in ``end``."""
+
+    PAYLOAD = "manifest"
+    epoch: int
+    gen: int
+    rank: int
+    step: int
+    committed: int | None
+    group: list[int]
+    stripe: int
+    row: int
+    piece: int
+    k: int
+    coef: int
+    length: int
+    manifest: SnapshotManifest
+
+
+@message("fetch_parity")
+@dataclass(frozen=True)
+class FetchParity(DataRequest):
+    """Send parity row ``row`` of stripe ``stripe`` of ``group`` for ``step``."""
+
+    epoch: int
+    gen: int
+    group: list[int]
+    stripe: int
+    row: int
+    step: int
+
+
+@message("parity_reply")
+@dataclass(frozen=True)
+class ParityReply(Message):
+    """The answer to a fetch_parity, before its data frames: the parity's length and
+    crc32c (computed when its last piece was folded in), and the data ranks' manifests."""
+
+    PAYLOAD = "manifests"
+    length: int
+    crc: int
+    manifests: list[SnapshotManifest]
+
+
+@message("fetch_ranges")
+@dataclass(frozen=True)
+class FetchRanges(DataRequest):
+    """Send the byte ``ranges`` of ``rank``'s copy of ``step`` (a piece to decode with); the
+    ``end`` frame carries their crc32c, as read."""
+
+    epoch: int
+    gen: int
+    rank: int
+    step: int
+    ranges: list[tuple[int, int]]

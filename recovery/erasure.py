@@ -1,0 +1,163 @@
+"""Erasure-coded redundancy, the coordinator's side: groups, and what a loss leaves.
+
+``--erasure K+M`` replaces buddy replicas (``recovery/placement.py``) with parity spread
+over groups of nodes (``peerckpt/coding.py`` has the code, the stripes and the invariant).
+The coordinator
+
+- forms the groups at every epoch (``coding_for``): the nodes that host ranks, in the
+  placement's node order (racks spread evenly, as for replicas), cut into groups of K + M,
+  the last n mod (K + M) nodes joining the last group; group l of a node group is the l-th
+  local rank of each of its nodes. The membership carries them (``Membership.erasure``);
+  the agents encode with them;
+- remembers the groups of the committed step (``CommitTracker.committed_coding``) and the
+  nodes lost since it committed, and, whenever a node is lost (``mark_rebuildable``), marks
+  every rank that no node holds any more but whose stripes each keep K readable pieces as
+  held by ``ERASURE``: the planner then reads it as from any holder, and the agent that
+  reads it rebuilds it first (``replication/decoding.py``). A rank with too few pieces
+  left keeps no holder, and the recovery falls back to durable storage, or fails, naming
+  the ranks and the loss (``decide``'s ``NeedStorage``);
+- puts what a rebuild needs into the membership (``restore_coding``): the committed step's
+  groups and, for every rank still held, one node that holds it.
+
+``ErasurePlacement`` carries the spec in the job's settings: a placement with no buddies.
+Pure functions, no I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from peerckpt.coding import Coding, ErasureSpec, Group, group_k, rebuildable
+from peerckpt.membership import Membership
+from peerckpt.reads import ERASURE, STORAGE
+from peerckpt.recovery.placement import Placement
+
+if TYPE_CHECKING:
+    from peerckpt.recovery.commits import CommitTracker
+
+log = logging.getLogger("peerckpt.coordinator")
+
+
+class ErasurePlacement:
+    """No buddy replicas: the job's redundancy is parity (``spec``); ``order`` gives the node
+    order (a strategy's, with racks spread)."""
+
+    def __init__(self, spec: ErasureSpec, order: Placement) -> None:
+        self.spec = spec
+        self.order = order
+
+    def buddies(self, rank_nodes: dict[int, int], replicas: int) -> dict[int, list[int]]:
+        return {rank: [] for rank in rank_nodes}
+
+    def coding(self, rank_nodes: Mapping[int, int]) -> Coding:
+        node_order = getattr(self.order, "node_order", sorted)
+        return coding_for(self.spec, rank_nodes, list(node_order(set(rank_nodes.values()))))
+
+
+def coding_for(spec: ErasureSpec, rank_nodes: Mapping[int, int], order: list[int]) -> Coding:
+    """The groups of an epoch whose ranks live on ``rank_nodes``, nodes in ``order``."""
+    width = spec.width
+    node_groups = [order[i : i + width] for i in range(0, len(order), width)]
+    if len(node_groups) > 1 and len(node_groups[-1]) < width:
+        node_groups[-2].extend(node_groups.pop())  # the tail joins the last group
+    local: dict[int, list[int]] = {}
+    for rank in sorted(rank_nodes):
+        local.setdefault(rank_nodes[rank], []).append(rank)
+    groups = []
+    for nodes in node_groups:
+        depth = max(len(local.get(n, [])) for n in nodes)
+        for level in range(depth):
+            members = [(local[n][level], n) for n in nodes if len(local.get(n, [])) > level]
+            k = group_k(spec, len(members))
+            if k < 1:
+                log.warning(
+                    "erasure %s: ranks %s form a group of %d, too few to survive %d loss(es); "
+                    "they are protected by their own node only",
+                    spec,
+                    [r for r, _ in members],
+                    len(members),
+                    spec.m,
+                )
+            ranks, where = zip(*members, strict=True)
+            groups.append(Group(tuple(ranks), tuple(where), k, spec.m))
+    return Coding(spec, tuple(groups))
+
+
+def real(holders: set[int]) -> set[int]:
+    """Nodes that hold a copy (not storage, not a rebuild)."""
+    return holders - {STORAGE, ERASURE}
+
+
+def mark_rebuildable(
+    coding: Coding | None, holders: dict[int, set[int]], lost: set[int]
+) -> list[int]:
+    """Mark as held by ``ERASURE`` every rank that no node holds but that its group can
+    rebuild (``lost``: the nodes lost since ``coding``'s step committed); unmark the rest.
+    Returns the ranks lost for good (no holder, not rebuildable)."""
+    if coding is None:
+        return []
+    alive_ranks = {r for r, h in holders.items() if real(h)}
+    gone = []
+    for group in coding.groups:
+        nodes_alive = {n for n in group.nodes if n not in lost}
+        for rank in group.ranks:
+            held = holders.setdefault(rank, set())
+            held.discard(ERASURE)
+            if real(held):
+                continue
+            if rebuildable(group, rank, alive_ranks, nodes_alive):
+                held.add(ERASURE)
+            else:
+                gone.append(rank)
+    return gone
+
+
+def restore_coding(coding: Coding | None, holders: Mapping[int, set[int]]) -> dict[str, Any]:
+    """What an agent needs to rebuild a rank of the committed step (``Membership``)."""
+    if coding is None:
+        return {}
+    held = {r: min(real(h)) for r, h in holders.items() if real(h)}
+    return {"coding": coding.to_msg(), "holders": held}
+
+
+def open_epoch(
+    placement: Placement, old: CommitTracker | None, membership: Membership, tracker: CommitTracker
+) -> Membership:
+    """``membership`` as it opens, with its groups and what a rebuild needs (unchanged
+    without ``--erasure``); ``tracker`` learns its groups and keeps the committed step's."""
+    if not isinstance(placement, ErasurePlacement):
+        return membership
+    tracker.coding = placement.coding(membership.rank_nodes())
+    if (
+        old is not None
+        and old is not tracker
+        and tracker.committed_coding is None
+        and old.committed_step == tracker.committed_step
+    ):
+        tracker.committed_coding = old.committed_coding
+        tracker.lost_nodes = set(old.lost_nodes)
+        tracker.unrebuildable = list(old.unrebuildable)
+    return replace(
+        membership,
+        erasure=tracker.coding.to_msg(),
+        erasure_restore=restore_coding(tracker.committed_coding, tracker.committed_holders),
+    )
+
+
+def why_unrebuildable(tracker: CommitTracker | None) -> str:
+    """Why the ranks the last loss left without a holder cannot be rebuilt ("" if none)."""
+    if tracker is None or not tracker.unrebuildable or tracker.committed_coding is None:
+        return ""
+    coding = tracker.committed_coding
+    gone = sorted(tracker.unrebuildable)
+    groups = [g for g in coding.groups if set(g.ranks) & set(gone)]
+    lost = sorted({n for g in groups for n in g.nodes if n in tracker.lost_nodes})
+    return (
+        f"erasure {coding.spec}: rank(s) {gone} cannot be rebuilt from memory: their group "
+        f"(nodes {sorted({n for g in groups for n in g.nodes})}) lost nodes {lost} together, "
+        f"more than the {coding.spec.m} its parity survives; a larger M (--erasure "
+        f"{coding.spec.k}+{coding.spec.m + 1}) or a durable tier (--persist) survives that"
+    )

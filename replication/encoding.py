@@ -1,0 +1,255 @@
+"""The agent's sending side of erasure coding (``--erasure K+M``): pieces to parity holders.
+
+Where ``--replicas k`` pushes a rank's whole snapshot to k buddies, here the agent cuts the
+rank's coded bytes into its group's k pieces (``peerckpt/coding.py``) and sends piece p to
+the m nodes holding the parity rows of the stripe it belongs to, each of which folds it in
+(``replication/parity.py``). One sender thread per destination node, one connection each;
+the pieces of a snapshot to one node go one after another, the nodes in parallel. Once every
+piece is acknowledged the snapshot counts as replicated to that node, and when every node
+did, ``Mirroring`` reports it (``Replicated``, the rank's own node its only complete copy).
+Nothing here runs in the training process: the ranks only copy into their slots.
+
+A piece the holder refused (checksum) is retried once on a fresh connection; a holder that
+cannot be reached is retried for ``retry_s``, then reported, as replicas are
+(``replication/replicator.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from peerckpt.coding import Coding, parity_matrix, piece_ranges, stripe_of_piece
+from peerckpt.errors import PeerckptError, PeerUnavailable, StaleEpoch
+from peerckpt.faults import NO_FAULTS, FaultHooks
+from peerckpt.messages.data import Ack, ParityPiece, Ready
+from peerckpt.replication.parity import send_ranges
+from peerckpt.replication.replicator import ReplicationJob
+from peerckpt.replication.transfer import IO_TIMEOUT_S, Cancelled
+from peerckpt.wire import Connection, connect_tcp
+
+log = logging.getLogger("peerckpt.encoding")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One piece of a snapshot, bound for the holder of one parity row of its stripe."""
+
+    node: int
+    group: tuple[int, ...]
+    stripe: int
+    row: int
+    piece: int
+    k: int
+    coef: int
+    ranges: tuple[tuple[int, int], ...]
+
+    @property
+    def length(self) -> int:
+        return sum(b - a for a, b in self.ranges)
+
+
+@dataclass
+class CodedJob:
+    """A snapshot's pieces; ``left[node]``: pieces to ``node`` not acknowledged yet."""
+
+    job: ReplicationJob
+    pieces: list[Piece]
+    left: dict[int, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def pieces_of(coding: Coding, rank: int, used: int) -> list[Piece]:
+    """Every piece of ``rank``'s snapshot of ``used`` bytes and the node it goes to."""
+    group = coding.group_of(rank)
+    if group is None or group.k < 1:
+        return []
+    pos, g, k, m = group.position(rank), group.size, group.k, group.m
+    matrix = parity_matrix(k, m)
+    out = []
+    for p in range(k):
+        stripe = stripe_of_piece(g, k, m, pos, p)
+        ranges = tuple(piece_ranges([(0, used)], k, p))
+        for t in range(m):
+            node = group.nodes[(stripe.index + t) % g]
+            out.append(Piece(node, group.ranks, stripe.index, t, p, k, matrix[t][p], ranges))
+    return out
+
+
+class Encoding:
+    """Sends pieces; ``sent(job, node, error)`` hears when a node has all of a snapshot's."""
+
+    def __init__(
+        self,
+        job: str,
+        secret: bytes,
+        current_epoch: Callable[[], int],
+        committed_step: Callable[[], int | None],
+        sent: Callable[[ReplicationJob, int, BaseException | None], None],
+        faults: FaultHooks = NO_FAULTS,
+    ) -> None:
+        self._job, self._secret = job, secret
+        self._epoch, self._committed = current_epoch, committed_step
+        self._sent = sent
+        self._faults = faults
+        self.retry_s = 10.0
+        self._lock = threading.Lock()
+        self._senders: dict[int, _PieceSender] = {}
+
+    def submit(self, job: ReplicationJob, pieces: list[Piece], addrs: dict[int, str]) -> None:
+        """Send ``pieces`` of ``job``'s snapshot (``job.buddies``: their distinct nodes)."""
+        coded = CodedJob(job, pieces)
+        for piece in pieces:
+            coded.left[piece.node] = coded.left.get(piece.node, 0) + 1
+        for piece in pieces:
+            self._sender(piece.node, addrs[piece.node]).put((coded, piece))
+
+    def _sender(self, node: int, addr: str) -> _PieceSender:
+        with self._lock:
+            sender = self._senders.get(node)
+            if sender is None or sender.address != addr:
+                if sender is not None:
+                    sender.stop()
+                sender = _PieceSender(self, node, addr)
+                self._senders[node] = sender
+            return sender
+
+    def cancel_inflight(self) -> None:
+        with self._lock:
+            senders = list(self._senders.values())
+        for sender in senders:
+            sender.cancel.set()
+
+    def stop(self) -> None:
+        with self._lock:
+            senders = list(self._senders.values())
+            self._senders.clear()
+        for sender in senders:
+            sender.stop()
+
+    def _done(self, coded: CodedJob, node: int, error: BaseException | None) -> None:
+        with coded.lock:
+            if error is None:
+                coded.left[node] -= 1
+                if coded.left[node] > 0:
+                    return
+            elif coded.left.get(node, 0) <= 0:
+                return
+            else:
+                coded.left[node] = 0
+        self._sent(coded.job, node, error)
+
+
+class _PieceSender:
+    """One destination node's queue of pieces, sent by one thread over one connection."""
+
+    def __init__(self, owner: Encoding, node: int, address: str) -> None:
+        self._owner = owner
+        self.node, self.address = node, address
+        self._queue: queue.Queue[tuple[CodedJob, Piece] | None] = queue.Queue()
+        self._conn: Connection | None = None
+        self.cancel = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"peerckpt-encode-n{node}", daemon=True
+        )
+        self._thread.start()
+
+    def put(self, item: tuple[CodedJob, Piece]) -> None:
+        self._queue.put(item)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self.cancel.set()
+        self._thread.join(timeout=5.0)
+        self._close()
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            coded, piece = item
+            self.cancel.clear()
+            if coded.job.epoch != self._owner._epoch() or coded.job.failed:
+                continue
+            self._owner._done(coded, self.node, self._send_with_retries(coded.job, piece))
+
+    def _send_with_retries(self, job: ReplicationJob, piece: Piece) -> BaseException | None:
+        deadline = time.monotonic() + self._owner.retry_s
+        backoff, attempt = 0.05, 0
+        while True:
+            attempt += 1
+            try:
+                self._send(job, piece)
+                return None
+            except (Cancelled, StaleEpoch) as exc:
+                self._close()
+                return exc
+            except (PeerckptError, OSError) as exc:
+                self._close()
+                log.warning(
+                    "piece %d of rank %d step %d to node %d failed (attempt %d): %s",
+                    piece.piece,
+                    job.slot.rank,
+                    job.manifest.step,
+                    self.node,
+                    attempt,
+                    exc,
+                )
+                unreachable = isinstance(exc, (PeerUnavailable, OSError))
+                if (
+                    job.epoch != self._owner._epoch()
+                    or (not unreachable and attempt >= 2)
+                    or time.monotonic() + backoff > deadline
+                ):
+                    return exc
+                if unreachable and self.cancel.wait(backoff):
+                    return Cancelled("transfer cancelled by an epoch change")
+                backoff = min(2 * backoff, 0.5)
+
+    def _send(self, job: ReplicationJob, piece: Piece) -> None:
+        if self._conn is None or self._conn.closed:
+            self._conn = connect_tcp(
+                self.address,
+                self._owner._secret,
+                self._owner._job,
+                io_timeout=IO_TIMEOUT_S,
+                net=self._owner._faults.net,
+            )
+        conn = self._conn
+        with job.slot.lock:
+            if not job.is_current():
+                raise Cancelled("slot was rewritten before it could be sent")
+            if self.cancel.is_set():
+                raise Cancelled("transfer cancelled by an epoch change")
+            conn.send_msg(
+                ParityPiece(
+                    job.epoch,
+                    job.slot.gen,
+                    job.slot.rank,
+                    job.manifest.step,
+                    self._owner._committed(),
+                    list(piece.group),
+                    piece.stripe,
+                    piece.row,
+                    piece.piece,
+                    piece.k,
+                    piece.coef,
+                    piece.length,
+                    job.manifest,
+                )
+            )
+            conn.recv_msg(Ready)
+            send_ranges(conn, job.slot.segment.view, list(piece.ranges), lambda c: [c, *job.crcs()])
+            conn.recv_msg(Ack)
+            if job.slot.manifest is None:
+                job.slot.manifest = job.checksummed()  # the slot's bytes are whole and known
