@@ -42,7 +42,7 @@ import fsspec
 import fsspec.utils
 from fsspec.implementations.local import LocalFileSystem
 
-from peerckpt.codec import pack, unpack
+from peerckpt.codec import pack
 from peerckpt.errors import CheckpointError, CorruptCheckpoint, MalformedManifest, NoCheckpoint
 from peerckpt.manifest import FORMAT_VERSION, ChunkRecord, chunk_name
 from peerckpt.persist import localfs
@@ -50,9 +50,12 @@ from peerckpt.persist.checkpoint import DurableCheckpoint
 from peerckpt.persist.direct import DirectFile as _DirectFile
 from peerckpt.persist.direct import HeldBytes
 from peerckpt.persist.format import (
+    MANIFEST_MAX,
+    SMALL_MAX,
     DurableManifest,
     StoredChunk,
     data_file,
+    decode_document,
     decode_part,
     part_file,
 )
@@ -165,10 +168,8 @@ def _verify(rank: int, record: ChunkRecord, data: bytes | bytearray | memoryview
 
 
 def _unpack(raw: bytes, what: str) -> Any:
-    try:
-        return unpack(raw)
-    except Exception as exc:  # msgpack raises several types for bad input
-        raise CorruptCheckpoint(f"{what} is not a valid msgpack document: {exc}") from None
+    """A document read from the root, decoded with bounds (``format.decode_document``)."""
+    return decode_document(raw, what)
 
 
 class DurableStore:
@@ -206,14 +207,17 @@ class DurableStore:
             _sync(f)
         localfs.replace(tmp, path)
 
-    def _read(self, path: str) -> bytes:
-        """A whole small file (marker, manifest, part, ``latest``): on local storage a
-        regular file only, inside a step directory that is not a link."""
+    def _read(self, path: str, limit: int) -> bytes:
+        """A whole metadata file (marker, manifest, part, ``latest``) of at most ``limit``
+        bytes, refused (CorruptCheckpoint) before more is read: on local storage a regular
+        file only, not sparse, inside a step directory that is not a link; on other storage
+        at most ``limit`` + 1 bytes are fetched, whatever the object's size."""
         if not self.local:
-            data: bytes = self.fs.cat_file(path)
+            data: bytes = self.fs.cat_file(path, start=0, end=limit + 1)
+            localfs.check_small(path, len(data), limit)
             return data
         directory, name = path.rsplit("/", 1)
-        return localfs.read_whole(directory, name, follow_dir=directory == self.root)
+        return localfs.read_whole(directory, name, limit, follow_dir=directory == self.root)
 
     def _make_step_dir(self, step: int) -> None:
         if not self.local:
@@ -310,7 +314,7 @@ class DurableStore:
         where: dict[tuple[Any, ...], StoredChunk] = {}
         self.fs.invalidate_cache(self.step_path(step))  # object stores cache listings
         for path in self.fs.glob(self.step_path(step, "part-n*.msgpack")):
-            for rank, c in decode_part(_unpack(self._read(path), path), path):
+            for rank, c in decode_part(_unpack(self._read(path, MANIFEST_MAX), path), path):
                 where[unique_key(rank, c.record)] = c
         ranks: dict[int, list[StoredChunk]] = {}
         missing = []
@@ -329,6 +333,11 @@ class DurableStore:
             )
         manifest = DurableManifest(step, epoch, len(layouts), ranks)
         raw = pack(manifest.to_msg())
+        if len(raw) > MANIFEST_MAX:  # readers refuse it: never commit what cannot be read
+            raise CheckpointError(
+                f"step {step} cannot be committed: its manifest is {len(raw)} bytes, more than "
+                f"the {MANIFEST_MAX} a reader accepts (too many chunks in one step)"
+            )
         self._put(self.step_path(step, MANIFEST), raw)
         self._put(self.step_path(step, MARKER), pack({"step": step, "crc": crc32c.crc32c(raw)}))
         self._put(self._path(LATEST), str(step).encode())
@@ -368,8 +377,8 @@ class DurableStore:
 
     def _manifest_if_committed(self, step: int) -> bytes | None:
         try:
-            marker = _unpack(self._read(self.step_path(step, MARKER)), "commit marker")
-            raw = self._read(self.step_path(step, MANIFEST))
+            marker = _unpack(self._read(self.step_path(step, MARKER), SMALL_MAX), "commit marker")
+            raw = self._read(self.step_path(step, MANIFEST), MANIFEST_MAX)
         except FileNotFoundError:
             return None
         except CorruptCheckpoint as exc:  # a link or a FIFO where a file belongs
@@ -387,7 +396,7 @@ class DurableStore:
         step was committed after it (the pointer is written last, so it can lag)."""
         found = None
         with contextlib.suppress(FileNotFoundError, ValueError, CorruptCheckpoint):
-            step = int(self._read(self._path(LATEST)).decode().strip())
+            step = int(self._read(self._path(LATEST), SMALL_MAX).decode().strip())
             raw = self._manifest_if_committed(step)
             if raw is not None:
                 found = (step, raw)

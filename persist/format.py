@@ -7,25 +7,45 @@ what the format itself writes — a chunk's file is one of the names a writer gi
 (``data-n<node>.bin``, never a path), its size is what its dtype and box make — and anything
 else is a :class:`MalformedManifest` (a ``CorruptCheckpoint``) naming the file and field.
 
+What a reader allocates must be bounded by what the root stores, so a manifest is also
+refused when its records make a reader count stored bytes twice (:func:`check_stored_once`:
+a chunk listed twice for one rank, two records claiming the same bytes, records whose bytes
+overlap in their file), and its msgpack is decoded with bounds (:func:`decode_document`).
+
 Pure data; no I/O.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+import msgpack
 
 from peerckpt.decode import need_int, need_list, need_map
 from peerckpt.dtypes import itemsize
 from peerckpt.errors import MalformedManifest, StateMismatch
-from peerckpt.manifest import FORMAT_VERSION, ChunkRecord
+from peerckpt.manifest import FORMAT_VERSION, ChunkRecord, chunk_name
 
 # The only data file names a writer gives (``data_file``): no separator, no "..", no link.
 DATA_FILE = re.compile(r"data-n(0|[1-9][0-9]{0,8})\.bin")
 MAX_STEP = 10**12 - 1  # a step directory's name has 12 digits
 _RANK = re.compile(r"0|[1-9][0-9]{0,8}")  # a rank as the manifest's map writes it
+
+# Bounds on what a document read from the root may be and decode to. A manifest or a part is
+# a few dozen bytes per chunk (1 GiB: tens of millions of chunks); the marker and ``latest``
+# are a few bytes. A decoded document holds at most 8 maps (the format writes two) and one
+# list per 5 bytes (each list of a stored chunk takes more), so that no content decodes to
+# more than a manifest of the same size does; strings are names (a key, a dtype).
+MANIFEST_MAX = 1 << 30
+SMALL_MAX = 4096
+_MAPS_MAX = 8
+_BYTES_PER_LIST = 5
+_STR_MAX = 1 << 16
 
 
 def data_file(node: int) -> str:
@@ -112,6 +132,7 @@ class DurableManifest:
                     StoredChunk.from_msg(c, f"rank {rank} chunk {i}")
                     for i, c in enumerate(need_list(chunks, f"rank {rank}'s chunks"))
                 ]
+            check_stored_once(ranks)
             return cls(
                 need_int(msg.get("step"), "step", hi=MAX_STEP),
                 need_int(msg.get("epoch"), "epoch", lo=-1),
@@ -131,6 +152,109 @@ class DurableManifest:
 
     def nbytes(self) -> int:
         return sum(c.record.nbytes for c in self.unique_chunks().values())
+
+
+def decode_document(raw: bytes, where: str) -> Any:
+    """The msgpack map stored as ``raw`` (a manifest, a part, a marker), decoded with bounds:
+    MalformedManifest naming ``where`` for anything else.
+
+    Without them a document of N bytes decoded to up to 73·N bytes of Python objects (a list
+    of empty maps, one byte each); with them, to about what a manifest of N bytes costs
+    (measured: 14·N for one of real chunks, 27·N at most, for a map of many ranks with no
+    chunks; docs/security.md). msgpack itself refuses a declared length past the bytes that
+    follow (``max_*_len``), and bytes and extension types, which the format never writes;
+    the hooks count maps and lists as they are built and stop the decoding as soon as a
+    document holds more of them than its size allows in the format.
+    """
+    if not raw or not (0x80 <= raw[0] <= 0x8F or raw[0] in (0xDE, 0xDF)):
+        raise MalformedManifest(f"{where} is not a msgpack map (first byte {raw[:1]!r})")
+    lists_left = [len(raw) // _BYTES_PER_LIST + 16]
+    maps_left = [_MAPS_MAX]
+
+    def count(left: list[int], what: str) -> None:
+        left[0] -= 1
+        if left[0] < 0:
+            raise MalformedManifest(
+                f"{where} holds more {what} than a document of {len(raw)} bytes in the format "
+                "can; it is not one peerckpt wrote"
+            )
+
+    def on_list(value: list[Any]) -> list[Any]:
+        count(lists_left, "lists")
+        return value
+
+    def on_map(value: dict[Any, Any]) -> dict[Any, Any]:
+        count(maps_left, "maps")
+        return value
+
+    try:
+        return msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=False,
+            list_hook=on_list,
+            object_hook=on_map,
+            max_str_len=_STR_MAX,
+            max_bin_len=0,
+            max_ext_len=0,
+        )
+    except MalformedManifest:
+        raise
+    except Exception as exc:  # msgpack raises several types for bad input
+        raise MalformedManifest(
+            f"{where} is not a valid msgpack document: {type(exc).__name__} {exc}"
+        ) from None
+
+
+def check_stored_once(ranks: dict[int, list[StoredChunk]]) -> None:
+    """MalformedManifest unless every stored byte is counted once: no rank lists a chunk
+    twice, records at one place in a file are one chunk (a box of a shared tensor, which
+    any number of ranks may list; a rank's private state, one rank only), and no two chunks'
+    bytes overlap in their file. O(n log n) in the records.
+
+    The format writes each unique chunk once, at its own place in its writer's data file. A
+    manifest that points many records at the same bytes (aliases) or lists one many times
+    (duplicates) would pass every size check — each record's bytes are in the file — while
+    a reader allocated the file's size once per record: 20,000 aliases of a 1 MB file make an
+    export of 20 GB. With this check what a reader allocates for one rank, or for every shared
+    tensor whole, is bounded by the bytes the data files hold.
+    """
+    places: dict[tuple[str, int], tuple[ChunkRecord, int]] = {}
+    for rank, chunks in ranks.items():
+        seen: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()
+        for c in chunks:
+            r = c.record
+            if r.nbytes == 0:
+                continue  # holds no byte, costs no memory: several may stand at one offset
+            identity = (chunk_name(r.key, r.scope, rank), r.offsets, r.lengths)
+            if identity in seen:
+                raise MalformedManifest(
+                    f"rank {rank} lists chunk {r.key!r:.80} {list(r.offsets)} twice"
+                )
+            seen.add(identity)
+            place = (c.file, r.byte_offset)
+            first = places.setdefault(place, (r, rank))
+            if first[0] != r or (r.scope == "rank" and first[1] != rank):
+                raise MalformedManifest(
+                    f"{_named(first[0], first[1])} and {_named(r, rank)} both claim bytes "
+                    f"{r.byte_offset}–{r.byte_offset + r.nbytes} of {c.file}: aliased records"
+                )
+    _check_apart((file, offset, r) for (file, offset), (r, _) in places.items())
+
+
+def _check_apart(places: Iterable[tuple[str, int, ChunkRecord]]) -> None:
+    """MalformedManifest if two of the chunks' byte ranges overlap in one file."""
+    ordered = sorted(places, key=lambda p: (p[0], p[1]))
+    for (file, offset, r), (next_file, next_offset, s) in itertools.pairwise(ordered):
+        if file == next_file and offset + r.nbytes > next_offset:
+            raise MalformedManifest(
+                f"{r.key!r:.80} (bytes {offset}–{offset + r.nbytes}) and {s.key!r:.80} (from "
+                f"{next_offset}) overlap in {file}: the format stores each chunk apart"
+            )
+
+
+def _named(record: ChunkRecord, rank: int) -> str:
+    return f"{record.key!r:.80} {list(record.offsets)} of rank {rank}"
 
 
 def decode_part(msg: Any, where: str) -> list[tuple[int, StoredChunk]]:

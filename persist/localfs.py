@@ -8,6 +8,9 @@ it is input. So, on the local backend:
   followed out of the root), ``O_NONBLOCK`` (a FIFO cannot block the open) and
   ``O_CLOEXEC``; then ``fstat`` must say *regular file*. Sizes come from that ``fstat``: a
   chunk claiming bytes its file does not hold is refused before any buffer is allocated.
+  And the size must be backed by the disk: a *sparse* file (``truncate -s 8G``: 8 GiB of
+  size in 4 KiB of blocks) is refused when opened (:func:`check_backed`), so that what a
+  reader allocates is bounded by what the root actually stores, not by what its sizes say.
 - Writing: ``O_NOFOLLOW | O_CLOEXEC`` on every open, refused unless the result is a regular
   file; the mode is set exactly (0600 by default, :data:`DEFAULT_MODE`), directories
   created with the matching 0700; a rename is followed by an ``fsync`` of its directory, so
@@ -29,6 +32,13 @@ from collections.abc import Iterator
 from peerckpt.errors import CheckpointError, CorruptCheckpoint
 
 DEFAULT_MODE = 0o600  # durable files: readable and writable by their owner only
+# A file's size may exceed the bytes its disk holds for it (st_blocks, then its data extents)
+# by this factor, plus one block, before it is refused as sparse. peerckpt writes every byte
+# of its files, so on most file systems they hold their whole size; the factor leaves room
+# for file systems that compress (ZFS, btrfs) or store zero blocks as holes (ZFS with
+# compression), and the block for data kept inside the inode (ext4, btrfs inline files).
+SPARSE_FACTOR = 16
+SPARSE_SLACK = 4096
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -80,9 +90,52 @@ def open_regular(directory: str, name: str, follow_dir: bool = False) -> Iterato
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise _not_regular(path, _kind(st.st_mode))
+        check_backed(path, fd, st)
         yield fd, st.st_size
     finally:
         os.close(fd)
+
+
+def check_backed(path: str, fd: int, st: os.stat_result) -> None:
+    """CorruptCheckpoint if the open regular file ``fd`` is sparse: its size more than
+    :data:`SPARSE_FACTOR` times (plus :data:`SPARSE_SLACK`) the data its disk holds for it.
+
+    A sparse file costs its maker nothing (``truncate -s 8G``) and reads back as zeros, so a
+    manifest sized to it would make a reader allocate gigabytes from a root of kilobytes. The
+    allocated blocks (``st_blocks``) answer at once for every file peerckpt writes; only a
+    file that looks sparse by them has its data extents counted (``SEEK_DATA``/``SEEK_HOLE``,
+    which a file system that reports blocks late, as ZFS does for a file just written, answers
+    exactly), stopping as soon as enough data is found."""
+    need = (st.st_size - SPARSE_SLACK + SPARSE_FACTOR - 1) // SPARSE_FACTOR  # data to accept
+    if need <= 0 or st.st_blocks * 512 >= need:
+        return
+    held = _data_bytes(fd, st.st_size, need)
+    if held < need:
+        raise CorruptCheckpoint(
+            f"{path} is a sparse file: its size is {st.st_size} bytes, but its disk holds only "
+            f"{held} bytes of data for it; peerckpt never writes sparse files, and reading it "
+            "would allocate memory for bytes the checkpoint does not store (someone who can "
+            "write to the root made it, or a copy kept its holes). Restore the file from an "
+            "intact copy; a file system that stores zeros as holes (ZFS with compression) may "
+            "hold a step of mostly-zero tensors this way: copy the root to storage that does not"
+        )
+
+
+def _data_bytes(fd: int, size: int, enough: int) -> int:
+    """The bytes of ``fd``'s first ``size`` that lie in data extents, not holes, counted
+    until ``enough`` are found; every byte where the file system cannot tell."""
+    held, at = 0, 0
+    try:
+        while at < size and held < enough:
+            start = os.lseek(fd, at, os.SEEK_DATA)
+            end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+            held += end - start
+            at = end
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # no data past ``at``: the rest is a hole
+            return held
+        return size  # SEEK_DATA unsupported: the blocks may be counted late, so trust the size
+    return held
 
 
 def _not_regular(path: str, what: str | None) -> CorruptCheckpoint:
@@ -105,10 +158,21 @@ def _kind(mode: int) -> str:
     return "not a file"
 
 
-def read_whole(directory: str, name: str, follow_dir: bool = False) -> bytes:
-    """All of regular file ``directory/name`` (as much as its size says, no more)."""
+def read_whole(directory: str, name: str, limit: int, follow_dir: bool = False) -> bytes:
+    """All of regular file ``directory/name`` (as much as its size says, no more);
+    CorruptCheckpoint, before anything is read, if it is larger than ``limit`` bytes."""
     with open_regular(directory, name, follow_dir) as (fd, size):
+        check_small(os.path.join(directory, name), size, limit)
         return _pread(fd, size, 0)
+
+
+def check_small(path: str, size: int, limit: int) -> None:
+    """CorruptCheckpoint unless a metadata file of ``size`` bytes is within ``limit``."""
+    if size > limit:
+        raise CorruptCheckpoint(
+            f"{path} is {size} bytes, more than the {limit} a file of its kind can be; it is "
+            "not a file peerckpt wrote, and it is not read"
+        )
 
 
 def read_range(directory: str, name: str, start: int, n: int, what: str) -> bytes:

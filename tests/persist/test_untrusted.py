@@ -22,6 +22,7 @@ import pytest
 from peerckpt.codec import pack, unpack
 from peerckpt.errors import CheckpointError, CorruptCheckpoint
 from peerckpt.manifest import ChunkRecord
+from peerckpt.persist import durable, localfs
 from peerckpt.persist.durable import DurableStore
 from peerckpt.persist.inspect import inspect
 from peerckpt.persist.interop import PeerckptReader, export_safetensors
@@ -53,12 +54,21 @@ def _tamper(store: DurableStore, change: Callable[[dict[str, Any]], None]) -> No
 
 
 def _claim(n: int) -> Callable[[dict[str, Any]], None]:
-    """Make rank 0's first chunk claim ``n`` bytes at the start of its file."""
+    """Make rank 0's last chunk (the last in its file: no other chunk's bytes follow it)
+    claim ``n`` bytes where it starts."""
 
     def change(msg: dict[str, Any]) -> None:
-        msg["ranks"]["0"][0][1][2:8] = [[n], [0], [n], 0, n, 0]
+        record = msg["ranks"]["0"][-1][1]
+        record[2:8] = [[n], [0], [n], record[5], n, 0]
 
     return change
+
+
+def _append_data(store: DurableStore, data: bytes) -> int:
+    """Append ``data`` to node 0's data file of the step; return the offset it starts at."""
+    with open(store.step_path(STEP, "data-n0.bin"), "ab") as f:
+        f.write(data)
+        return f.tell() - len(data)
 
 
 def _point_chunk_at(msg: dict[str, Any], file: str, data: bytes) -> None:
@@ -132,12 +142,14 @@ def test_export_allocates_only_what_the_stored_boxes_cover(
 def test_overlapping_boxes_never_export_memory_nobody_wrote(
     local: DurableStore, tmp_path: Path
 ) -> None:
+    extra = _append_data(local, bytes(100))  # bytes of their own: no record aliases another
+
     def overlap(msg: dict[str, Any]) -> None:
         chunks = msg["ranks"]["0"]
         chunks[0][1][2:5] = [[300], [0], [200]]  # w: elements 0-200 of 300
         twin = [chunks[0][0], list(chunks[0][1])]
         # and 50-150, from bytes that pass its checksum: 300 in all, yet 200-300 is unset
-        twin[1][3:8] = [[50], [100], 0, 100, crc32c.crc32c(bytes(range(100)))]
+        twin[1][3:8] = [[50], [100], extra, 100, crc32c.crc32c(bytes(100))]
         chunks.append(twin)
 
     _tamper(local, overlap)
@@ -146,10 +158,12 @@ def test_overlapping_boxes_never_export_memory_nobody_wrote(
 
 
 def test_boxes_of_one_tensor_that_disagree_on_its_dtype_are_refused(local: DurableStore) -> None:
+    extra = _append_data(local, bytes(200))
+
     def second_box_of_w(msg: dict[str, Any]) -> None:
         chunks = msg["ranks"]["0"]
         twin = [chunks[0][0], list(chunks[0][1])]
-        twin[1][1:7] = ["float32", [100], [0], [50], 0, 200]  # same key, another dtype
+        twin[1][1:7] = ["float32", [100], [0], [50], extra, 200]  # same key, another dtype
         chunks.append(twin)
 
     _tamper(local, second_box_of_w)
@@ -255,6 +269,66 @@ def test_a_fifo_for_a_marker_does_not_hang(local: DurableStore) -> None:
         finder.join(10.0)
         pytest.fail("looking for committed steps hung on a FIFO")
     assert found == [[]]
+
+
+def test_a_sparse_data_file_is_refused_when_opened(local: DurableStore) -> None:
+    # 8 GiB of size in a few KiB of disk: its bytes read back as zeros, as many as asked
+    os.truncate(local.step_path(STEP, "data-n0.bin"), 8 << 30)
+    _tamper(local, _claim(4 << 30))
+    ckpt = local.open()
+    with pytest.raises(
+        CorruptCheckpoint, match=r"data-n0\.bin is a sparse file: its size is 8589934592"
+    ):
+        ckpt.slot_image(0)
+
+
+def test_a_file_that_holds_its_size_is_not_taken_for_sparse(tmp_path: Path) -> None:
+    path = tmp_path / "dense"
+    path.write_bytes(secrets.token_bytes(3 << 20))
+    with localfs.open_regular(str(tmp_path), "dense") as (_, size):
+        assert size == 3 << 20
+    # holes of up to 15/16 of a file are let through (compressing file systems), no more
+    with open(path, "r+b") as f:
+        f.truncate(16 * (3 << 20))
+    with localfs.open_regular(str(tmp_path), "dense") as (_, size):
+        assert size == 48 << 20
+    os.truncate(path, 17 * (3 << 20))
+    with (
+        pytest.raises(CorruptCheckpoint, match="sparse"),
+        localfs.open_regular(str(tmp_path), "dense"),
+    ):
+        pass
+
+
+@pytest.mark.parametrize("name", ["COMMITTED", "latest"])
+def test_a_metadata_file_larger_than_its_kind_is_not_read(
+    any_store: DurableStore, name: str
+) -> None:
+    path = any_store.step_path(STEP, name) if name == "COMMITTED" else f"{any_store.root}/latest"
+    any_store.fs.pipe_file(path, b" " * 5000)  # a marker or a pointer is a few bytes
+    if name == "COMMITTED":
+        assert any_store.committed_steps() == []
+    else:  # the pointer is only a hint: the step is found by listing
+        assert any_store.latest_step() == STEP
+    with pytest.raises(CorruptCheckpoint, match="more than the 4096 a file of its kind"):
+        any_store._read(path, 4096)
+
+
+def test_a_sparse_part_fails_the_commit(local: DurableStore) -> None:
+    os.truncate(local.step_path(STEP, "part-n0.msgpack"), 4 << 30)
+    with pytest.raises(CorruptCheckpoint, match=r"part-n0\.msgpack is a sparse file"):
+        local.commit(STEP, epoch=1, layouts={0: []})
+
+
+def test_a_manifest_too_large_for_readers_is_never_committed(
+    local: DurableStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layouts = {0: [c.record for c in local.open().chunks(0)]}
+    part = len(local.fs.cat_file(local.step_path(STEP, "part-n0.msgpack")))
+    assert len(local.fs.cat_file(local.step_path(STEP, "manifest.msgpack"))) > part
+    monkeypatch.setattr(durable, "MANIFEST_MAX", part)  # the part is read, the manifest too big
+    with pytest.raises(CheckpointError, match=rf"its manifest is \d+ bytes, more than the {part}"):
+        local.commit(STEP, epoch=2, layouts=layouts)
 
 
 # -- malformed fields ------------------------------------------------------------------------
