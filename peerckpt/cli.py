@@ -271,6 +271,12 @@ def _plan(args: argparse.Namespace) -> int:
     from peerckpt.launch.checks import check_plan
     from peerckpt.recovery.survival import plan
 
+    if args.erasure is not None:
+        return _plan_erasure(args)
+    if args.replicas is None:
+        from peerckpt.errors import ConfigurationError
+
+        raise ConfigurationError("peerckpt plan: give --replicas k (buddy copies) or --erasure K+M")
     check_plan(args.nodes, args.replicas, args.failures, args.state_bytes)
     names = STRATEGY_NAMES if args.strategy == "all" else (args.strategy,)
     plans = plan(args.nodes, args.replicas, args.failures, names)
@@ -323,6 +329,52 @@ def _plan(args: argparse.Namespace) -> int:
             row[4],
             sep="  ",
         )
+    return 0
+
+
+def _plan_erasure(args: argparse.Namespace) -> int:
+    """``peerckpt plan --erasure K+M``: what the groups survive, and a node's memory."""
+    from peerckpt.coding import parse_spec
+    from peerckpt.launch.checks import check_erasure, check_plan
+    from peerckpt.recovery.erasure import erasure_plan
+
+    check_erasure(args.erasure, args.replicas, args.nodes, "--nodes")
+    check_plan(args.nodes, 0, args.failures, args.state_bytes)
+    p = erasure_plan(args.nodes, parse_spec(args.erasure), args.failures)
+    size = args.state_bytes
+    if args.json:
+        out = {
+            "nodes": args.nodes,
+            "erasure": str(p.spec),
+            "failures": args.failures,
+            "groups": list(p.groups),
+            "failure_sets": p.failure_sets,
+            "recoverable_sets": p.recoverable_sets,
+            "probability": str(p.probability),
+            "percent": float(p.probability * 100),
+            "memory_per_node_most": str(p.memory_most),
+            "memory_per_node_least": str(p.memory_least),
+            "bytes_per_node_most": None if size is None else int(p.memory_most * size),
+        }
+        print(json.dumps(out, indent=2))
+        return 0
+    from peerckpt.units import human
+
+    print(
+        f"{args.nodes} nodes, erasure {p.spec} (groups of {', '.join(map(str, p.groups))} "
+        f"nodes, each surviving any {p.spec.m} of its nodes lost), {args.failures} "
+        f"simultaneous node failure(s): {p.failure_sets:,} equally likely sets of failed nodes"
+    )
+    memory = f"{p.memory_most}·S"
+    if size is not None:
+        memory += f" = {int(p.memory_most * size):,} bytes ({human(int(p.memory_most * size))})"
+    if p.memory_least != p.memory_most:
+        memory = f"up to {memory} (least {p.memory_least}·S)"
+    print(f"S = one node's snapshot; memory per node (own copy + parity): {memory}")
+    print(
+        f"recoverable sets {p.recoverable_sets:,}/{p.failure_sets:,}  probability "
+        f"{p.probability}  {_percent(p.probability)}"
+    )
     return 0
 
 
@@ -604,7 +656,13 @@ def main(argv: list[str] | None = None) -> int:
         "snapshot still has a copy in memory, and the snapshot memory a node must hold.",
     )
     plan.add_argument("--nodes", type=int, required=True, help="nodes (failure domains)")
-    plan.add_argument("--replicas", type=int, required=True, help="buddies per snapshot, as in run")
+    plan.add_argument("--replicas", type=int, default=None, help="buddies per snapshot, as in run")
+    plan.add_argument(
+        "--erasure",
+        default=None,
+        metavar="K+M",
+        help="instead of --replicas: what groups of K+M nodes with M parity pieces survive",
+    )
     plan.add_argument("--failures", type=int, required=True, help="nodes failing at once")
     plan.add_argument(
         "--strategy",

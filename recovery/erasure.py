@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from itertools import combinations
+from math import comb
 from typing import TYPE_CHECKING, Any
 
 from peerckpt.coding import Coding, ErasureSpec, Group, group_k, rebuildable
@@ -59,10 +62,7 @@ class ErasurePlacement:
 
 def coding_for(spec: ErasureSpec, rank_nodes: Mapping[int, int], order: list[int]) -> Coding:
     """The groups of an epoch whose ranks live on ``rank_nodes``, nodes in ``order``."""
-    width = spec.width
-    node_groups = [order[i : i + width] for i in range(0, len(order), width)]
-    if len(node_groups) > 1 and len(node_groups[-1]) < width:
-        node_groups[-2].extend(node_groups.pop())  # the tail joins the last group
+    node_groups = _node_groups(order, spec.width)  # the tail joins the last group
     local: dict[int, list[int]] = {}
     for rank in sorted(rank_nodes):
         local.setdefault(rank_nodes[rank], []).append(rank)
@@ -161,3 +161,79 @@ def why_unrebuildable(tracker: CommitTracker | None) -> str:
         f"more than the {coding.spec.m} its parity survives; a larger M (--erasure "
         f"{coding.spec.k}+{coding.spec.m + 1}) or a durable tier (--persist) survives that"
     )
+
+
+@dataclass(frozen=True)
+class ErasurePlan:
+    """What ``--erasure K+M`` survives on ``nodes`` nodes when ``failures`` fail at once
+    (every set equally likely), and the snapshot memory a node holds (units of S, one
+    node's snapshot: its own copy plus its parity pieces)."""
+
+    spec: ErasureSpec
+    nodes: int
+    failures: int
+    groups: tuple[int, ...]  # group sizes
+    recoverable_sets: int
+    failure_sets: int
+    memory_most: Fraction
+    memory_least: Fraction
+
+    @property
+    def probability(self) -> Fraction:
+        return Fraction(self.recoverable_sets, self.failure_sets)
+
+
+def erasure_plan(nodes: int, spec: ErasureSpec, failures: int) -> ErasurePlan:
+    """Count exactly the failed sets after which every rank can be read or rebuilt.
+
+    Groups are as ``coding_for`` forms them. A group of exactly K + M nodes survives any
+    set of at most M of its nodes and nothing more (every stripe spans the whole group); a
+    larger group (the tail joined it) is counted by enumerating its failed subsets against
+    the stripe layout. The groups' counts are multiplied as polynomials in the number of
+    failed nodes."""
+    sizes = [len(g) for g in _node_groups(list(range(nodes)), spec.width)]
+    total = [1]
+    most, least = Fraction(0), Fraction(10**9)
+    for size in sizes:
+        k = group_k(spec, size)
+        safe = _group_safe_counts(size, k, spec.m)
+        total = _multiply(total, safe)
+        memory = Fraction(1) + (Fraction(spec.m, k) if k else 0)
+        most, least = max(most, memory), min(least, memory)
+    recoverable = total[failures] if failures < len(total) else 0
+    return ErasurePlan(
+        spec, nodes, failures, tuple(sizes), recoverable, comb(nodes, failures), most, least
+    )
+
+
+def _node_groups(order: list[int], width: int) -> list[list[int]]:
+    groups = [order[i : i + width] for i in range(0, len(order), width)]
+    if len(groups) > 1 and len(groups[-1]) < width:
+        groups[-2].extend(groups.pop())
+    return groups
+
+
+def _group_safe_counts(size: int, k: int, m: int) -> list[int]:
+    """B(j): the j-subsets of a group's nodes whose loss every rank of it survives."""
+    if k < 1:
+        return [1] + [0] * size  # unprotected: only the loss of none is survived
+    if size == k + m:
+        return [comb(size, j) if j <= m else 0 for j in range(size + 1)]
+    if size > 24:
+        raise ValueError(f"a group of {size} nodes is too large to count exactly")
+    group = Group(tuple(range(size)), tuple(range(size)), k, m)
+    counts = [0] * (size + 1)
+    for j in range(size + 1):
+        for lost in combinations(range(size), j):
+            alive = set(range(size)) - set(lost)
+            if all(rebuildable(group, r, alive, alive) for r in lost):
+                counts[j] += 1
+    return counts
+
+
+def _multiply(a: list[int], b: list[int]) -> list[int]:
+    out = [0] * (len(a) + len(b) - 1)
+    for i, x in enumerate(a):
+        for j, y in enumerate(b):
+            out[i + j] += x * y
+    return out
