@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from peerckpt.errors import RecoveryFailed
@@ -27,10 +28,12 @@ from peerckpt.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.membership import Membership
 from peerckpt.messages.control import ProcLost, Pull, RankFailed, Reads, Request
 from peerckpt.messages.local import Arrived, EpochStart, RestoreBody, RestorePlan, Staging
+from peerckpt.reads import ERASURE, Read
 from peerckpt.reads import decode as decode_reads
 from peerckpt.replication.control import ControlServer, ProcLink
+from peerckpt.replication.decoding import rebuild
 from peerckpt.replication.gather import GatherJob, assemble
-from peerckpt.replication.obtain import obtain_committed
+from peerckpt.replication.obtain import _pull_target, obtain_committed
 from peerckpt.replication.store import SlotStore
 from peerckpt.replication.transfer import IO_TIMEOUT_S
 from peerckpt.states import EpochMode
@@ -64,6 +67,7 @@ class Preparer:
         self._pulls: dict[tuple[int, int], list[Pull]] = {}  # (epoch, rank) → its restore's
         self._holds: set[tuple[int, int]] = set()  # restored in place: this node holds a copy
         self._wanted: dict[tuple[int, int, int], list[ChunkRecord]] = {}
+        self._rebuilding = threading.Lock()
         # The store address local ranks use (the agent's relay when the store is tunnelled).
         self.store_addr: Callable[[str], str] = lambda addr: addr
 
@@ -213,6 +217,7 @@ class Preparer:
             storage_url=members.restore_url,
         )
         try:
+            job = replace(job, reads=self._rebuild_for(members, job.reads))
             got = assemble(self.store, job, self._connect(members))
         except Exception as exc:
             log.error("gathering rank %d's state failed: %s", rank, exc)
@@ -226,6 +231,30 @@ class Preparer:
         with self._lock:
             self._pulls.setdefault((members.epoch, rank), []).extend(pulls)
         link.send(Staging(members.epoch, round_, got.slot.segment.path, got.manifest))
+
+    def _rebuild_for(self, members: Membership, reads: list[Read]) -> list[Read]:
+        """``--erasure``: rebuild here, once, every old rank the plan reads from ``ERASURE``
+        (``replication/decoding.py``); its reads then come from this node's copy."""
+        lost = sorted({r.source_rank for r in reads if r.source_node == ERASURE})
+        if not lost:
+            return reads
+        assert members.restore_step is not None
+        gen, step = members.restore_gen, members.restore_step
+        with self._rebuilding:  # local ranks gathering at once rebuild each rank once
+            for rank in lost:
+                if self.store.find(gen, rank, step) is None:
+                    rebuild(
+                        self.store,
+                        members.epoch,
+                        gen,
+                        rank,
+                        step,
+                        members.erasure_restore,
+                        set(members.node_addrs),
+                        self._connect(members),
+                        index=_pull_target(self.store, gen, rank, step),
+                    )
+        return [r._replace(source_node=self.node) if r.source_node == ERASURE else r for r in reads]
 
     def _obtain(self, members: Membership, rank: int) -> tuple[RestorePlan, SnapshotManifest]:
         """Make the committed snapshot of ``rank`` available in one of its own local slots."""

@@ -121,3 +121,29 @@ def test_more_losses_than_m_fall_back_to_storage_and_say_why(tmp_path: Path) -> 
     ), run.log[-4000:]
     assert "falling back to durable step" in run.log
     _assert_retrained_alike(run, ranks=4, steps=24)
+
+
+@pytest.mark.slow  # one FSDP2 job of 4 nodes, ~25 s
+def test_fsdp2_reshards_into_a_shrunk_world_from_a_rebuilt_rank(tmp_path: Path) -> None:
+    """No spare: node 1's loss shrinks 4 ranks to 3, and old rank 1, which no node holds,
+    is rebuilt from its group where the plan reads it; the restored full state is the
+    committed step's."""
+    run = run_job(
+        tmp_path,
+        "reshard_job.py",
+        ["--kind", "fsdp", "--steps", "15"],
+        nodes=4,
+        nproc=1,
+        chaos="kill node=1 at=6",
+        extra=["--erasure", "3+1", "--min-nodes", "1", "--max-restarts", "0"],
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    [restored] = read_jsonl(tmp_path / "restored.jsonl")
+    assert restored["world"] == 3
+    committed = [
+        f
+        for f in read_jsonl(tmp_path / "full.jsonl")
+        if f["step"] == restored["restored"] and f["epoch"] < restored["epoch"]
+    ]
+    assert committed and restored["digest"] == committed[-1]["digest"]
+    assert "rebuilt rank 1 step" in run.log
