@@ -64,6 +64,7 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/cadence.py --runs 10
 	$(PY) bench/recovery.py --runs 2 --large-runs 1 --cost-runs 3
 	$(PY) bench/memory.py --runs 1
+	$(PY) bench/erasure.py --runs 1
 	$(PY) bench/reshard.py --runs 1
 	$(PY) bench/flush.py
 	$(PY) bench/torchrun.py --sizes 256 --runs 1
