@@ -3,10 +3,16 @@
 Set on the decorator (``@peerckpt.resilient(persist=…)``) or on the launcher (``--persist``);
 the coordinator schedules flushes from it (``recovery/flushes.py``), the agents' writers pace
 themselves by it (``replication/writer.py``).
+
+The URL may hold credentials (``s3://KEY:SECRET@bucket/…``), so the launcher gives it to the
+coordinator in the coordinator's environment (:data:`ENV`, which only the user can read),
+never on its command line, which every user of the host sees (``ps``).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +20,7 @@ from peerckpt.errors import ConfigurationError
 from peerckpt.persist.localfs import DEFAULT_MODE, check_mode
 
 DEFAULT_EVERY = 100  # steps between flushes when neither steps nor seconds are given
+ENV = "PEERCKPT_PERSIST"  # the launcher's --persist (``to_msg`` as JSON), for the coordinator
 
 
 @dataclass(frozen=True)
@@ -91,3 +98,16 @@ class PersistConfig:
             bool(msg.get("allow_older")),
             msg.get("mode", DEFAULT_MODE),
         )
+
+
+def to_env(msg: dict[str, Any] | None) -> dict[str, str]:
+    """The variables that give a process the durable settings ``msg`` (``to_msg``): none
+    for none."""
+    return {ENV: json.dumps(msg)} if msg else {}
+
+
+def from_env() -> PersistConfig | None:
+    """The durable settings :func:`to_env` gave this process, taken out of its environment
+    (nothing it starts inherits them)."""
+    raw = os.environ.pop(ENV, None)
+    return PersistConfig.from_msg(json.loads(raw)) if raw else None

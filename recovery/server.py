@@ -3,7 +3,9 @@ authenticated gate when ranks reach it from other hosts) and serves the Coordina
 
 Started by a launcher as ``python -m peerckpt.recovery.server``; prints one ``READY {json}``
 line with its address on stdout once it serves, and runs until SIGTERM or until its launcher
-is gone. The job's secret comes from ``PEERCKPT_SECRET``.
+is gone. The job's secret comes from ``PEERCKPT_SECRET``, the launcher's durable settings
+from ``PEERCKPT_PERSIST`` (``persist/config.py``): a URL may hold credentials, and a command
+line is readable by every user of the host.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 from typing import Any
 
 from peerckpt.coding import parse_spec
-from peerckpt.persist.config import PersistConfig
+from peerckpt.persist.config import from_env as persist_from_env
 from peerckpt.recovery.coordinator import Coordinator
 from peerckpt.recovery.erasure import ErasurePlacement
 from peerckpt.recovery.placement import Placement, placement_by_name
@@ -50,7 +52,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--racks", default=None, help="node → rack, as JSON")
     parser.add_argument("--erasure", default=None, help="K+M: parity instead of replicas")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--persist", default=None, help="durable checkpoints, as JSON")
     parser.add_argument("--digests-file", default=None, help="append snapshot digests here")
     parser.add_argument("--port", type=int, default=0, help="the RPC port (0: any free one)")
     parser.add_argument("--store-port", type=int, default=0, help="the TCPStore's port")
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         min_nodes=args.min_nodes,
         spares=args.spares,
         placement=_placement(args),
-        persist=PersistConfig.from_msg(json.loads(args.persist)) if args.persist else None,
+        persist=persist_from_env(),
         digests_file=args.digests_file,
         restart_based=args.restart_based,
         moved_from=args.moved_from,

@@ -44,6 +44,7 @@ from peerckpt.messages.control import (
 )
 from peerckpt.names import check_job_name, new_run_id
 from peerckpt.outfiles import write_private
+from peerckpt.persist.config import to_env as persist_env
 from peerckpt.rpc import RpcClient
 from peerckpt.shm import sweep
 from peerckpt.states import ExitCode, JobState
@@ -160,11 +161,12 @@ class LocalLauncher(Launcher):
             placement=spec.placement,
             racks=json.dumps(spec.racks) if spec.racks else None,
             erasure=spec.erasure,
-            persist=json.dumps(spec.persist) if spec.persist else None,
             digests_file=os.path.join(self.rundir, "digests.txt") if spec.record_digests else None,
         )
         self._coordinator_where = where
-        self.coordinator = self.procs.spawn([*argv, *where], self.procs.env(), ready=True)
+        # --persist in the environment, not on the command line: a URL may hold credentials
+        env = self.procs.env(**persist_env(spec.persist))
+        self.coordinator = self.procs.spawn([*argv, *where], env, ready=True)
         self.procs.others.append(self.coordinator)
         what = "restarted coordinator" if restart else "coordinator"
         ready = self.procs.await_ready(self.coordinator, what)
