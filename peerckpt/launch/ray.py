@@ -15,9 +15,10 @@ Hosts 0 … ``--nodes``-1 hold the ranks, the next ``--spares`` Ray nodes are sp
 while fewer than ``--spares`` are in reserve (``docs/ray.md`` says why replenish, not grow).
 
 What Ray is used for: the list of alive nodes and their addresses, placing one actor per
-node, carrying the small orders (the spec, the secret as an actor argument) and host 0's
-report back, noticing a node that joins, and, for ``kill node`` chaos, the failure itself
-(the node's raylet killed). What it is not used for: rank processes (they are the host
+node, carrying the small orders (the spec, the secret and the environment, sealed to a key
+the actor made: ``rayseal.py``, since Ray's RPC is not encrypted) and host 0's report back,
+noticing a node that joins, and, for ``kill node`` chaos, the failure itself (the node's
+raylet killed). What it is not used for: rank processes (they are the host
 launcher's children, so numerics and the data plane are those of any peerckpt job),
 snapshots (bulk state moves agent to agent over the job's authenticated transport, never
 through Ray's object store), failure detection (the coordinator's heartbeats), restarts.
@@ -50,6 +51,7 @@ from peerckpt.launch.rayactor import RayHost
 from peerckpt.launch.rayenv import forwarded
 from peerckpt.launch.rayhost import spec_to_json
 from peerckpt.launch.rayplan import host_order, split_chaos
+from peerckpt.launch.rayseal import context, seal
 from peerckpt.messages.control import JobStatus, Status
 from peerckpt.names import check_job_name
 from peerckpt.outfiles import write_private
@@ -145,7 +147,8 @@ class RayLauncher(Launcher):
         return host
 
     def _launch(self, host: _Host) -> None:
-        """Start ``host``'s launcher on its node (its orders, the secret, our environment)."""
+        """Start ``host``'s launcher on its node: its orders, the secret and our environment,
+        sealed to the key its actor made (nothing of them in clear on Ray's RPC)."""
         import ray
 
         spec = replace(
@@ -169,7 +172,10 @@ class RayLauncher(Launcher):
         env = forwarded(os.environ)  # the launching shell's, as srun does (``rayenv.py``)
         env["PEERCKPT_JOB"] = self.job  # every process of the job carries its name
         env["PEERCKPT_RAY_CWD"] = os.getcwd()
-        ray.get(host.actor.start.remote(orders, self._secret.hex(), env), timeout=120)
+        public = ray.get(host.actor.public_key.remote(), timeout=120)
+        payload = {"orders": orders, "secret": self._secret.hex(), "env": env}
+        sealed = seal(payload, public, context(self.job, host.rank))
+        ray.get(host.actor.start.remote(sealed, self.job, host.rank), timeout=120)
         log.info(
             "host %d (%s, %s) on Ray node %s", host.rank, host.role, host.addr, host.node_id[:12]
         )

@@ -6,6 +6,11 @@ picks the coordinator's ports (host 0), starts the node's host launcher
 kills the job's processes on its node and the node's raylet. It holds no state of the job
 and never touches training state; the host launcher is detached from it (see
 ``rayhost.py``), and watches it.
+
+What it gets from the driver travels sealed to a key pair it makes itself (``rayseal.py``):
+Ray's RPC carries no secret in clear. The host launcher's result file lives in a directory of
+the user's only (0700), made for it: its name is not predictable, and nobody else can plant a
+link where it is written.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,7 +27,15 @@ import tempfile
 from typing import Any
 
 from peerckpt.errors import ConfigurationError, PeerckptError
-from peerckpt.launch.rayhost import ACTOR_ENV, RAYLET_ENV
+from peerckpt.launch.rayhost import (
+    ACTOR_ENV,
+    RAYLET_ENV,
+    RESULT_DIR_PREFIX,
+    RESULT_FILE,
+    read_result,
+)
+from peerckpt.launch.rayseal import Opener, context
+from peerckpt.outfiles import private_dir
 from peerckpt.pidwatch import ProcessWatch
 from peerckpt.states import ExitCode
 
@@ -29,15 +43,22 @@ from peerckpt.states import ExitCode
 class RayHost:
     """The actor on one Ray node: starts, watches and stops that node's host launcher.
 
-    Call order: ``endpoint`` (host 0 only: a free port pair for the coordinator), ``start``,
-    then ``poll`` until it returns the launcher's exit; ``interrupt`` stops the job's
-    processes in order, ``kill_machine`` loses the node as a machine failure would."""
+    Call order: ``public_key`` (what the driver seals the orders to), ``endpoint`` (host 0
+    only: a free port pair for the coordinator), ``start``, then ``poll`` until it returns
+    the launcher's exit; ``interrupt`` stops the job's processes in order, ``kill_machine``
+    loses the node as a machine failure would."""
 
     def __init__(self) -> None:
         self.pid = 0  # the host launcher's (detached: not this actor's child)
         self.watch: ProcessWatch | None = None
         self.raylet: ProcessWatch | None = None  # this node's raylet, where it is our parent
-        self.result_path = ""
+        self.result_path = ""  # where the host launcher writes how it ended
+        self._result_dir = ""  # the 0700 directory that holds it, made by ``start``
+        self._opener = Opener()
+
+    def public_key(self) -> bytes:
+        """The X25519 public key the driver seals this host's orders to (``rayseal.py``)."""
+        return self._opener.public
 
     def endpoint(self, addr: str) -> str:
         """``addr:PORT`` with PORT and PORT + 1 free on this node (the coordinator's gRPC
@@ -50,15 +71,20 @@ class RayHost:
                 return f"{addr}:{port}"
         raise ConfigurationError(f"no two consecutive free ports on {addr}")
 
-    def start(self, orders: dict[str, Any], secret_hex: str, env: dict[str, str]) -> int:
-        """Start ``python -m peerckpt.launch.rayhost`` with ``orders``; return its pid.
-        ``env``: the driver's environment (``rayenv.forwarded``), laid over this node's."""
-        fd, self.result_path = tempfile.mkstemp(prefix="peerckpt-ray-result-")
-        os.close(fd)
-        os.unlink(self.result_path)  # the host writes it when it ends
+    def start(self, sealed: dict[str, bytes], job: str, host: int) -> int:
+        """Start ``python -m peerckpt.launch.rayhost`` for host ``host`` of ``job``; return its
+        pid. ``sealed`` (``rayseal.seal``) holds its ``orders``, the job's ``secret`` and the
+        driver's environment ``env`` (``rayenv.forwarded``), laid over this node's."""
+        payload = self._opener.open(sealed, context(job, host))
+        orders, env = payload["orders"], payload["env"]
+        # Written by the host launcher when it ends: a fresh 0700 directory, so that the name
+        # is neither predictable nor reachable by another user (it was a name in /tmp, made
+        # by mkstemp and unlinked, then written as NAME.tmp through whatever link was there).
+        self._result_dir = private_dir(tempfile.gettempdir(), RESULT_DIR_PREFIX)
+        self.result_path = os.path.join(self._result_dir, RESULT_FILE)
         full = dict(os.environ)
         full.update(env)
-        full.update({"PEERCKPT_SECRET": secret_hex, ACTOR_ENV: str(os.getpid())})
+        full.update({"PEERCKPT_SECRET": payload["secret"], ACTOR_ENV: str(os.getpid())})
         if "raylet" in _name(os.getppid()):
             full[RAYLET_ENV] = str(os.getppid())
             self.raylet = ProcessWatch(os.getppid())
@@ -90,13 +116,15 @@ class RayHost:
         if not self.watch.exited():
             return None
         done: dict[str, Any] = {"code": int(ExitCode.FAILED), "result": None}
-        with contextlib.suppress(OSError, ValueError), open(self.result_path) as f:
-            done = json.load(f)
+        with contextlib.suppress(OSError, ValueError):
+            done = read_result(self.result_path)
         done["node_lost"] = (
             done.get("result") is None and self.raylet is not None and self.raylet.exited()
         )
         with contextlib.suppress(OSError):
             os.unlink(self.result_path)
+        if self._result_dir:
+            shutil.rmtree(self._result_dir, ignore_errors=True)
         return done
 
     def interrupt(self) -> None:

@@ -22,7 +22,10 @@ nothing on the machine:
   shared memory, run directory and result file, since the machine itself may live on. It
   tells the coordinator nothing: the survivors learn it as they learn of any lost machine;
 - on SIGINT (the driver stopping the job) the launcher stops the job's processes in order;
-- when the job ends it writes ``{"code", "result"}`` to the result file, then exits.
+- when the job ends it writes ``{"code", "result"}`` to the result file, then exits. That
+  file is in a directory the actor made for it, the user's only (0700), and is written whole
+  to a fresh private file there (``O_EXCL``, 0600) renamed onto it, and read back without
+  following a link (``read_result``): no other user can predict, plant or read it.
 
 It must never talk to Ray (it runs outside Ray, so that the ranks do not inherit a Ray
 worker's state) and never carries training state: that moves agent to agent.
@@ -45,6 +48,7 @@ from peerckpt import logs
 from peerckpt.errors import PeerckptError
 from peerckpt.launch.base import JobResult, JobSpec
 from peerckpt.launch.host import HostLauncher, HostSpec
+from peerckpt.outfiles import write_private
 from peerckpt.pidwatch import ProcessWatch
 from peerckpt.secret import secret_from_env
 from peerckpt.shm import sweep
@@ -53,6 +57,8 @@ from peerckpt.states import ExitCode
 log = logging.getLogger("peerckpt.launcher")
 ACTOR_ENV = "PEERCKPT_RAY_ACTOR_PID"  # the actor's pid: this host lives as long as it does
 RAYLET_ENV = "PEERCKPT_RAY_RAYLET_PID"  # and its node's raylet: the node itself
+RESULT_DIR_PREFIX = "peerckpt-ray-"  # the actor's 0700 directory for the result, in $TMPDIR
+RESULT_FILE = "result.json"
 
 
 def spec_to_json(spec: JobSpec) -> dict[str, Any]:
@@ -88,6 +94,9 @@ def lose_host(launcher: HostLauncher, result_path: str) -> None:
     shutil.rmtree(launcher.rundir, ignore_errors=True)
     with contextlib.suppress(OSError):
         os.unlink(result_path)
+    folder = os.path.dirname(result_path)
+    if os.path.basename(folder).startswith(RESULT_DIR_PREFIX):  # the actor's, made for it
+        shutil.rmtree(folder, ignore_errors=True)
     claim = getattr(launcher, "_claim", None)  # host 0 holds the job's name on this machine
     if claim is not None:
         claim.release()
@@ -135,10 +144,20 @@ def main() -> int:
 
 
 def _write(path: str, code: int, result: dict[str, Any] | None) -> None:
-    """The host's end, for its actor: written whole, then renamed into place."""
-    with open(path + ".tmp", "w") as f:
-        json.dump({"code": code, "result": result}, f, default=str)
-    os.replace(path + ".tmp", path)
+    """The host's end, for its actor: written whole to a fresh 0600 file beside ``path``
+    (``O_EXCL``: never through a link planted there), then renamed onto it."""
+    write_private(path, json.dumps({"code": code, "result": result}, default=str))
+
+
+def read_result(path: str) -> dict[str, Any]:
+    """What ``_write`` wrote at ``path``, read without following a link (OSError, ValueError
+    if it is missing, a link or not a result)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd) as f:
+        done = json.load(f)
+    if not isinstance(done, dict):
+        raise ValueError(f"{path} holds no result")
+    return done
 
 
 if __name__ == "__main__":

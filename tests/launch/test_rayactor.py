@@ -1,17 +1,24 @@
-"""The Ray actor's report of its host launcher's end, without a Ray cluster: the launcher
-and the raylet are stand-in processes the test kills."""
+"""The Ray actor without a Ray cluster: its report of its host launcher's end (the launcher
+and the raylet are stand-in processes the test kills), where that end is written, and the
+orders it opens."""
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from peerckpt.errors import AuthenticationError
+from peerckpt.launch import rayhost
 from peerckpt.launch.rayactor import RayHost
+from peerckpt.launch.rayseal import context, seal
 from peerckpt.pidwatch import ProcessWatch
 
 
@@ -67,3 +74,76 @@ def test_a_launcher_that_died_on_a_live_node_is_an_end_not_a_lost_node(sleepers,
     launcher.wait(timeout=10)
     done = host.poll()
     assert done is not None and done["node_lost"] is False and done["code"] != 0
+
+
+# -- the result file (issue 27, item 5) and the sealed orders (item 7) -------------------------
+class _Started:
+    """A stand-in for the host launcher's starter: answers with a live pid, records stdin."""
+
+    orders: dict = {}
+    env: dict = {}
+
+    def __init__(self, argv, stdin, stdout, env, cwd) -> None:
+        _Started.env = env
+        self.returncode = 0
+
+    def communicate(self, data: bytes, timeout: float) -> tuple[bytes, None]:
+        _Started.orders = json.loads(data)
+        return str(os.getpid()).encode(), None
+
+
+def test_the_result_file_is_in_a_fresh_private_directory(monkeypatch, tmp_path) -> None:
+    """It was a name in /tmp (mkstemp, unlinked), then written as NAME.tmp by the host:
+    observable, predictable, and written through a link another user planted there."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(subprocess, "Popen", _Started)
+    host = RayHost()
+    payload = {"orders": {"spec": {}}, "secret": "ab" * 32, "env": {"FROM_DRIVER": "1"}}
+    host.start(seal(payload, host.public_key(), context("job", 1)), "job", 1)
+    path = Path(_Started.orders["result"])
+    assert path == Path(host.result_path) and path.name == "result.json"
+    folder = path.parent
+    st = folder.lstat()
+    assert folder.parent == tmp_path and folder.name.startswith("peerckpt-ray-")
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
+    assert st.st_uid == os.getuid()
+    assert _Started.env["PEERCKPT_SECRET"] == "ab" * 32 and _Started.env["FROM_DRIVER"] == "1"
+    rayhost._write(host.result_path, 0, {"exit_code": 0})
+    host.watch = _Exited()  # type: ignore[assignment]
+    assert host.poll() == {"code": 0, "result": {"exit_code": 0}, "node_lost": False}
+    assert not folder.exists()  # nothing of it is left
+
+
+class _Exited:
+    def exited(self, wait_s: float = 0.0) -> bool:
+        return True
+
+
+def test_the_result_is_never_written_through_a_planted_link(tmp_path) -> None:
+    victim = tmp_path / "bashrc"
+    victim.write_text("the victim's file\n")
+    result = tmp_path / "result.json"
+    for planted in (Path(f"{result}.tmp"), result):
+        planted.symlink_to(victim)
+    rayhost._write(str(result), 0, {"exit_code": 0})
+    assert victim.read_text() == "the victim's file\n"
+    assert not result.is_symlink() and stat.S_IMODE(result.stat().st_mode) == 0o600
+    assert rayhost.read_result(str(result)) == {"code": 0, "result": {"exit_code": 0}}
+    result.unlink()
+    Path(f"{result}.tmp").unlink()
+    result.symlink_to(victim)  # and a link is never read as the result
+    with pytest.raises(OSError):
+        rayhost.read_result(str(result))
+
+
+def test_sealed_orders_open_only_for_their_actor_and_host() -> None:
+    host, other = RayHost(), RayHost()
+    payload = {"orders": {"host": {"node_rank": 1}}, "secret": "cd" * 32, "env": {}}
+    sealed = seal(payload, host.public_key(), context("job", 1))
+    assert host._opener.open(sealed, context("job", 1)) == payload
+    for opener, ctx in ((other._opener, context("job", 1)), (host._opener, context("job", 2))):
+        with pytest.raises(AuthenticationError, match="do not open"):
+            opener.open(sealed, ctx)
+    changed = dict(sealed, body=bytes([sealed["body"][0] ^ 1]) + sealed["body"][1:])
+    with pytest.raises(AuthenticationError, match="changed on the way"):
+        host._opener.open(changed, context("job", 1))
