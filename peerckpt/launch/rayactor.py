@@ -100,6 +100,7 @@ class RayHost:
             json.dumps({**orders, "result": self.result_path}).encode(), timeout=60
         )
         if not out.strip().isdigit():
+            shutil.rmtree(self._result_dir, ignore_errors=True)  # nobody will write there
             raise PeerckptError(
                 f"the host launcher did not start (exit status {starter.returncode})"
             )
