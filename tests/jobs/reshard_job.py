@@ -1,6 +1,6 @@
 """Jobs whose layout depends on the world size, for the resharding tests.
 
-usage: reshard_job.py OUT_DIR --kind dtensor|fsdp|flat [--steps N] [--sleep S]
+usage: reshard_job.py OUT_DIR --kind dtensor|fsdp|flat [--steps N] [--sleep S] [--hidden H]
 
 - dtensor: a 12×10 DTensor parameter, Shard(0) over 4 ranks and Shard(1) over any other
   number, plus a replicated bias; AdamW.
@@ -103,7 +103,8 @@ def run(ctx: peerckpt.Context, args: argparse.Namespace) -> None:
 
             mesh = init_device_mesh("cpu", (world,))
             torch.manual_seed(0)
-            model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+            hidden = args.hidden
+            model = nn.Sequential(nn.Linear(16, hidden), nn.ReLU(), nn.Linear(hidden, 8))
             for layer in (model[0], model[2]):
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
@@ -146,5 +147,7 @@ if __name__ == "__main__":
     parser.add_argument("--kind", choices=["dtensor", "fsdp", "flat"], required=True)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--sleep", type=float, default=0.0)
+    # fsdp: the MLP's hidden width (bench/erasure.py sizes the job's state with it)
+    parser.add_argument("--hidden", type=int, default=32)
     args = parser.parse_args()
     peerckpt.resilient(every=1)(run)(args)  # the tests kill at given steps
