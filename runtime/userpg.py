@@ -117,7 +117,6 @@ def destroy_process_group(group: Any = None) -> None:
     ORIGINAL_DESTROY(group)
 
 
-_REPLACED = {ORIGINAL_INIT: init_process_group, ORIGINAL_DESTROY: destroy_process_group}
 _scanned: set[str] = set()  # modules whose names were rebound (each is looked at once)
 
 
@@ -139,9 +138,8 @@ def install(backend: Callable[[], str]) -> None:
         if not isinstance(namespace, dict):
             continue
         for key, value in list(namespace.items()):
-            try:
-                replacement = _REPLACED.get(value)
-            except TypeError:  # unhashable
-                continue
-            if replacement is not None:
-                namespace[key] = replacement
+            # by identity: a module's values need not be hashable (nor comparable)
+            if value is ORIGINAL_INIT:
+                namespace[key] = init_process_group
+            elif value is ORIGINAL_DESTROY:
+                namespace[key] = destroy_process_group
