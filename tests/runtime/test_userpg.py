@@ -80,3 +80,15 @@ def test_names_a_module_bound_to_torchs_functions_are_rebound() -> None:
 )
 def test_which_backends_a_script_may_ask_for(asked, formed, ok) -> None:
     assert userpg._compatible(asked, formed) is ok
+
+
+def test_a_module_holding_unhashable_values_is_scanned_all_the_same() -> None:
+    module = types.ModuleType("holds_a_buffer")
+    module.buffer = memoryview(bytearray(8))  # type: ignore[attr-defined]  # unhashable
+    module.init_process_group = userpg.ORIGINAL_INIT  # type: ignore[attr-defined]
+    sys.modules["holds_a_buffer"] = module
+    try:
+        userpg.install(lambda: "gloo")
+        assert module.init_process_group is userpg.init_process_group  # type: ignore[attr-defined]
+    finally:
+        del sys.modules["holds_a_buffer"]
