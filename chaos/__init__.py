@@ -6,7 +6,8 @@ kind. Nothing in production code imports it: the processes expose hooks
 (``peerckpt/faults.py``) that this package fills through an entry point, and launchers and
 the CLI use only this package's public surface below, never its modules.
 
-- :class:`Chaos`: a chaos spec run beside one job (``peerckpt run --chaos``);
+- :class:`Chaos`: a chaos spec run beside one job (``peerckpt run --chaos``), and
+  :class:`ActionKind`, what each of its actions does;
 - ``run_campaign``, ``format_table``, ``write_json``, ``default_json_path``: the seeded
   campaign (``peerckpt chaos``).
 """
@@ -16,9 +17,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["Chaos", "default_json_path", "format_table", "run_campaign", "write_json"]
+__all__ = [
+    "ActionKind",
+    "Chaos",
+    "default_json_path",
+    "format_table",
+    "run_campaign",
+    "write_json",
+]
 
 _LAZY = {
+    "ActionKind": "peerckpt.chaos.spec",
     "Chaos": "peerckpt.chaos.session",
     "run_campaign": "peerckpt.chaos.campaign",
     "format_table": "peerckpt.chaos.campaign",

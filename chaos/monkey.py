@@ -23,10 +23,11 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from peerckpt.chaos.points import ENDED, LOOP, read_json, released_path
-from peerckpt.chaos.spec import ChaosAction
+from peerckpt.chaos.spec import ActionKind, ChaosAction
 from peerckpt.errors import NotReshardable, PeerckptError
 from peerckpt.messages.control import JobStatus, Status
 from peerckpt.states import JobState
@@ -242,7 +243,7 @@ class ChaosMonkey:
                 # Snapshot and replication: the rank's (or node's) own phase; recovery: anyone's.
                 match: dict[str, int] = {}
                 if action.during != "recovery":
-                    if action.kind == "kill_rank" or action.of_rank is not None:
+                    if action.kind is ActionKind.KILL_RANK or action.of_rank is not None:
                         match["rank"] = action.target if action.of_rank is None else action.of_rank
                     else:
                         match["node"] = action.target
@@ -266,68 +267,93 @@ class ChaosMonkey:
         log.warning("%s", _said(action, self.reached, status, where))
 
     def _fire(self, action: ChaosAction, status: JobStatus) -> dict[str, Any] | None:
+        """Carry ``action`` out; its record (``fired_at`` None and ``skipped`` when its target
+        is gone)."""
         record = {
             "action": action.text,
-            "kind": action.kind,
+            "kind": action.kind.value,
             "target": action.target,
             "step": self.reached,
             "committed_step": status.committed_step,
             "epoch": status.epoch,
         }
-        if action.kind == "add_node":
-            self._say(action, status)
-            record["fired_at"] = time.time()
-            try:
-                record["node"] = self._target.add_node()
-            except NotReshardable as exc:  # the job refuses to grow: it goes on as it was
-                log.error("chaos: %s refused: %s", action.text, exc)
-                return {**record, "fired_at": None, "skipped": f"the job refused it: {exc}"}
-            return record
-        if action.kind == "kill_coordinator":
-            self._say(action, status)
-            record["fired_at"] = time.time()
-            self._target.kill_coordinator()
-            return record
-        if action.kind == "corrupt_rank":
-            self._say(action, status)
-            record["fired_at"] = time.time()
-            record["segments"] = self._target.corrupt_replicas(action.target)
-            return record
-        if action.kind in ("kill_rank", "hang_rank"):
+        if action.kind.on_a_rank and action.kind is not ActionKind.CORRUPT_RANK:
             assignment = status.ranks.get(action.target)
             if assignment is None:
                 log.error("chaos: rank %d is not in the job; action skipped", action.target)
                 return {**record, "fired_at": None, "skipped": "no such rank"}
-            record["pid"] = assignment[1]
-            record["node"] = assignment[0]
+            record["node"], record["pid"] = assignment[0], assignment[1]
             self._say(action, status)
-            record["fired_at"] = time.time()
-            if action.kind == "kill_rank":
-                self._target.kill_pid(assignment[1])
-            else:
-                self._target.hang_pid(assignment[1], action.duration)
-            return record
-        # The rest act on a node.
-        node = action.target
-        if action.of_rank is not None:
-            node = status.ranks.get(action.of_rank, [-1])[0]
-        record["node"] = node
-        if not status.nodes.get(node, False):
-            log.error("chaos: node %d is not alive; action skipped", node)
-            return {**record, "fired_at": None, "skipped": "no such live node"}
-        self._say(action, status, f"node {node}, ")
-        record["fired_at"] = time.time()
-        if action.kind == "kill_node":
-            self._target.kill_node(node)
-        elif action.kind == "kill_agent":
-            self._target.kill_agent(node)
-        elif action.kind == "partition_node":
-            self._target.net_fault(node, partition_s=action.duration)
-        elif action.kind == "slow_node":
-            self._target.net_fault(node, rate=action.rate * 1e6, slow_s=action.duration)
+        elif action.kind.on_a_node:
+            node = action.target
+            if action.of_rank is not None:
+                node = status.ranks.get(action.of_rank, [-1])[0]
+            record["node"] = node
+            if not status.nodes.get(node, False):
+                log.error("chaos: node %d is not alive; action skipped", node)
+                return {**record, "fired_at": None, "skipped": "no such live node"}
+            self._say(action, status, f"node {node}, ")
         else:
-            raise AssertionError(f"unknown chaos action {action.kind}")
+            self._say(action, status)
+        record["fired_at"] = time.time()
+        return self._carry_out[action.kind](action, record)
+
+    # -- one per kind (``_carry_out``): the fault itself, and what it adds to the record ---
+    def _kill_rank(self, action: ChaosAction, record: dict[str, Any]) -> dict[str, Any]:
+        self._target.kill_pid(record["pid"])
         return record
+
+    def _hang_rank(self, action: ChaosAction, record: dict[str, Any]) -> dict[str, Any]:
+        self._target.hang_pid(record["pid"], action.duration)
+        return record
+
+    def _corrupt_rank(self, action: ChaosAction, record: dict[str, Any]) -> dict[str, Any]:
+        record["segments"] = self._target.corrupt_replicas(action.target)
+        return record
+
+    def _kill_node(self, action: ChaosAction, record: dict[str, Any]) -> dict[str, Any]:
+        self._target.kill_node(record["node"])
+        return record
+
+    def _kill_agent(self, action: ChaosAction, record: dict[str, Any]) -> dict[str, Any]:
+        self._target.kill_agent(record["node"])
+        return record
+
+    def _partition_node(self, action: ChaosAction, record: dict[str, Any]) -> dict[str, Any]:
+        self._target.net_fault(record["node"], partition_s=action.duration)
+        return record
+
+    def _slow_node(self, action: ChaosAction, record: dict[str, Any]) -> dict[str, Any]:
+        self._target.net_fault(record["node"], rate=action.rate * 1e6, slow_s=action.duration)
+        return record
+
+    def _kill_coordinator(self, action: ChaosAction, record: dict[str, Any]) -> dict[str, Any]:
+        self._target.kill_coordinator()
+        return record
+
+    def _add_node(self, action: ChaosAction, record: dict[str, Any]) -> dict[str, Any]:
+        try:
+            record["node"] = self._target.add_node()
+        except NotReshardable as exc:  # the job refuses to grow: it goes on as it was
+            log.error("chaos: %s refused: %s", action.text, exc)
+            return {**record, "fired_at": None, "skipped": f"the job refused it: {exc}"}
+        return record
+
+    @property
+    def _carry_out(
+        self,
+    ) -> dict[ActionKind, Callable[[ChaosAction, dict[str, Any]], dict[str, Any]]]:
+        return {
+            ActionKind.KILL_RANK: self._kill_rank,
+            ActionKind.HANG_RANK: self._hang_rank,
+            ActionKind.CORRUPT_RANK: self._corrupt_rank,
+            ActionKind.KILL_NODE: self._kill_node,
+            ActionKind.KILL_AGENT: self._kill_agent,
+            ActionKind.PARTITION_NODE: self._partition_node,
+            ActionKind.SLOW_NODE: self._slow_node,
+            ActionKind.KILL_COORDINATOR: self._kill_coordinator,
+            ActionKind.ADD_NODE: self._add_node,
+        }
 
 
 def _said(action: ChaosAction, reached: int, status: JobStatus, where: str = "") -> str:

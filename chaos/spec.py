@@ -30,34 +30,64 @@ exist is refused before the job starts (``check_targets``).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from peerckpt.errors import ConfigurationError
 
+
+class ActionKind(str, enum.Enum):
+    """What a chaos action does (its value is how the report's JSON names it)."""
+
+    KILL_RANK = "kill_rank"
+    KILL_NODE = "kill_node"
+    KILL_AGENT = "kill_agent"
+    KILL_COORDINATOR = "kill_coordinator"
+    HANG_RANK = "hang_rank"
+    PARTITION_NODE = "partition_node"
+    SLOW_NODE = "slow_node"
+    CORRUPT_RANK = "corrupt_rank"
+    ADD_NODE = "add_node"
+
+    @property
+    def on_a_rank(self) -> bool:
+        """Its target is a rank (else a node, or none)."""
+        return _FIELDS[self][0] == "rank"
+
+    @property
+    def on_a_node(self) -> bool:
+        return _FIELDS[self][0] == "node"
+
+    @property
+    def needs_network_hooks(self) -> bool:
+        """Carried out inside the node agent's links (``chaos/points.py``, ``NetFaults``)."""
+        return self in (ActionKind.PARTITION_NODE, ActionKind.SLOW_NODE)
+
+
 PHASES = ("snapshot", "replication", "recovery")
 
 _USAGE = {
-    "kill_rank": "kill rank=R at=S [after=T] [during=PHASE]",
-    "kill_node": "kill node=N at=S [after=T] [during=PHASE]",
-    "kill_agent": "kill agent node=N at=S [after=T] [during=PHASE]",
-    "kill_coordinator": "kill coordinator at=S [after=T]",
-    "hang_rank": "hang rank=R at=S for=T [after=T]",
-    "partition_node": "partition node=N at=S for=T [after=T]",
-    "slow_node": "slow node=N at=S rate=MBPS [for=T] [after=T]",
-    "corrupt_rank": "corrupt rank=R at=S [after=T]",
-    "add_node": "add node at=S",
+    ActionKind.KILL_RANK: "kill rank=R at=S [after=T] [during=PHASE]",
+    ActionKind.KILL_NODE: "kill node=N at=S [after=T] [during=PHASE]",
+    ActionKind.KILL_AGENT: "kill agent node=N at=S [after=T] [during=PHASE]",
+    ActionKind.KILL_COORDINATOR: "kill coordinator at=S [after=T]",
+    ActionKind.HANG_RANK: "hang rank=R at=S for=T [after=T]",
+    ActionKind.PARTITION_NODE: "partition node=N at=S for=T [after=T]",
+    ActionKind.SLOW_NODE: "slow node=N at=S rate=MBPS [for=T] [after=T]",
+    ActionKind.CORRUPT_RANK: "corrupt rank=R at=S [after=T]",
+    ActionKind.ADD_NODE: "add node at=S",
 }
 # kind → (the target field, the fields it requires, the optional ones)
-_FIELDS: dict[str, tuple[str | None, set[str], set[str]]] = {
-    "kill_rank": ("rank", {"at"}, {"after", "during"}),
-    "kill_node": ("node", {"at"}, {"after", "during"}),
-    "kill_agent": ("node", {"at"}, {"after", "during"}),
-    "kill_coordinator": (None, {"at"}, {"after"}),
-    "hang_rank": ("rank", {"at", "for"}, {"after"}),
-    "partition_node": ("node", {"at", "for"}, {"after"}),
-    "slow_node": ("node", {"at", "rate"}, {"for", "after"}),
-    "corrupt_rank": ("rank", {"at"}, {"after"}),
-    "add_node": (None, {"at"}, set()),
+_FIELDS: dict[ActionKind, tuple[str | None, set[str], set[str]]] = {
+    ActionKind.KILL_RANK: ("rank", {"at"}, {"after", "during"}),
+    ActionKind.KILL_NODE: ("node", {"at"}, {"after", "during"}),
+    ActionKind.KILL_AGENT: ("node", {"at"}, {"after", "during"}),
+    ActionKind.KILL_COORDINATOR: (None, {"at"}, {"after"}),
+    ActionKind.HANG_RANK: ("rank", {"at", "for"}, {"after"}),
+    ActionKind.PARTITION_NODE: ("node", {"at", "for"}, {"after"}),
+    ActionKind.SLOW_NODE: ("node", {"at", "rate"}, {"for", "after"}),
+    ActionKind.CORRUPT_RANK: ("rank", {"at"}, {"after"}),
+    ActionKind.ADD_NODE: (None, {"at"}, set()),
 }
 _SECONDS = {"after", "for", "rate"}  # fields that take a number, not an integer
 
@@ -66,7 +96,7 @@ _SECONDS = {"after", "for", "rate"}  # fields that take a number, not an integer
 class ChaosAction:
     """One fault to inject."""
 
-    kind: str  # a key of _USAGE
+    kind: ActionKind
     target: int  # the rank or node; -1 for "add node"
     at: int
     text: str
@@ -81,24 +111,30 @@ def grammar() -> str:
     return "; ".join(f"'{usage}'" for usage in _USAGE.values())
 
 
-def _kind_of(words: list[str]) -> tuple[str, list[str]]:
+_TWO_WORDS = {
+    ("kill", "agent"): ActionKind.KILL_AGENT,
+    ("kill", "coordinator"): ActionKind.KILL_COORDINATOR,
+    ("add", "node"): ActionKind.ADD_NODE,
+}
+_VERBS = {
+    "hang": ActionKind.HANG_RANK,
+    "partition": ActionKind.PARTITION_NODE,
+    "slow": ActionKind.SLOW_NODE,
+    "corrupt": ActionKind.CORRUPT_RANK,
+}
+
+
+def _kind_of(words: list[str]) -> tuple[ActionKind | None, list[str]]:
     """The action's kind and its field words, from the clause's leading words."""
-    if words[:2] == ["kill", "agent"]:
-        return "kill_agent", words[2:]
-    if words[:2] == ["kill", "coordinator"]:
-        return "kill_coordinator", words[2:]
-    if words[:2] == ["add", "node"]:
-        return "add_node", words[2:]
+    two = _TWO_WORDS.get((words[0], words[1])) if len(words) >= 2 else None
+    if two is not None:
+        return two, words[2:]
     verb, fields = (words[0], words[1:]) if words else ("", [])
-    has = {w.partition("=")[0] for w in fields}
     if verb == "kill":
-        return ("kill_node" if "node" in has and "rank" not in has else "kill_rank"), fields
-    known = {"hang": "hang_rank", "partition": "partition_node", "slow": "slow_node"}
-    if verb in known:
-        return known[verb], fields
-    if verb == "corrupt":
-        return "corrupt_rank", fields
-    return "", fields
+        has = {w.partition("=")[0] for w in fields}
+        node = "node" in has and "rank" not in has
+        return (ActionKind.KILL_NODE if node else ActionKind.KILL_RANK), fields
+    return _VERBS.get(verb), fields
 
 
 def parse_chaos(spec: str) -> list[ChaosAction]:
@@ -112,10 +148,12 @@ def parse_chaos(spec: str) -> list[ChaosAction]:
 
 def _parse_clause(clause: str) -> ChaosAction:
     kind, words = _kind_of(clause.split())
-    if not kind:
+    if kind is None:
         raise ConfigurationError(f"chaos clause {clause!r}: unknown action; use {grammar()}")
     named = {w.partition("=")[0] for w in words}
-    if kind in ("kill_rank", "kill_node") and ({"rank", "node"} <= named or "at" not in named):
+    if kind in (ActionKind.KILL_RANK, ActionKind.KILL_NODE) and (
+        {"rank", "node"} <= named or "at" not in named
+    ):
         raise ConfigurationError(
             f"chaos clause {clause!r}: name exactly one of rank= or node=, and at=; use {grammar()}"
         )
@@ -177,9 +215,6 @@ def _parse_clause(clause: str) -> ChaosAction:
     )
 
 
-_RANK_KINDS = frozenset({"kill_rank", "hang_rank", "corrupt_rank"})
-
-
 def check_targets(
     actions: list[ChaosAction], nodes: int, nproc_per_node: int, spare_nodes: int
 ) -> None:
@@ -188,12 +223,12 @@ def check_targets(
     node`` before the action's step adds a node and its ranks); the message names the fix."""
     added = 0
     for action in sorted(actions, key=lambda a: a.at):
-        if action.kind == "add_node":
+        if action.kind is ActionKind.ADD_NODE:
             added += 1
             continue
         world = (nodes + added) * nproc_per_node
         rank = action.of_rank if action.of_rank is not None else None
-        if action.kind in _RANK_KINDS:
+        if action.kind.on_a_rank:
             rank = action.target
         shape = f"{nodes} node(s) × {nproc_per_node} rank(s)"
         if added:
@@ -204,7 +239,7 @@ def check_targets(
                 f"0…{world - 1} ({shape}): name one of those"
             )
         count = nodes + spare_nodes + added
-        if action.of_rank is None and _FIELDS[action.kind][0] == "node" and action.target >= count:
+        if action.of_rank is None and action.kind.on_a_node and action.target >= count:
             spare = f", node {nodes} its spare node" if spare_nodes else ""
             raise ConfigurationError(
                 f"chaos clause {action.text!r}: node {action.target} does not exist; the job "

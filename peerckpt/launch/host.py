@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 
 import psutil
 
+from peerckpt.chaos import ActionKind
 from peerckpt.errors import ConfigurationError, PeerckptError
 from peerckpt.launch.base import JobSpec
 from peerckpt.launch.checks import check_host
@@ -181,12 +182,12 @@ class HostLauncher(LocalLauncher):
             return
         for action in self.chaos.actions:
             mine = action.of_rank is not None or action.target == me
-            if action.kind in ("kill_node", "kill_agent") and not mine:
+            if action.kind in (ActionKind.KILL_NODE, ActionKind.KILL_AGENT) and not mine:
                 raise ConfigurationError(
                     f"--chaos '{action.text}': this is host {me}; give it to the "
                     f"peerckpt run of host {action.target} (each host causes its own faults)"
                 )
-            if action.kind == "kill_coordinator" and not self.host.runs_coordinator:
+            if action.kind is ActionKind.KILL_COORDINATOR and not self.host.runs_coordinator:
                 raise ConfigurationError(
                     f"--chaos '{action.text}': the coordinator runs on host 0; give it there"
                 )
