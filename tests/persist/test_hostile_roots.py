@@ -13,6 +13,7 @@ stay within a multiple of the bytes the root stores. A reader that asks for more
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -134,13 +135,29 @@ def _base(url: str) -> Root:
 def _last_in(msg: dict[str, Any], file: str) -> list[Any]:
     """The record of the chunk stored last in ``file`` (no other chunk's bytes follow it)."""
     stored = [c for cs in msg["ranks"].values() for c in cs if c[0] == file]
-    return max(stored, key=lambda c: c[1][5])[1]  # type: ignore[no-any-return]
+    record: list[Any] = max(stored, key=lambda c: c[1][5])[1]
+    return record
 
 
 # -- the shapes ------------------------------------------------------------------------------
 Shape = Callable[[Root], None]
 
 
+def _shape(factory: Callable[..., Shape]) -> Callable[..., Shape]:
+    """``factory`` whose shapes are named by the call that made them (hypothesis prints them:
+    ``<function sparse_data(8589934592, 4294967296) at …>``)."""
+
+    @functools.wraps(factory)
+    def build(*args: Any, **kwargs: Any) -> Shape:
+        make = factory(*args, **kwargs)
+        named = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
+        make.__qualname__ = f"{factory.__name__}({', '.join(named)})"
+        return make
+
+    return build
+
+
+@_shape
 def sparse_data(size: int, claim: int) -> Shape:
     """data-n0.bin made ``size`` bytes long in place (holes), its last chunk claiming ``claim``
     bytes of it: a uint8 vector that lies inside the file's size."""
@@ -156,6 +173,7 @@ def sparse_data(size: int, claim: int) -> Shape:
     return make
 
 
+@_shape
 def sparse_metadata(name: str, size: int) -> Shape:
     """The step's ``name`` (manifest, marker, a part) or the root's ``latest``, made ``size``
     bytes long with holes: read whole, it would be allocated whole."""
@@ -169,6 +187,7 @@ def sparse_metadata(name: str, size: int) -> Shape:
     return make
 
 
+@_shape
 def declared(length: int, where: str) -> Shape:
     """A record declaring ``length`` where the file holds far less: the bytes of the last
     chunk of data-n1.bin, or the global shape of the sharded weight."""
@@ -190,6 +209,7 @@ def declared(length: int, where: str) -> Shape:
     return make
 
 
+@_shape
 def duplicated(times: int, whole_list: bool) -> Shape:
     """Rank 0's chunks listed ``times`` times (or its 64 KiB tensor, ``times`` more times)."""
 
@@ -203,6 +223,7 @@ def duplicated(times: int, whole_list: bool) -> Shape:
     return make
 
 
+@_shape
 def aliased(times: int, shift: int) -> Shape:
     """``times`` tensors of their own whose records point into rank 0's 64 KiB tensor: all
     at exactly its bytes (``shift`` 0), or each ``shift`` bytes further in (overlapping)."""
@@ -221,6 +242,7 @@ def aliased(times: int, shift: int) -> Shape:
     return make
 
 
+@_shape
 def msgpack_bomb(kind: str, size: int) -> Shape:
     """A manifest of about ``size`` bytes, a valid head whose ``ranks`` expands: a list of
     empty maps or lists, arrays nested deep, a declared length with nothing after it, or a
@@ -243,6 +265,7 @@ def msgpack_bomb(kind: str, size: int) -> Shape:
     return make
 
 
+@_shape
 def boxes(n: int, overlap: bool) -> Shape:
     """A uint8 vector of ``n`` elements stored as ``n`` boxes of one element, each with its
     own byte in data-n0.bin; ``overlap``: its last two boxes replaced by one of two elements
