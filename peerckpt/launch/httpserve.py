@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -81,7 +82,8 @@ class BoundedHTTPServer(ThreadingHTTPServer):
                     self.shutdown_request(request)
                     return
                 oldest = min(reading, key=lambda o: o.since)
-                oldest.reading = False  # cut once
+                # cut once, and no longer counted: its thread ends on the shut socket
+                del self._open[id(oldest.sock)]
                 self.cut += 1
                 _shut(oldest.sock)
             self._open[id(request)] = _Open(request, time.monotonic())
@@ -117,10 +119,17 @@ class BoundedHTTPServer(ThreadingHTTPServer):
                 if o.reading and now - o.since > self.limits.request_s
             ]
             for entry in late:
-                entry.reading = False
+                del self._open[id(entry.sock)]
                 self.cut += 1
         for entry in late:
             _shut(entry.sock)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A peer that went away (or was cut) mid-answer is not an error worth a traceback
+        on the launcher's terminal; anything else is logged by ``socketserver``."""
+        if isinstance(sys.exc_info()[1], OSError):
+            return
+        super().handle_error(request, client_address)
 
     def open_connections(self) -> int:
         with self._lock:
