@@ -12,11 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from peerckpt.coding import Coding
-from peerckpt.coding import Coding
 from peerckpt.columns import ChunkColumns
 from peerckpt.errors import StaleEpoch
 from peerckpt.manifest import META_KEY
-from peerckpt.recovery.erasure import mark_rebuildable
 from peerckpt.recovery.erasure import mark_rebuildable
 from peerckpt.recovery.planning.tables import ChunkLists, ChunkTable, LayoutTable, from_columns
 from peerckpt.recovery.planning.types import HeldChunk
@@ -90,12 +88,6 @@ class CommitTracker:
         self.committed_absent: dict[int, tuple[int, ...]] = {}  # rank → chunks its partials lack
         self.short: list[tuple[int, int]] = []  # (rank, step) found short by the last record
         self.layouts_owed: list[int] = []  # ranks whose layout the last complete step lacked
-        # Erasure coding (``recovery/erasure.py``): this epoch's groups, the committed step's,
-        # the nodes lost since it committed, and the ranks lost beyond a rebuild.
-        self.coding: Coding | None = None
-        self.committed_coding: Coding | None = None
-        self.lost_nodes: set[int] = set()
-        self.unrebuildable: list[int] = []
         # Erasure coding (``recovery/erasure.py``): this epoch's groups, the committed step's,
         # the nodes lost since it committed, and the ranks lost beyond a rebuild.
         self.coding: Coding | None = None
@@ -209,7 +201,6 @@ class CommitTracker:
         self.committed_gen = self.gen
         self.committed_holders = by_rank
         self.committed_coding, self.lost_nodes, self.unrebuildable = self.coding, set(), []
-        self.committed_coding, self.lost_nodes, self.unrebuildable = self.coding, set(), []
         self.committed_partial = {r: partial_nodes(reports[r]) for r in verdict.twins}
         self.committed_twins = verdict.twins
         self.committed_absent = {r: reports[r].absent for r in verdict.twins}
@@ -231,10 +222,6 @@ class CommitTracker:
         for by_rank in self._pending.values():
             for holders in by_rank.values():
                 holders.discard(node)
-        self.lost_nodes.add(node)
-        self.unrebuildable = mark_rebuildable(
-            self.committed_coding, self.committed_holders, self.lost_nodes
-        )
         self.lost_nodes.add(node)
         self.unrebuildable = mark_rebuildable(
             self.committed_coding, self.committed_holders, self.lost_nodes

@@ -81,6 +81,7 @@ from peerckpt.recovery import rebuild, unreshardable
 from peerckpt.recovery.decide import Loss
 from peerckpt.recovery.dedupwatch import DedupWatch
 from peerckpt.recovery.epochs import Epochs
+from peerckpt.recovery.erasure import script_erasure
 from peerckpt.recovery.flushes import FlushScheduler
 from peerckpt.recovery.job import JobLife, Settings, Spares
 from peerckpt.recovery.liveness import Clocks
@@ -277,6 +278,7 @@ class Coordinator:
             self.registry.add_proc(msg.node, p.pid, p.role, p.rank)
             if p.rank == 0:
                 self.config_from_script(p.replicas, p.persist)
+                script_erasure(self.settings, p.erasure)  # @resilient(erasure=…)
             log.info("%s pid %d joined on node %d", p.role.value, p.pid, msg.node)
             if p.role is ProcRole.SPARE:
                 self.spares.joined += 1

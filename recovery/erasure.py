@@ -33,13 +33,14 @@ from itertools import combinations
 from math import comb
 from typing import TYPE_CHECKING, Any
 
-from peerckpt.coding import Coding, ErasureSpec, Group, group_k, rebuildable
+from peerckpt.coding import Coding, ErasureSpec, Group, group_k, parse_spec, rebuildable
 from peerckpt.membership import Membership
 from peerckpt.reads import ERASURE, STORAGE
 from peerckpt.recovery.placement import Placement
 
 if TYPE_CHECKING:
     from peerckpt.recovery.commits import CommitTracker
+    from peerckpt.recovery.job import Settings
 
 log = logging.getLogger("peerckpt.coordinator")
 
@@ -237,3 +238,19 @@ def _multiply(a: list[int], b: list[int]) -> list[int]:
         for j, y in enumerate(b):
             out[i + j] += x * y
     return out
+
+
+def script_erasure(settings: Settings, erasure: str | None) -> None:
+    """Rank 0's ``@resilient(erasure="K+M")``, unless the launcher gave the job's redundancy
+    (``--replicas`` or ``--erasure``): parity groups in the placement's node order."""
+    if not erasure or settings.replicas is not None:
+        return
+    if isinstance(settings.placement, ErasurePlacement):
+        return
+    try:
+        spec = parse_spec(erasure)
+    except ValueError as exc:
+        log.error("rank 0's erasure=%r is ignored: %s", erasure, exc)
+        return
+    settings.placement = ErasurePlacement(spec, settings.placement)
+    log.info("erasure %s from the script: parity over groups instead of replicas", spec)

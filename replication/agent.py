@@ -550,7 +550,7 @@ class Agent:
 
 def _proc_report(link: ProcLink) -> ProcReport:
     h = link.hello
-    return ProcReport(link.pid, link.role, link.rank, h.replicas, h.persist)
+    return ProcReport(link.pid, link.role, link.rank, h.replicas, h.persist, h.erasure)
 
 
 def main(argv: list[str] | None = None) -> int:

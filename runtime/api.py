@@ -73,6 +73,7 @@ def resilient(
     fn: F | None = None,
     *,
     replicas: int | None = DEFAULTS.replicas,
+    erasure: str | None = DEFAULTS.erasure,
     persist: str | None = DEFAULTS.persist,
     persist_every: int | None = DEFAULTS.persist_every,
     persist_interval: float | None = DEFAULTS.persist_interval,
@@ -93,7 +94,10 @@ def resilient(
     """Make a training function survive the loss of ranks and nodes.
 
     ``replicas`` is how many buddies (on other nodes) mirror each rank's snapshot (default 1;
-    ``peerckpt run --replicas K`` overrides it). ``persist`` is a URL (a path, ``file://``,
+    ``peerckpt run --replicas K`` overrides it); ``erasure="K+M"`` keeps parity over groups of
+    K+M nodes instead, any M of a group's nodes lost together rebuilt from the others, for M/K
+    of a node's state (docs/erasure.md; the launcher's ``--replicas``/``--erasure`` override
+    it). ``persist`` is a URL (a path, ``file://``,
     ``s3://``) where the agents write committed steps in the background, every
     ``persist_every`` steps (default 100) and/or ``persist_interval`` seconds, keeping the
     newest ``keep`` (``peerckpt run --persist`` overrides it). A job started again finds the
@@ -131,6 +135,7 @@ def resilient(
 
     config = ResilientConfig(
         replicas=replicas,
+        erasure=erasure,
         persist=persist,
         persist_every=persist_every,
         persist_interval=persist_interval,

@@ -22,6 +22,7 @@ class ResilientConfig:
     """The options of ``@peerckpt.resilient`` (see its docstring for what each one does)."""
 
     replicas: int | None = None  # buddies per rank; None: the launcher's, else 1
+    erasure: str | None = None  # "K+M": parity over groups instead of replicas (docs/erasure.md)
     persist: str | None = None  # durable URL; None: the launcher's --persist, else none
     persist_every: int | None = None
     persist_interval: float | None = None
@@ -48,6 +49,18 @@ class ResilientConfig:
             raise ConfigurationError("persist_every, persist_interval and keep need persist=URL")
         if self.replicas is not None and self.replicas < 0:
             raise ConfigurationError(f"replicas must be 0 or more, not {self.replicas}")
+        if self.erasure is not None:
+            from peerckpt.coding import parse_spec
+
+            try:
+                parse_spec(self.erasure)
+            except ValueError as exc:
+                raise ConfigurationError(str(exc).replace("--erasure ", "erasure=")) from None
+            if self.replicas is not None:
+                raise ConfigurationError(
+                    f"replicas={self.replicas} and erasure={self.erasure!r} both give the job's "
+                    "redundancy; choose one"
+                )
         for name in ("pg_timeout_s", "suspect_s", "abort_grace_s", "abort_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"{name} must be positive, not {getattr(self, name)}")

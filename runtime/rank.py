@@ -108,7 +108,9 @@ class RankRuntime:
             },
             f"rank process {os.getpid()}",
         )
-        hello = ProcHello(env.role, os.getpid(), env.rank, config.replicas, config.persist_msg())
+        hello = ProcHello(
+            env.role, os.getpid(), env.rank, config.replicas, config.persist_msg(), config.erasure
+        )
         self.channel = AgentChannel(
             env.agent_socket, env.secret, env.job, hello, self._on_event, self._beat
         )

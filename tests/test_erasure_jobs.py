@@ -147,3 +147,21 @@ def test_fsdp2_reshards_into_a_shrunk_world_from_a_rebuilt_rank(tmp_path: Path) 
     ]
     assert committed and restored["digest"] == committed[-1]["digest"]
     assert "rebuilt rank 1 step" in run.log
+
+
+@pytest.mark.slow  # one job of 4 nodes, ~15 s
+def test_the_scripts_erasure_protects_the_job(tmp_path: Path) -> None:
+    """@resilient(erasure="3+1") with no --replicas or --erasure from the launcher."""
+    run = run_job(
+        tmp_path,
+        script_args=["--steps", "24", "--erasure", "3+1"],
+        nodes=4,
+        nproc=1,
+        spares=1,
+        chaos="kill node=2 at=12",
+        extra=["--max-restarts", "0"],
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    assert "erasure 3+1 from the script" in run.log
+    _assert_retrained_alike(run, ranks=4, steps=24)
+    assert set(_rebuilt(run)) == {2}

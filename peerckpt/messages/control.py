@@ -92,6 +92,7 @@ class ProcReport(Message):
     rank: int | None
     replicas: int | None = None
     persist: dict[str, Any] | None = None  # rank 0's @resilient(persist=…), PersistConfig form
+    erasure: str | None = None  # rank 0's @resilient(erasure="K+M")
 
 
 @message("rejoin_state")

@@ -44,6 +44,7 @@ class ProcHello(Message):
     rank: int | None = None
     replicas: int | None = None  # rank 0's @resilient(replicas=…)
     persist: dict[str, Any] | None = None  # rank 0's @resilient(persist=…), PersistConfig form
+    erasure: str | None = None  # rank 0's @resilient(erasure="K+M")
 
 
 # -- requests (a reply each) -----------------------------------------------------------------

@@ -195,6 +195,7 @@ if __name__ == "__main__":
         "--skew-rank", type=int, default=-1, help="nudges its parameters after every step"
     )
     parser.add_argument("--persist", default=None, help="resilient(persist=URL)")
+    parser.add_argument("--erasure", default=None, help='resilient(erasure="K+M")')
     args = parser.parse_args()
     if args.device != "cpu":
         # Bit-exact runs on a GPU: deterministic kernels, and attention through the math path.
@@ -212,6 +213,7 @@ if __name__ == "__main__":
         overhead=args.overhead or 0.05,
         dedup=not args.no_dedup,
         persist=args.persist,
+        erasure=args.erasure,
     )
     final = resilient(train)(args)
     if int(os.environ["RANK"]) == 0:

@@ -150,3 +150,37 @@ def test_peerckpt_plan_answers_for_an_erasure_layout() -> None:
 def test_peerckpt_plan_refuses_what_has_no_answer(args: list[str], message: str) -> None:
     out = _plan(*args)
     assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_the_scripts_erasure_applies_unless_the_launcher_chose() -> None:
+    from peerckpt.recovery.erasure import script_erasure
+    from peerckpt.recovery.job import Settings
+
+    def settings(replicas: int | None) -> Settings:
+        return Settings("j", 4, replicas, 5.0, "h:1", None, RingPlacement())
+
+    chosen = settings(None)
+    script_erasure(chosen, "3+1")
+    assert isinstance(chosen.placement, ErasurePlacement) and chosen.placement.spec.m == 1
+    given = settings(2)  # the launcher's --replicas 2 wins
+    script_erasure(given, "3+1")
+    assert isinstance(given.placement, RingPlacement)
+    bad = settings(None)
+    script_erasure(bad, "three")  # logged and ignored: replicas as before
+    assert isinstance(bad.placement, RingPlacement)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"erasure": "3"}, "erasure='3': give K"),
+        ({"erasure": "3+1", "replicas": 1}, "choose one"),
+    ],
+)
+def test_resilient_refuses_a_bad_erasure(kwargs: dict[str, object], message: str) -> None:
+    from peerckpt.errors import ConfigurationError
+    from peerckpt.runtime.config import ResilientConfig
+
+    with pytest.raises(ConfigurationError, match=message):
+        ResilientConfig(**kwargs)  # type: ignore[arg-type]
+    assert ResilientConfig(erasure="4+2").erasure == "4+2"
