@@ -54,7 +54,8 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 # top of docs/performance.md from them. Under 25 minutes on 2 cores (docs/performance.md,
 # "Running the benchmarks", says where the time goes): stall and recovery 2 runs at 64 and
 # 256 MiB, one at 1 GiB (the failure cost 3), memory and dedup one run, the torchrun, hosts,
-# Ray and reshard comparisons one run each; the planner its worst case (shrink) only.
+# Ray and reshard comparisons one run each; the planner its worst case (shrink) only; the
+# control plane at 100, 1,000 and 10,000 ranks (bench/scale.py, about 3 minutes).
 bench: $(BENCH_STAMP)
 	$(PY) bench/ceilings.py --runs 3
 	$(PY) bench/replication.py
@@ -72,6 +73,7 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/ray_recovery.py --runs 1
 	$(PY) bench/planner.py --runs 3 --cases shrink
 	$(PY) bench/coordinator.py --steps 25
+	$(PY) bench/scale.py
 	$(PY) bench/summary.py
 
 # Goodput under a fault every 20 s (ETTR: peerckpt twice, torchft, a DCP restart): about 40 minutes

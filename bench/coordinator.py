@@ -273,6 +273,7 @@ def run(args: Any) -> dict[str, Any]:
         },
         "nodes_alive_at_end": alive,
         "heartbeats_failed": sum(r["failed_heartbeats"] for _, r in results),
+        "heartbeat_errors": sorted({e for _, r in results for e in r["heartbeat_errors"]})[:5],
         # the longest a simulated node went between two heart-beats it sent (its process's
         # loop was busy or starved): over the timeout, it is declared lost whatever the server
         "heartbeat_max_gap_s": max(r["heartbeat_max_gap"] for _, r in results),

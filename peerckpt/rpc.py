@@ -187,11 +187,13 @@ class RpcServer:
                 await self._abort(
                     name, context, grpc.StatusCode.FAILED_PRECONDITION, f"ProtocolError: {exc}"
                 )
+            nonce = nonce_of(context.invocation_metadata() or ()) or ""  # once per stream
             try:
                 seq = 0
                 async for event in gen(msg, context):
                     packed = event if isinstance(event, bytes) else pack(encode(event))
-                    yield pack([packed, self._proof(name, context, seq, packed)])
+                    proof = reply_proof(self._secret, self._job, name, nonce, seq, packed)
+                    yield pack([packed, proof])
                     seq += 1
             except errors.PeerckptError as exc:
                 detail = f"{type(exc).__name__}: {exc}"
@@ -354,12 +356,13 @@ class AsyncRpcClient:
         return decode(unpack(raw), reply_class(type(msg)), where=where)
 
     async def stream(
-        self, msg: Request[Event], decoder: Callable[[Any], Event] | None = None
+        self, msg: Request[Event], decoder: Callable[[bytes], Event] | None = None
     ) -> AsyncIterator[Event]:
         """A server stream's events, decoded as they arrive (cancel the task to stop).
 
-        ``decoder`` replaces ``decode`` (many simulated agents in one process decode the
-        same large membership once, not once each)."""
+        ``decoder`` replaces ``decode``, given each event's bytes once proven (many
+        simulated agents in one process decode the same large membership once, not once
+        each: at 1,000 nodes unpacking it was 9 s of the simulator's CPU)."""
         method = type_name(type(msg))
         stub = self._channel.unary_stream(f"/{SERVICE}/{method}", response_deserializer=unpack)
         where = f"the coordinator at {self.address}"
@@ -367,8 +370,11 @@ class AsyncRpcClient:
         metadata = self._signer.metadata(method, body)
         proven = _Proven(self._signer, method, metadata, where)
         async for item in stub(body, metadata=metadata):
-            raw = proven.event(item)
-            yield decoder(raw) if decoder is not None else decode(raw, Event, where=where)
+            packed = proven.packed(item)
+            if decoder is not None:
+                yield decoder(packed)
+            else:
+                yield decode(unpack(packed), Event, where=where)
 
     def call_stream(self) -> AsyncCallStream:
         """A stream of calls on this client's channel (``peerckpt/rpcstream.py``)."""
@@ -387,6 +393,10 @@ class _Proven:
 
     def event(self, item: Any) -> Any:
         """The unpacked event of one stream item ``[event bytes, proof]``, once proven."""
+        return unpack(self.packed(item))
+
+    def packed(self, item: Any) -> bytes:
+        """The event bytes of one stream item ``[event bytes, proof]``, once proven."""
         if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], bytes)):
             raise errors.ProtocolError(f"{self._where} sent an event without its proof")
         packed, proof = item
@@ -394,7 +404,7 @@ class _Proven:
             self._method, self._metadata, self._seq, packed, proof, self._where
         )
         self._seq += 1
-        return unpack(packed)
+        return packed
 
 
 class EventStream:

@@ -179,8 +179,10 @@ class CallStream:
                 future.set_exception(error)
 
     def close(self) -> None:
-        """End the stream (calls waiting on it fail)."""
+        """End the stream: the server sees its end and answers what it got; then calls still
+        waiting on it fail."""
         self._requests.put(None)
+        self._reader.join(2.0)
         self._call.cancel()
         self._reader.join(5.0)
 
@@ -213,9 +215,10 @@ class AsyncCallStream:
             self._waiting[seq] = (method, future)
             try:
                 await self._call.write(item)
-            except (grpc.RpcError, asyncio.InvalidStateError) as exc:
-                self._waiting.pop(seq, None)
-                raise errors.PeerUnavailable(f"{self._where} took no call: {exc!r}") from None
+            except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+                self._waiting.pop(seq, None)  # the stream ended (UsageError: it is done)
+                self.broken = errors.PeerUnavailable(f"{self._where} took no call: {exc!r}")
+                raise self.broken from None
         try:
             status, payload = await asyncio.wait_for(future, timeout)
         except (TimeoutError, asyncio.TimeoutError):
@@ -254,7 +257,19 @@ class AsyncCallStream:
                 if not future.done():
                     future.set_exception(error)
 
+    async def aclose(self) -> None:
+        """End the stream: the server sees its end (a cancel made its handler's grpc log
+        an error), then the reading stops."""
+        try:
+            await asyncio.wait_for(self._call.done_writing(), 2.0)
+            if self._reader is not None:
+                await asyncio.wait_for(asyncio.shield(self._reader), 2.0)
+        except (grpc.RpcError, grpc.aio.UsageError, TimeoutError, asyncio.TimeoutError):
+            pass
+        self.close()
+
     def close(self) -> None:
+        """Cancel the stream at once (calls waiting on it fail)."""
         self._call.cancel()
         if self._reader is not None:
             self._reader.cancel()

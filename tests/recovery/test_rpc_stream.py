@@ -56,7 +56,7 @@ def _raw(address: str, items: list[bytes], metadata: Any) -> list[Any]:
 
 
 def test_calls_on_a_stream_are_answered_as_they_would_be_alone(server) -> None:
-    rpc, c = server
+    rpc, _c = server
     client = RpcClient(rpc.address, SECRET, "j")
     stream = client.call_stream()
     try:
@@ -74,7 +74,7 @@ def test_calls_on_a_stream_are_answered_as_they_would_be_alone(server) -> None:
 
 
 def test_an_item_changed_replayed_or_moved_is_refused_and_ends_the_stream(server) -> None:
-    rpc, c = server
+    rpc, _c = server
     signer = CallSigner(SECRET, "j")
     metadata = signer.metadata(CALLS, b"")
     nonce = nonce_of(metadata) or ""
@@ -85,7 +85,7 @@ def test_an_item_changed_replayed_or_moved_is_refused_and_ends_the_stream(server
     metadata = signer.metadata(CALLS, b"")
     nonce = nonce_of(metadata) or ""
     first = _item(signer, nonce, 0, Heartbeat(0, 0))
-    seq, method, body, mac = unpack(_item(signer, nonce, 1, Heartbeat(0, 0)))
+    seq, method, _body, mac = unpack(_item(signer, nonce, 1, Heartbeat(0, 0)))
     changed = pack([seq, method, pack({"node": 1, "epoch": 0}), mac])
     answers = _raw(rpc.address, [first, changed], metadata)
     assert [a[0] for a in answers[:-1]] == [0] and answers[-1] == grpc.StatusCode.UNAUTHENTICATED
