@@ -22,6 +22,9 @@ Protocol on an authenticated connection (see ``wire``):
   The puller verifies every checksum (each chunk as soon as it has arrived) and refuses the
   copy (ChecksumMismatch) otherwise.
 
+  ``fetch_device`` asks for the same copy over a device link (NCCL), TCP its fallback
+  (``replication/devicepull.py``).
+
 * fetch_boxes — pull pieces of chunks when resharding into a new layout::
 
       → {type: fetch_boxes, epoch, gen, step, items: [[rank, name, box, region], …]}
@@ -44,7 +47,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from peerckpt import tls
 from peerckpt.errors import (
@@ -61,9 +64,11 @@ from peerckpt.messages.data import (
     Ack,
     Data,
     DataRequest,
+    DeviceDeclined,
     End,
     Fetch,
     FetchBoxes,
+    FetchDevice,
     FetchParity,
     FetchRanges,
     ManifestReply,
@@ -78,6 +83,9 @@ from peerckpt.replication.store import SlotStore
 from peerckpt.serving import Listener
 from peerckpt.states import SlotKind
 from peerckpt.wire import Connection, raise_if_error, server_handshake
+
+if TYPE_CHECKING:
+    from peerckpt.replication.devicepull import DevicePulls
 
 PIECE_BYTES = 16 << 20
 IO_TIMEOUT_S = 30.0
@@ -257,9 +265,12 @@ class DataServer:
         net: NetHooks | None = None,
         trusted: Callable[[], frozenset[str]] | None = None,
         parity: ParityStore | None = None,
+        device: DevicePulls | None = None,
     ) -> None:
         """``trusted``: the hosts of the job's agents, admitted first (``peerckpt/serving.py``);
-        ``parity``: the parity pieces this agent keeps (``--erasure``)."""
+        ``parity``: the parity pieces this agent keeps (``--erasure``); ``device``: this
+        agent's pulls over a device link (``replication/devicepull.py``; None: TCP only)."""
+        self.device = device
         self._net = net
         self.parity = parity if parity is not None else ParityStore(store.arena)
         self.store = store
@@ -284,6 +295,7 @@ class DataServer:
             {
                 Push: self._on_push,
                 Fetch: self._on_fetch,
+                FetchDevice: self._on_fetch_device,
                 FetchBoxes: self._on_fetch_boxes,
                 ParityPiece: lambda m, c: serve_piece(
                     c, m, self.parity, self._current_epoch(), self._committed_step()
@@ -386,6 +398,12 @@ class DataServer:
             ranges = manifest.byte_ranges() if manifest.absent else None
             send_bytes(conn, slot.segment.view, manifest.used_bytes, ranges=ranges)
             self.bytes_served += sum(b - a for a, b in manifest.byte_ranges())
+
+    def _on_fetch_device(self, msg: FetchDevice, conn: Connection) -> None:
+        if self.device is None:
+            conn.send_msg(DeviceDeclined("this agent pulls over TCP only"))
+            return
+        self.bytes_served += self.device.serve(msg, conn, self.store, self._current_epoch())
 
     def _on_fetch_boxes(self, msg: FetchBoxes, conn: Connection) -> None:
         serve_boxes(conn, self.store, msg)

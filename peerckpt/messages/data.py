@@ -1,6 +1,7 @@
 """Messages of the data links between agents (TCP); bulk bytes travel raw beside them.
 
-``replication/transfer.py`` draws the three exchanges (push, fetch, fetch_boxes). ``Data``
+``replication/transfer.py`` draws the three exchanges (push, fetch, fetch_boxes);
+``replication/devicepull.py`` the pull over a device link (fetch_device). ``Data``
 and ``Box`` frames carry raw bytes as their payload, received straight into a slot after the
 header's size is checked; every other message is a header alone. A refusal is a
 ``wire``-level ``error`` frame with a code (``peerckpt/wire.py``), not a message here.
@@ -42,6 +43,28 @@ class Fetch(DataRequest):
     gen: int
     rank: int
     step: int
+
+
+@message("fetch_device")
+@dataclass(frozen=True)
+class FetchDevice(DataRequest):
+    """Send ``rank``'s copy of ``step`` over a device link (NCCL) whose rendezvous id is
+    ``uid``; answered by ``manifest`` (accepted: open the link) or ``device_declined``
+    (``replication/devicepull.py``)."""
+
+    epoch: int
+    gen: int
+    rank: int
+    step: int
+    uid: bytes
+
+
+@message("device_declined")
+@dataclass(frozen=True)
+class DeviceDeclined(Message):
+    """The holder cannot send over a device link (``why``): ask again with ``fetch``."""
+
+    why: str
 
 
 @message("fetch_boxes")
