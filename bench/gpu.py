@@ -12,6 +12,12 @@ Needs a CUDA device (it exits saying so without one; CI has none). One run measu
   peerckpt and under ``peerckpt run`` with a snapshot of the whole state every step; the
   median step time of each (first quarter of the steps dropped as warm-up), ``--runs`` times.
 
+With ``--nccl`` also the 4-rank NCCL job on one GPU (a killed rank and a killed node against
+the fault-free run) and the pull of 1 GiB from a holder agent over NCCL and over TCP
+(``pull``: ``bytes``, ``nccl_gbps``, ``tcp_gbps``, ``ratio``, ``bit_exact``, and which
+transport carried each), into
+``bench/results/gpu-nccl.json``.
+
 Results: ``bench/results/gpu.json``; keys per size ``step_s_plain``, ``step_s_peerckpt``,
 ``stall_fraction`` ((peerckpt − plain) / plain), ``snapshot_gbps_needed`` (state / step time),
 and ``d2h_gbps`` (pinned, pageable, registered shm).
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import mmap
+import os
 import re
 import statistics
 import subprocess
@@ -191,6 +198,52 @@ def nccl_job() -> dict[str, Any]:
     return out
 
 
+def pull(mib: int = 1024, runs: int = 2) -> dict[str, Any]:
+    """Issue 29's figures: one rank's snapshot of ``mib`` MiB pulled from a holder agent's data
+    plane (another process on this machine, ``tests/jobs/pull_holder.py``) over NCCL and over
+    TCP, each the best of ``runs``, and whether every pull was bit-exact; ``nccl_gbps`` is None
+    where the NCCL pull fell back to TCP (``nccl_carried_by``)."""
+    import secrets
+
+    sys.path.insert(0, str(TESTS_JOBS))
+    import pull_holder
+
+    from peerckpt.replication.transport import TransportMode
+
+    job, secret = f"benchpull{os.getpid()}", secrets.token_bytes(32)
+    holder = subprocess.Popen(
+        [sys.executable, str(TESTS_JOBS / "pull_holder.py"), "--job", job, "--mib", str(mib)],
+        env=dict(os.environ, PEERCKPT_SECRET=secret.hex()),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    out: dict[str, Any] = {"bytes": None, "bit_exact": True}
+    try:
+        assert holder.stdout is not None
+        address = holder.stdout.readline().split()[1]
+        for mode in (TransportMode.NCCL, TransportMode.TCP):
+            best = None
+            for _ in range(runs):
+                how, seconds, same = pull_holder.pull(job, secret, address, mode, mib)
+                out["bit_exact"] &= same
+                best = seconds if best is None else min(best, seconds)
+            out[f"{mode.value}_s"] = best
+            out[f"{mode.value}_carried_by"] = how  # "tcp" for nccl: it fell back (see the log)
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    out["bytes"] = pull_holder.snapshot_bytes(mib)[2]
+    out["tcp_gbps"] = out["bytes"] / out["tcp_s"] / 1e9
+    if out["nccl_carried_by"] != "nccl":
+        out["nccl_gbps"] = out["ratio"] = None
+        return out
+    out["nccl_gbps"] = out["bytes"] / out["nccl_s"] / 1e9
+    out["ratio"] = out["nccl_gbps"] / out["tcp_gbps"]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="256,1024", help="MiB of state per rank")
@@ -211,9 +264,10 @@ def main() -> None:
             "device": torch.cuda.get_device_name(),
             "date": time.strftime("%Y-%m-%d"),
             "job": nccl_job(),
-            "pull": None,  # issue 29: the NCCL transport of a pull is not built yet
+            "pull": pull(),
         }
         print(f"NCCL job: {nccl['job']}", flush=True)
+        print(f"pull of 1 GiB: {nccl['pull']}", flush=True)
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "d2h_gbps": ceilings()}
     print(f"device-to-host 1 GiB, GB/s: {result['d2h_gbps']}", flush=True)
     for mib in map(int, args.sizes.split(",")):

@@ -79,16 +79,19 @@ from peerckpt.messages.local import (
 )
 from peerckpt.names import RUN_ENV
 from peerckpt.pidwatch import ProcessWatch
+from peerckpt.replication import nccl
 from peerckpt.replication.arena import Arena
 from peerckpt.replication.control import ControlServer, ProcLink
 from peerckpt.replication.coordlink import CoordinatorLink
 from peerckpt.replication.dedup import twin_digest
+from peerckpt.replication.devicepull import DevicePulls
 from peerckpt.replication.mirroring import Mirroring
 from peerckpt.replication.recovering import Preparer
 from peerckpt.replication.spares import SpareSlots
 from peerckpt.replication.stats import node_stats
 from peerckpt.replication.store import SlotStore
 from peerckpt.replication.transfer import DataServer
+from peerckpt.replication.transport import TransportMode
 from peerckpt.replication.writer import Flusher
 from peerckpt.rpc import is_stream_closed
 from peerckpt.service import service_process, stop_on_signals
@@ -120,6 +123,7 @@ class Agent:
         faults: FaultHooks = NO_FAULTS,
         run: str | None = None,
         launcher_pid: int | None = None,
+        transport: TransportMode = TransportMode.AUTO,
     ) -> None:
         self.joining = joining
         # torchrun (``launch/torchrun.py``): it restarts this node's processes after they
@@ -140,6 +144,8 @@ class Agent:
         self.gen = 0  # the layout generation of this epoch's snapshots
         self.membership: Membership | None = None
         self.committed_step: int | None = None
+        # Recovery pulls over NCCL where this node and the holder both can (``--transport``).
+        self.device = DevicePulls(transport, nccl.probe, node)
         self.data = DataServer(
             self.store,
             secret,
@@ -149,6 +155,7 @@ class Agent:
             host,
             net=self.net,
             trusted=self._member_hosts,
+            device=self.device,
         )
         self.control = ControlServer(
             socket_path, secret, job, self._on_message, self._on_lost, self._on_hello
@@ -215,6 +222,7 @@ class Agent:
         return RegisterAgent(self.node, self.data.address, self.spare_node, self.joining, rejoin)
 
     def start(self) -> None:
+        self.device.start()
         self.data.start()
         self.control.start()
         # A spare node or joiner may start while the coordinator is away (the launcher
@@ -566,6 +574,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument(
+        "--transport",
+        choices=[m.value for m in TransportMode],
+        default="auto",
+        help="how recovery pulls travel: NCCL where both agents have CUDA and NCCL (auto)",
+    )
+    parser.add_argument(
         "--launcher-pid",
         type=int,
         default=None,
@@ -587,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
         faults=faults,
         run=os.environ.get(RUN_ENV),
         launcher_pid=args.launcher_pid,
+        transport=TransportMode(args.transport),
     )
     stop_on_signals(agent.stopping.set)
     try:
