@@ -42,6 +42,8 @@ from peerckpt.replication.store import SlotStore
 from peerckpt.replication.transfer import _mismatched, fetch
 from peerckpt.replication.transport import (
     DeviceFabric,
+    DeviceLink,
+    DeviceLinkError,
     DeviceTransport,
     Transport,
     TransportMode,
@@ -52,6 +54,7 @@ from peerckpt.replication.transport import (
 from peerckpt.wire import Connection, raise_if_error
 
 log = logging.getLogger("peerckpt.transfer")
+OPEN_TIMEOUT_S = 30.0  # NCCL's set-up cannot be aborted: a link not open by then is given up
 
 Allocate = Callable[[SnapshotManifest], memoryview]
 
@@ -121,8 +124,7 @@ class DevicePulls:
             manifest.validate_bounds(len(view))
             start = time.monotonic()
             try:
-                link = fabric.open(uid, 1, rank, manifest.used_bytes)
-                with opened(link):
+                with opened(open_within(fabric, uid, 1, rank, manifest.used_bytes)) as link:
                     transport = DeviceTransport(conn, link, deadline_s(manifest.used_bytes))
                     computed = receive_verified(transport, manifest, view, f"pull{rank}")
             except Exception as exc:  # NCCL, CUDA, the watchdog, the holder: TCP takes over
@@ -211,7 +213,8 @@ class DevicePulls:
             conn.send_msg(ManifestReply(manifest))
             spans = manifest.byte_ranges()
             try:
-                with opened(fabric.open(msg.uid, 0, msg.rank, manifest.used_bytes)) as link:
+                link = open_within(fabric, msg.uid, 0, msg.rank, manifest.used_bytes)
+                with opened(link):
                     transport = DeviceTransport(conn, link, deadline_s(manifest.used_bytes))
                     transport.send(slot.segment.view, spans)
             except Exception as exc:
@@ -227,6 +230,39 @@ class DevicePulls:
                 conn.close()  # the puller sees the link closed and falls back
                 raise PeerUnavailable(f"device link to {conn.peer} failed") from exc
         return sum(b - a for a, b in spans)
+
+
+def open_within(
+    fabric: DeviceFabric, uid: bytes, rank: int, device: int, nbytes: int
+) -> DeviceLink:
+    """``fabric.open`` on a thread of its own, given up after ``OPEN_TIMEOUT_S`` (its other end
+    never came: NCCL's set-up waits for it and cannot be aborted); a link that opens after
+    that is closed at once. Raises ``DeviceLinkError`` naming why."""
+    done = threading.Event()
+    result: list[Any] = []
+    abandoned = threading.Event()
+
+    def run() -> None:
+        try:
+            link = fabric.open(uid, rank, device, nbytes)
+        except Exception as exc:
+            result.append(exc)
+        else:
+            result.append(link)
+            if abandoned.is_set():
+                link.close()
+        done.set()
+
+    threading.Thread(target=run, name="peerckpt-link-open", daemon=True).start()
+    if not done.wait(OPEN_TIMEOUT_S):
+        abandoned.set()
+        if done.is_set() and not isinstance(result[0], Exception):
+            result[0].close()  # it opened just now; close it all the same
+        raise DeviceLinkError(f"the other end did not join the link within {OPEN_TIMEOUT_S} s")
+    if isinstance(result[0], Exception):
+        raise result[0]
+    link: DeviceLink = result[0]
+    return link
 
 
 def receive_verified(

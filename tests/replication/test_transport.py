@@ -15,7 +15,7 @@ import pytest
 
 from peerckpt.errors import ConfigurationError
 from peerckpt.manifest import ChunkRecord, SnapshotManifest
-from peerckpt.replication import transport
+from peerckpt.replication import devicepull, transport
 from peerckpt.replication.devicepull import DevicePulls
 from peerckpt.replication.store import Slot, SlotStore
 from peerckpt.replication.transport import (
@@ -39,6 +39,7 @@ class Faults:
     """What a fake link does wrong: fail to open, flip a byte of a piece, hang in a send."""
 
     fail_open: bool = False
+    hang_open: threading.Event | None = None  # open blocks until it is set
     corrupt_piece: int | None = None
     hang_piece: int | None = None
     opened: list[int] = field(default_factory=list)  # ranks that opened a link
@@ -118,6 +119,8 @@ class FakeFabric:
         self.faults.opened.append(rank)
         if self.faults.fail_open:
             raise DeviceLinkError("ncclCommInitRank failed (injected)")
+        if self.faults.hang_open is not None and rank == 0:
+            self.faults.hang_open.wait()
         with self._lock:
             pair = self._pairs.setdefault(uid, socket.socketpair())
         link = FakeLink(pair[rank], rank, self.piece_bytes, self.faults)
@@ -320,6 +323,23 @@ def test_a_hung_link_is_aborted_and_the_copy_comes_over_tcp(
     assert any(link.aborted.is_set() for link in fabric.links)
     assert original.lock.acquire(timeout=2.0)
     original.lock.release()
+
+
+def test_a_link_whose_other_end_never_joins_is_given_up_for_tcp(
+    nccl_peers, job, caplog, monkeypatch
+) -> None:
+    monkeypatch.setattr(devicepull, "OPEN_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(transport, "GRACE_S", 0.2)
+    release = threading.Event()
+    fabric = FakeFabric(faults=Faults(hang_open=release))
+    for peer in nccl_peers:
+        peer.server.device = device_pulls(fabric)
+    original = write_mixed(nccl_peers[0].store, rank=5, step=4)
+    with caplog.at_level(logging.WARNING, logger="peerckpt.transfer"):
+        slot, _, how = _pull(nccl_peers[2], nccl_peers[0], job, device_pulls(fabric), 5, 4)
+    release.set()
+    assert how == "tcp" and _same_bytes(original, slot)
+    assert "did not join the link within" in caplog.text
 
 
 def test_a_holder_without_cuda_declines_and_the_pull_is_tcp(nccl_peers, job, fabric) -> None:
