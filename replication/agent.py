@@ -91,6 +91,7 @@ from peerckpt.replication.spares import SpareSlots
 from peerckpt.replication.stats import node_stats
 from peerckpt.replication.store import SlotStore
 from peerckpt.replication.transfer import DataServer
+from peerckpt.replication.transport import ENV as TRANSPORT_ENV
 from peerckpt.replication.transport import TransportMode
 from peerckpt.replication.writer import Flusher
 from peerckpt.rpc import is_stream_closed
@@ -576,8 +577,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--transport",
         choices=[m.value for m in TransportMode],
-        default="auto",
-        help="how recovery pulls travel: NCCL where both agents have CUDA and NCCL (auto)",
+        default=os.environ.get(TRANSPORT_ENV, "auto"),
+        help="how recovery pulls travel: NCCL where both agents have CUDA and NCCL (auto); "
+        f"default: ${TRANSPORT_ENV} (peerckpt run --transport sets it), else auto",
     )
     parser.add_argument(
         "--launcher-pid",

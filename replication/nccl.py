@@ -33,31 +33,64 @@ import os
 import threading
 from typing import Any
 
-from peerckpt.replication.transport import DeviceFabric, DeviceLinkError
+from peerckpt.errors import ConfigurationError
+from peerckpt.replication.transport import (
+    DeviceFabric,
+    DeviceLinkError,
+    TransportMode,
+    parse_mode,
+)
 
 DEPTH = 2
 PIECE_BYTES = 32 << 20
 
 
-def probe() -> tuple[DeviceFabric | None, str]:
-    """This process's NCCL fabric, or None and why not (no CuPy, no NCCL in it, no device)."""
+def unavailable() -> str | None:
+    """Why this process cannot open NCCL links (no CuPy, no NCCL in it, no CUDA device), or
+    None. Loads CuPy and the CUDA driver, nothing more: no context, no setting changed."""
     try:
         import cupy
         from cupy.cuda import nccl
     except Exception as exc:  # ImportError, or CUDA libraries missing underneath
-        return None, f"CuPy with NCCL is not importable ({exc}); pip install 'peerckpt[gpu]'"
+        return f"CuPy with NCCL is not importable ({exc})"
+    if not getattr(nccl, "available", True):
+        return "CuPy was built without NCCL"
     try:
         devices = int(cupy.cuda.runtime.getDeviceCount())
     except Exception as exc:
-        return None, f"no CUDA device ({exc})"
-    if devices < 1:
-        return None, "no CUDA device"
-    if not getattr(nccl, "available", True):
-        return None, "CuPy was built without NCCL"
+        return f"no CUDA device ({exc})"
+    return None if devices >= 1 else "no CUDA device"
+
+
+def probe() -> tuple[DeviceFabric | None, str]:
+    """This agent's NCCL fabric, or None and why not. Gives the process its own NCCL host id
+    (the module docstring says why): call it in an agent only, never in a launcher whose
+    environment its ranks inherit."""
+    why = unavailable()
+    if why is not None:
+        return None, f"{why}; pip install 'peerckpt[gpu]'"
+    import cupy
+
+    devices = int(cupy.cuda.runtime.getDeviceCount())
     os.environ["NCCL_HOSTID"] = f"peerckpt-agent-{os.getpid()}"
     os.environ.setdefault("NCCL_SHM_DISABLE", "1")
     os.environ.setdefault("NCCL_P2P_DISABLE", "1")
     return NcclFabric(devices), f"NCCL on {devices} device(s)"
+
+
+def check_transport(text: str) -> TransportMode:
+    """``peerckpt run --transport``'s value, refused before anything starts where it cannot
+    work: ``nccl`` on a host without CuPy with NCCL or without a CUDA device."""
+    mode = parse_mode(text)
+    if mode is TransportMode.NCCL:
+        why = unavailable()
+        if why is not None:
+            raise ConfigurationError(
+                f"--transport nccl: {why} on this host. Install CuPy with pip install "
+                "'peerckpt[gpu]' on a machine with a CUDA device, or leave --transport at "
+                "auto (NCCL where both agents can, TCP otherwise)"
+            )
+    return mode
 
 
 class NcclFabric:

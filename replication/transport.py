@@ -44,6 +44,7 @@ from peerckpt.messages.data import End
 from peerckpt.replication.transfer import recv_bytes, send_bytes
 from peerckpt.wire import Connection
 
+ENV = "PEERCKPT_TRANSPORT"  # ``peerckpt run --transport``, inherited by every agent it starts
 GRACE_S = 5.0  # how long pieces may still be due once the peer spoke on the data link
 MIN_RATE = 50e6  # bytes/s no device link falls below: a pull's deadline grows with its size
 BASE_DEADLINE_S = 30.0  # the link's set-up and first piece

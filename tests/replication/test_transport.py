@@ -363,3 +363,22 @@ def test_a_device_transport_needs_two_buffers_to_pipeline() -> None:
     link.depth = 1
     with pytest.raises(ValueError, match="two staging buffers"):
         DeviceTransport(None, link, 1.0)  # type: ignore[arg-type, unused-ignore]
+
+
+def test_transport_nccl_is_refused_before_start_where_cupy_or_cuda_is_missing(monkeypatch):
+    from peerckpt.replication import nccl
+
+    monkeypatch.setattr(nccl, "unavailable", lambda: "no CUDA device")
+    with pytest.raises(ConfigurationError, match=r"pip install 'peerckpt\[gpu\]'"):
+        nccl.check_transport("nccl")
+    assert nccl.check_transport("auto") is TransportMode.AUTO  # TCP wherever NCCL is missing
+    assert nccl.check_transport("tcp") is TransportMode.TCP
+
+
+def test_without_cupy_an_agent_has_no_fabric_and_says_why() -> None:
+    from peerckpt.replication import nccl
+
+    if nccl.unavailable() is None:
+        pytest.skip("this machine can open NCCL links")
+    fabric, why = nccl.probe()
+    assert fabric is None and "pip install 'peerckpt[gpu]'" in why
