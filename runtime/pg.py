@@ -12,6 +12,20 @@ first, so an abort at any point of the rendezvous makes it fail); once it has fo
 the sockets it opened while forming, so the user's own connections are left alone.
 ``leave`` then destroys the group; the next epoch builds a fresh one.
 
+gloo connects its pairs lazily, at their first use, when ``TORCH_GLOO_LAZY_INIT`` is set
+when the group is constructed (torch 2.13 reads it then). Forming the group then costs the
+store one set per rank instead of eager gloo's world² gets (``bench/scale.py``: 6 s at 320
+simulated ranks eager, 2.6 s at 10,000 with NCCL and lazy gloo), so ``join`` sets it for
+GPU jobs (whose gloo group carries only CPU tensors) and for CPU jobs of more than
+``LAZY_GLOO_WORLD`` ranks; ``PEERCKPT_GLOO_LAZY=1``/``0`` forces it either way, and a value
+the user set wins. Lazily connected pairs are opened after the group formed, so they are not
+among the sockets it opened while forming: ``abort`` also cuts every socket opened since
+``begin`` that carries gloo's own mark, the group's timeout as its ``SO_RCVTIMEO`` (gloo sets
+it on every pair; measured on torch 2.13: a pair connected by the first all-reduce carried
+exactly the timeout given to ``init_process_group``, the store client and listeners none).
+A pair still waiting for a peer that died before connecting has no socket to cut: its
+collective is released by ``InFlight`` or, failing that, by the abort watchdog's restart.
+
 Cutting does not end every wait: gloo never ends a send it had started writing when its
 connection closes (``runtime/inflight.py`` has the measurements). ``abort`` therefore also
 fails every collective watched in ``InFlight`` (DDP's gradient all-reduce), so that the
@@ -38,7 +52,9 @@ import ipaddress
 import logging
 import os
 import socket
+import struct
 import threading
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +65,13 @@ from peerckpt.runtime.inflight import IN_FLIGHT, InFlight
 from peerckpt.runtime.userpg import ORIGINAL_DESTROY, ORIGINAL_INIT
 
 log = logging.getLogger("peerckpt.pg")
+
+# A CPU job of more ranks than this connects gloo's pairs lazily. Eager gloo's world² store
+# gets took 0.64 s at 104 ranks and 6 s at 320 (bench/results/scale.json); at 64 ranks they
+# are a few tenths of a second, and an eager group fails fast on a peer lost before its
+# first collective.
+LAZY_GLOO_WORLD = 64
+_TIMEVAL = struct.Struct("@ll")
 
 
 def _socket_inodes() -> dict[str, int]:
@@ -86,7 +109,20 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _shutdown_socket(fd: int, inode: str, hosts: set[str]) -> bool:
+def _gloo_timeout_s(sock: socket.socket) -> float:
+    """The socket's ``SO_RCVTIMEO`` in seconds (0: none), which gloo sets on its pairs."""
+    seconds, micros = _TIMEVAL.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.size)
+    )
+    return float(seconds + micros / 1e6)
+
+
+def _shutdown_socket(
+    fd: int, inode: str, hosts: set[str], gloo_timeout_s: float | None = None
+) -> bool:
+    """Shut down the connection ``fd`` if it still is ``inode``, reaches one of ``hosts`` (any
+    host if empty) and is no listener; with ``gloo_timeout_s``, only if it is a gloo pair of
+    a group with that timeout."""
     try:
         if os.readlink(f"/proc/self/fd/{fd}") != inode:
             return False  # the fd was closed and reused meanwhile
@@ -101,6 +137,8 @@ def _shutdown_socket(fd: int, inode: str, hosts: set[str]) -> bool:
         peer = normalize_host(sock.getpeername()[0])
         if hosts and peer not in hosts:
             return False
+        if gloo_timeout_s is not None and abs(_gloo_timeout_s(sock) - gloo_timeout_s) > 0.002:
+            return False  # not opened by a gloo group of this epoch
         sock.shutdown(socket.SHUT_RDWR)
         return True
     except OSError:
@@ -127,6 +165,24 @@ def nccl_environment(environ: dict[str, str]) -> None:
     when a collective hangs (``TORCH_NCCL_ENABLE_MONITORING``). A value the user set wins."""
     environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
+
+
+def gloo_lazy(backend: str, world_size: int, environ: Mapping[str, str]) -> bool:
+    """Should this epoch's gloo group connect its pairs at their first use (see the module
+    docstring)? ``PEERCKPT_GLOO_LAZY`` (``1`` or ``0``) decides if set."""
+    forced = environ.get("PEERCKPT_GLOO_LAZY", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    return "nccl" in backend or world_size > LAZY_GLOO_WORLD
+
+
+def gloo_environment(environ: MutableMapping[str, str], user_value: str | None, lazy: bool) -> bool:
+    """Set ``TORCH_GLOO_LAZY_INIT`` for the next group unless the user set it
+    (``user_value``); return whether its gloo pairs connect lazily."""
+    if user_value is not None:
+        return user_value.strip().lower() in ("1", "true", "yes", "on")
+    environ["TORCH_GLOO_LAZY_INIT"] = "1" if lazy else "0"
+    return lazy
 
 
 @dataclass
@@ -163,6 +219,8 @@ class ProcessGroupLifecycle:
         self._in_flight = in_flight
         self._unfinished: list[torch.futures.Future[Any]] = []  # left inside gloo by an abort
         self._kept: list[_Kept] = []
+        self._user_gloo_lazy = os.environ.get("TORCH_GLOO_LAZY_INIT")  # theirs wins
+        self.gloo_lazy = False  # whether the current epoch's gloo pairs connect lazily
 
     def backend(self) -> str:
         if self._backend is not None:
@@ -199,8 +257,17 @@ class ProcessGroupLifecycle:
             # way (an aborted epoch) leaves raised; a fresh spare's is 0. Ranks that disagree
             # wait forever for each other's rendezvous keys, so every epoch starts at 0.
             dist.distributed_c10d._world.group_count = 0
+        backend = self.backend()
+        self.gloo_lazy = gloo_environment(
+            os.environ, self._user_gloo_lazy, gloo_lazy(backend, world_size, os.environ)
+        )
+        log.info(
+            "epoch %s: gloo connects its pairs %s",
+            self.epoch,
+            "lazily, at their first use" if self.gloo_lazy else "while the group forms",
+        )
         ORIGINAL_INIT(  # torch's own: the script's name for it does nothing (runtime/userpg.py)
-            self.backend(), store=prefixed, rank=rank, world_size=world_size, timeout=self.timeout
+            backend, store=prefixed, rank=rank, world_size=world_size, timeout=self.timeout
         )
         with self._lock:
             self._owned = set(_socket_inodes()) - self._baseline
@@ -219,9 +286,12 @@ class ProcessGroupLifecycle:
             owned = None
         cut = 0
         for inode, fd in _socket_inodes().items():
-            mine = inode in owned if owned is not None else inode not in baseline
-            if mine and _shutdown_socket(fd, inode, hosts):
-                cut += 1
+            if inode in baseline:
+                continue
+            if owned is None or inode in owned:
+                cut += _shutdown_socket(fd, inode, hosts)
+            else:  # opened since the group formed: only a pair gloo connected lazily
+                cut += _shutdown_socket(fd, inode, hosts, self.timeout.total_seconds())
         nccl = self._abort_nccl()
         if everything:
             # Last resort before the process gives up: also abort the groups themselves
