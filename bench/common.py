@@ -305,7 +305,7 @@ def leftover_segments(job: str) -> list[str]:
 def start_peerckpt(args: list[str], log_level: str = "WARNING") -> subprocess.Popen[str]:
     """Start ``peerckpt run ARGS…`` from the repository; its output is captured."""
     env = dict(os.environ, PEERCKPT_LOG_LEVEL=log_level)
-    argv = [sys.executable, "-m", "peerckpt", "run", *args]
+    argv = [sys.executable, "-m", "peerckpt.launch", "run", *args]
     return subprocess.Popen(
         argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

@@ -52,7 +52,7 @@ KILL_AT = 12
 
 def _job(out: Path, name: str, flags: list[str], steps: int) -> subprocess.Popen[str]:
     out.mkdir(parents=True)
-    argv = [sys.executable, "-m", "peerckpt", "run", "--nproc-per-node", "2", "--job", name]
+    argv = [sys.executable, "-m", "peerckpt.launch", "run", "--nproc-per-node", "2", "--job", name]
     argv += ["--report", str(out / "report.json"), *flags, str(JOB), str(out)]
     argv += ["--steps", str(steps)]
     env = dict(os.environ, PEERCKPT_LOG_LEVEL="INFO", RAY_DEDUP_LOGS="0")

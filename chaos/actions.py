@@ -2,8 +2,9 @@
 
 Faults come from outside the training processes, as real ones do. A machine-level fault (a
 node, its agent, the coordinator lost; a node added) is the launcher's to cause, since only
-the launcher knows what a node is in its backend, so :class:`FaultActions` asks it
-(``peerckpt/launch/base.py``, ``Launcher``). Process-level faults act on this machine
+the launcher knows what a node is in its backend, so :class:`FaultActions` asks it through
+:class:`Machines`, the few calls of a launcher (``launch/base.py``, ``Launcher``) that chaos
+needs, so that this package never imports a launcher. Process-level faults act on this machine
 directly: a signal to one process, a flipped byte in a replica's shared memory, a network
 fault written to the node's fault file, which the node agent's hooks read
 (``chaos/points.py``).
@@ -18,7 +19,7 @@ import os
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from peerckpt.shm import SHM_DIR, segment_prefix
 
@@ -26,14 +27,25 @@ from peerckpt.shm import SHM_DIR, segment_prefix
 FLIP_SPAN = 8192
 FLIP_STRIDE = 64
 
-if TYPE_CHECKING:
-    from peerckpt.launch.base import Launcher
+
+class Machines(Protocol):
+    """What runs the job, as the machine-level faults see it: a launcher meets it. Each call
+    loses (or adds) what it names while the job runs; ``job`` and ``run_id`` name the job's
+    shared-memory segments."""
+
+    job: str
+    run_id: str
+
+    def kill_node(self, node: int) -> None: ...
+    def kill_agent(self, node: int) -> None: ...
+    def kill_coordinator(self) -> None: ...
+    def add_node(self) -> int: ...
 
 
 class FaultActions:
     """The monkey's target (``chaos.monkey.FaultTarget``) for one running job."""
 
-    def __init__(self, launcher: Launcher, fault_dir: str | None) -> None:
+    def __init__(self, launcher: Machines, fault_dir: str | None) -> None:
         self._launcher = launcher
         self._fault_dir = fault_dir
         self._hung: dict[int, threading.Timer] = {}  # pid → the timer that will SIGCONT it

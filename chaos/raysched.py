@@ -1,7 +1,7 @@
 """The seeded fault sequence of a chaos campaign on Ray (``peerckpt chaos --ray``).
 
 Pure: no Ray, no processes. Under Ray a fault is fired by the host it strikes
-(``peerckpt/launch/rayplan.split_chaos``), which brings rules the local sequence does not
+(``launch/rayplan.split_chaos``), which brings rules the local sequence does not
 need, so this one keeps them while drawing:
 
 * a rank is struck at most once (its host strikes it by pid, on its own machine; after a

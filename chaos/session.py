@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from peerckpt.chaos.actions import FaultActions
+from peerckpt.chaos.actions import FaultActions, Machines
 from peerckpt.chaos.monkey import ChaosMonkey, StatusSource
 from peerckpt.chaos.points import GATES
 from peerckpt.chaos.spec import check_targets, parse_chaos
-
-if TYPE_CHECKING:
-    from peerckpt.launch.base import Launcher
 
 
 class Chaos:
@@ -44,7 +41,7 @@ class Chaos:
             json.dump(sorted({a.at for a in self.actions}), f)
         os.replace(path + ".tmp", path)
 
-    def start(self, launcher: Launcher, status: StatusSource, fault_dir: str | None) -> None:
+    def start(self, launcher: Machines, status: StatusSource, fault_dir: str | None) -> None:
         self._faults = FaultActions(launcher, fault_dir)
         self._monkey = ChaosMonkey(self.actions, status, self._faults)
         self._monkey.start()

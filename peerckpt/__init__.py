@@ -17,11 +17,11 @@ and the launcher: ``peerckpt run --nodes N --nproc-per-node P [--spares S] scrip
 Layer: ground. The modules directly in this folder are the vocabulary no process owns
 (errors, chunk and manifest types, box math, dtypes, the codec and typed messages, wire
 framing, RPC plumbing, shared-memory names, named states, the fault-hook interface). They
-may import nothing of peerckpt above them. This package's public names above are loaded lazily
-from the rank's package when a training script asks for them, so that agents and the
-coordinator never import torch. ``launch/`` and ``cli.py`` (top layer) live here too, as the
-command line's home. docs/architecture.md draws the layers; ``tests/test_layers.py`` keeps
-them.
+may import nothing of peerckpt above them. This ``__init__`` is the public API: its names
+above are loaded lazily from the rank's package when a training script asks for them, so
+that agents and the coordinator never import torch. The launchers and the command line live
+in their own folder, ``launch/`` (``peerckpt.launch``). docs/architecture.md draws the layers;
+``tests/test_layers.py`` keeps them.
 """
 
 from peerckpt.errors import (

@@ -12,7 +12,7 @@ handler, once per process, that in every child forked from the rank's main threa
 
 ``PR_SET_PDEATHSIG`` fires when the *thread* that forked exits, so a child forked from any
 other thread is left alone here: the launcher ends the rank's whole process group when the
-rank exits (``peerckpt/launch/processes.py``), which takes those too. Children started with
+rank exits (``launch/processes.py``), which takes those too. Children started with
 ``spawn`` run a fresh interpreter without these descriptors; the process group covers them.
 
 This module never touches the parent's state from a child beyond the child's own copies of

@@ -60,7 +60,7 @@ from peerckpt.states import EpochMode, ExitCode, JobState, ProcRole
 
 log = logging.getLogger("peerckpt.rank")
 # What a spare imports while it waits (``_warm_up``), and what a launcher's prefork server
-# imports once for every spare it forks (``peerckpt/launch/prefork.py``).
+# imports once for every spare it forks (``launch/prefork.py``).
 WARM_MODULES = ("torch._dynamo", "torch.nn.parallel", "torch.distributed.algorithms")
 
 

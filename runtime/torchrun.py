@@ -25,8 +25,11 @@ numbers after a new rendezvous do not matter. (torchrun keeps ``TORCHELASTIC_RES
 unchanged on a host whose workers it restarts because another host failed, so the count
 cannot tell a restarted worker from a first one.)
 
-Runs in the rank process: stdlib and ground modules only; it starts the supervisor by
-module name, never imports it.
+Runs in the rank process: stdlib and ground modules only. The supervisor belongs to the
+launchers (``launch/torchrun.py``), above this package: it is started by the module that
+the installed package declares for it (the entry point ``torchrun-supervisor`` of group
+``peerckpt.processes``, in ``pyproject.toml``), so that the rank's package neither imports
+nor names anything above it.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import subprocess
 import sys
 import time
 from collections.abc import MutableMapping
+from importlib.metadata import entry_points
 
 from peerckpt.errors import ConfigurationError, JobEnded, PeerUnavailable
 from peerckpt.pidwatch import alive
@@ -52,6 +56,8 @@ START_TIMEOUT_S = 300.0  # the supervisor imports torch and, off the first host,
 # the coordinator's address in torchrun's store
 RESTART_BASED = "torchrun"  # PEERCKPT_RESTART_BASED: who restarts this process after a failure
 _JOB = re.compile(r"[a-z0-9][a-z0-9_]{0,39}")
+SUPERVISOR_GROUP = "peerckpt.processes"  # the entry point that names the supervisor's module
+SUPERVISOR_NAME = "torchrun-supervisor"
 
 
 def under_torchrun(environ: MutableMapping[str, str] | None = None) -> bool:
@@ -156,6 +162,17 @@ def _supervisor_pid(path: str) -> int | None:
     return pid if alive(pid) else None
 
 
+def supervisor_module() -> str:
+    """The module of the host supervisor, as the installed package declares it."""
+    for point in entry_points(group=SUPERVISOR_GROUP, name=SUPERVISOR_NAME):
+        return point.module
+    raise ConfigurationError(
+        f"no host supervisor is installed (entry point {SUPERVISOR_NAME!r} of group "
+        f"{SUPERVISOR_GROUP!r}): install peerckpt (pip install peerckpt, or pip install -e . "
+        "from a checkout) rather than running it from a source tree"
+    )
+
+
 def _spawn_supervisor(
     env: MutableMapping[str, str],
     job: str,
@@ -167,7 +184,7 @@ def _spawn_supervisor(
     argv = [
         sys.executable,
         "-m",
-        "peerckpt.launch.torchrun",
+        supervisor_module(),
         "--job",
         job,
         "--dir",

@@ -66,7 +66,7 @@ def no_leaks() -> Any:
     yield
     deadline = time.monotonic() + 5.0  # processes told to exit may take a moment
     rundirs = os.path.join(tempfile.gettempdir(), f"peerckpt-{PREFIX}*")
-    # A launcher's claim on its job name and its job file (peerckpt/launch/jobfile.py).
+    # A launcher's claim on its job name and its job file (launch/jobfile.py).
     claims = os.path.join(tempfile.gettempdir(), f"peerckpt-{os.getuid()}", f"{PREFIX}*")
     procs, files, dirs = _job_processes(), glob.glob(SHM_GLOB), glob.glob(rundirs)
     while (procs or files or dirs) and time.monotonic() < deadline:
@@ -130,7 +130,7 @@ def launch(
     argv = [
         sys.executable,
         "-m",
-        "peerckpt",
+        "peerckpt.launch",
         "run",
         "--nodes",
         str(nodes),

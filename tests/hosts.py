@@ -69,7 +69,7 @@ class Hosts:
         argv = [
             sys.executable,
             "-m",
-            "peerckpt",
+            "peerckpt.launch",
             "run",
             "--nnodes",
             str(self.nnodes),

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from peerckpt.chaos.campaign import TAIL_STEPS, Campaign, compare, generate, place
 from peerckpt.chaos.spec import parse_chaos
 from peerckpt.errors import ConfigurationError
 from peerckpt.launch.base import JobResult
+from peerckpt.launch.campaign import TAIL_STEPS, Campaign, compare, generate, place
 from peerckpt.launch.timeline import timeline_data
 
 from .conftest import JOBS, REPO, job_name
@@ -116,7 +116,7 @@ def _campaign(
         [
             sys.executable,
             "-m",
-            "peerckpt",
+            "peerckpt.launch",
             "chaos",
             *flags,
             "--seed",
@@ -219,7 +219,7 @@ def test_the_cli_refuses_faults_that_cannot_fit_before_the_faulty_run(tmp_path) 
         [
             sys.executable,
             "-m",
-            "peerckpt",
+            "peerckpt.launch",
             "chaos",
             "--seed",
             "1",

@@ -75,7 +75,7 @@ def test_a_rank_the_job_does_not_have_is_refused_before_anything_starts(tmp_path
         [
             sys.executable,
             "-m",
-            "peerckpt",
+            "peerckpt.launch",
             "run",
             "--nodes",
             "1",

@@ -20,7 +20,7 @@ EXAMPLES = ["slurm.sbatch", "k8s-indexed-job.yaml"]
 
 def _run_flags() -> set[str]:
     help_text = subprocess.run(
-        [sys.executable, "-m", "peerckpt", "run", "--help"],
+        [sys.executable, "-m", "peerckpt.launch", "run", "--help"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -54,7 +54,16 @@ def _peerckpt_run(
     """``peerckpt run FLAGS SCRIPT ARGS`` in ``out`` (its report there); always ended."""
     out.mkdir(parents=True, exist_ok=True)
     report = out / "report.json"
-    argv = [sys.executable, "-m", "peerckpt", "run", "--job", job_name(), "--report", str(report)]
+    argv = [
+        sys.executable,
+        "-m",
+        "peerckpt.launch",
+        "run",
+        "--job",
+        job_name(),
+        "--report",
+        str(report),
+    ]
     proc = subprocess.Popen(
         [*argv, *flags, str(script), *script_args],
         cwd=out,

@@ -100,7 +100,7 @@ def long_job(tmp_path) -> Iterator[tuple[subprocess.Popen[str], int, str, Path]]
 
 def _status_cli(job: str, *flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "peerckpt", "status", "--job", job, *flags],
+        [sys.executable, "-m", "peerckpt.launch", "status", "--job", job, *flags],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -167,7 +167,7 @@ def test_metrics_count_a_recovery_and_status_shows_the_running_job(
     assert_same_digests(run, reference_run)
 
     # The timeline of this run: its data holds the fault, its picture exists.
-    from peerckpt.cli import main
+    from peerckpt.launch.cli import main
 
     assert (
         main(
@@ -270,7 +270,7 @@ def test_the_live_status_view_in_a_real_terminal(tmux, long_job) -> None:
         proc,
     )
     session = f"peerckpt-status-{os.getpid()}"
-    cmd = f"{sys.executable} -m peerckpt status --job {job} --interval 0.5"
+    cmd = f"{sys.executable} -m peerckpt.launch status --job {job} --interval 0.5"
     subprocess.run(
         [tmux, "new-session", "-d", "-s", session, "-x", "160", "-y", "50", "-c", str(REPO), cmd],
         check=True,

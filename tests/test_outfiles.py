@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import stat
 
-from peerckpt.chaos.campaign import Campaign, default_json_path, write_json
+from peerckpt.launch.campaign import Campaign, default_json_path, write_json
 from peerckpt.outfiles import write_private
 
 

@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _plan(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "peerckpt", "plan", *args],
+        [sys.executable, "-m", "peerckpt.launch", "plan", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -94,7 +94,7 @@ def test_bad_input_is_refused_naming_the_problem(args: list[str], message: str) 
 
 def test_run_refuses_racks_that_do_not_name_every_node() -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "peerckpt", "run", "--nodes", "4", "--racks", "a,b", "x.py"],
+        [sys.executable, "-m", "peerckpt.launch", "run", "--nodes", "4", "--racks", "a,b", "x.py"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -117,7 +117,7 @@ class RayJob:
         argv = [
             sys.executable,
             "-m",
-            "peerckpt",
+            "peerckpt.launch",
             "run",
             "--ray",
             address,
@@ -343,7 +343,16 @@ def test_the_launching_environment_reaches_the_ranks_on_every_ray_node(
         "TEST_RAY_OVERRIDE": "from the shell",
         "DISPLAY": "driver-only-display",
     }
-    argv = [sys.executable, "-m", "peerckpt", "run", "--ray", cluster.address, "--nodes", "2"]
+    argv = [
+        sys.executable,
+        "-m",
+        "peerckpt.launch",
+        "run",
+        "--ray",
+        cluster.address,
+        "--nodes",
+        "2",
+    ]
     argv += ["--env", "TEST_RAY_OVERRIDE=from --env", "--job", job_name()]
     proc = subprocess.Popen(
         [*argv, str(JOBS / "env_job.py"), str(tmp_path), *names],

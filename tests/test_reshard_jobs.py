@@ -159,7 +159,7 @@ def test_a_node_joining_a_job_tracking_a_stateful_loader_is_refused_and_the_job_
         while len(read_jsonl(tmp_path / "rank0.jsonl")) < 3 and time.monotonic() < deadline:
             time.sleep(0.2)
         joined = subprocess.run(
-            [sys.executable, "-m", "peerckpt", "join", "--job", job],
+            [sys.executable, "-m", "peerckpt.launch", "join", "--job", job],
             cwd=REPO,
             capture_output=True,
             text=True,
@@ -242,7 +242,7 @@ def test_peerckpt_join_adds_a_node_to_a_running_job(tmp_path) -> None:
         while not (tmp_path / "rank0.jsonl").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
         joined = subprocess.run(
-            [sys.executable, "-m", "peerckpt", "join", "--job", job],
+            [sys.executable, "-m", "peerckpt.launch", "join", "--job", job],
             cwd=REPO,
             capture_output=True,
             text=True,

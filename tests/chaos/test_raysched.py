@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from peerckpt.chaos.campaign import place
 from peerckpt.chaos.raysched import check_ray_campaign, generate_ray
 from peerckpt.chaos.spec import parse_chaos
 from peerckpt.errors import ConfigurationError
+from peerckpt.launch.campaign import place
 from peerckpt.launch.rayplan import split_chaos
 
 SHAPES = [(2, 1, 1), (2, 2, 1), (2, 2, 2), (3, 2, 2), (4, 1, 3)]

@@ -1,5 +1,5 @@
 """NCCL on one GPU: four NCCL ranks (2 simulated nodes × 2) share the device, each process an
-NCCL host of its own (``peerckpt/launch/gpus.py``: ``NCCL_HOSTID``, shared memory and P2P off,
+NCCL host of its own (``launch/gpus.py``: ``NCCL_HOSTID``, shared memory and P2P off,
 set by the launcher when ranks outnumber GPUs). A killed rank and a killed node: the survivors,
 blocked in NCCL all-reduces, are released by aborting their communicators
 (``runtime/pg.py``), the next epoch's groups form, CUDA state is restored on the device, and

@@ -1,5 +1,5 @@
 """Every setting of a job refused before anything starts, with the flag and the fix
-(``peerckpt/launch/checks.py``), alike from the command line and from the Python API."""
+(``launch/checks.py``), alike from the command line and from the Python API."""
 
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ def test_join_plan_and_chaos_settings_are_refused_with_their_fix() -> None:
 
 def _cli(*argv: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "peerckpt", *argv],
+        [sys.executable, "-m", "peerckpt.launch", *argv],
         cwd=cwd,
         capture_output=True,
         text=True,

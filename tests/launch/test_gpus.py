@@ -1,4 +1,4 @@
-"""Several NCCL ranks on one GPU (``peerckpt/launch/gpus.py``): each training process a host
+"""Several NCCL ranks on one GPU (``launch/gpus.py``): each training process a host
 of its own for NCCL, only where ranks outnumber the GPUs."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The metrics and status server under abuse (``peerckpt/launch/httpserve.py``): held
+"""The metrics and status server under abuse (``launch/httpserve.py``): held
 half-sent requests cost a bounded number of connections and never keep a scraper out; a
 request that never ends is cut at its deadline; on loopback a foreign ``Host`` is refused."""
 

@@ -1,5 +1,5 @@
 """What of the launching shell's environment a ``--ray`` job's processes get
-(``peerckpt/launch/rayenv.py``); the job on a real Ray cluster is in tests/test_ray.py."""
+(``launch/rayenv.py``); the job on a real Ray cluster is in tests/test_ray.py."""
 
 from __future__ import annotations
 

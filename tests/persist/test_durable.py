@@ -198,7 +198,7 @@ def test_a_chunk_nobody_holds_is_named() -> None:
 
 
 def test_inspect_lists_steps_and_tensors_and_verify_finds_damage(tmp_path, capsys) -> None:
-    from peerckpt.cli import main
+    from peerckpt.launch.cli import main
 
     store = DurableStore(str(tmp_path / "ckpt"))
     _write(store, step=7)
@@ -219,7 +219,7 @@ def test_inspect_lists_steps_and_tensors_and_verify_finds_damage(tmp_path, capsy
 
 
 def test_inspect_summarizes_by_default_and_lists_tensors_when_asked(tmp_path, capsys) -> None:
-    from peerckpt.cli import main
+    from peerckpt.launch.cli import main
 
     store = DurableStore(str(tmp_path / "ckpt"))
     _write(store, step=8)

@@ -129,7 +129,7 @@ def test_a_corrupted_chunk_fails_dcp_load_naming_it(sharded) -> None:
 
 
 def test_peerckpt_export_command(sharded, tmp_path, capsys) -> None:
-    from peerckpt.cli import main
+    from peerckpt.launch.cli import main
 
     store, weight, _ = sharded
     out = tmp_path / "all.safetensors"

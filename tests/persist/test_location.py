@@ -8,8 +8,8 @@ import os
 import pytest
 from fsspec.registry import known_implementations, register_implementation
 
-from peerckpt.cli import main
 from peerckpt.errors import CheckpointError, StorageUnusable
+from peerckpt.launch.cli import main
 from peerckpt.persist.durable import DurableStore
 from peerckpt.persist.location import check_scheme, check_writable
 

@@ -120,7 +120,7 @@ def test_the_plan_memory_is_one_copy_plus_m_over_k() -> None:
 
 def _plan(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "peerckpt", "plan", *args],
+        [sys.executable, "-m", "peerckpt.launch", "plan", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

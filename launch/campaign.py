@@ -28,8 +28,7 @@ from typing import Any
 
 import psutil
 
-from peerckpt.chaos.raysched import check_ray_campaign, generate_ray
-from peerckpt.chaos.spec import parse_chaos
+from peerckpt.chaos import check_ray_campaign, generate_ray, parse_chaos
 from peerckpt.errors import ConfigurationError
 from peerckpt.launch.base import JobResult, JobSpec
 from peerckpt.launch.local import LocalLauncher

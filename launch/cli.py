@@ -3,7 +3,7 @@
 A note for maintainers (users read ``_DESCRIPTION`` in ``--help``): its length (~700 lines)
 is the argparse declarations of every subcommand (run, join, chaos, plan, inspect, export,
 status, timeline), each a flat list of options with their help, and one short handler per
-subcommand that calls into ``peerckpt/launch``; it holds no logic a split would make clearer.
+subcommand that calls into ``launch/``; it holds no logic a split would make clearer.
 The rules a flag's value must meet are in ``launch/checks.py``, shared with the Python API.
 """
 
@@ -96,7 +96,7 @@ def _given(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _host_launcher(args: argparse.Namespace, spec: Any) -> Any:
-    """This host's launcher of a multi-host job (``peerckpt/launch/host.py``)."""
+    """This host's launcher of a multi-host job (``launch/host.py``)."""
     from peerckpt.launch.addr import node_address
     from peerckpt.launch.host import HostLauncher, HostSpec
     from peerckpt.secret import job_secret
@@ -113,7 +113,7 @@ def _host_launcher(args: argparse.Namespace, spec: Any) -> Any:
 
 
 def _ray_launcher(args: argparse.Namespace, spec: Any) -> Any:
-    """The driver of a job on a Ray cluster (``peerckpt/launch/ray.py``)."""
+    """The driver of a job on a Ray cluster (``launch/ray.py``)."""
     try:
         from peerckpt.launch.ray import RayLauncher
     except ImportError as exc:
@@ -122,8 +122,8 @@ def _ray_launcher(args: argparse.Namespace, spec: Any) -> Any:
 
 
 def _chaos(args: argparse.Namespace) -> int:
-    from peerckpt.chaos import default_json_path, format_table, run_campaign, write_json
     from peerckpt.launch.base import JobSpec
+    from peerckpt.launch.campaign import default_json_path, format_table, run_campaign, write_json
     from peerckpt.launch.checks import check_campaign
     from peerckpt.outfiles import write_private
 

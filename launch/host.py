@@ -94,6 +94,11 @@ class HostSpec:
 class HostLauncher(LocalLauncher):
     """Runs this host's share of a multi-host job. ``run`` always cleans up this host."""
 
+    # LocalLauncher's, restated: the type checker sees ``peerckpt.launch.local`` only as a
+    # name it cannot follow (pyproject.toml maps the folders into the package).
+    coordinator: subprocess.Popen[bytes] | None
+    rpc: RpcClient | None
+
     def __init__(self, spec: JobSpec, host: HostSpec, secret: bytes) -> None:
         if spec.job is None:
             raise ConfigurationError(

@@ -1,9 +1,16 @@
-"""Starting a job: one ``Launcher`` interface (``base.py``) and its backends.
+"""The launcher process and the command line: one ``Launcher`` interface (``base.py``), its
+backends, the observers of a running job and the ``peerckpt`` command (``cli.py``).
 
-Layer: top. It may import anything but chaos internals: it starts processes of every kind,
-so it knows all their packages; of ``chaos/`` it uses only the package's public surface
-(``peerckpt.chaos.Chaos``), which it runs beside a job when asked.
+Layer: top (the folder ``launch/``, imported as ``peerckpt.launch``). It may import anything
+but chaos internals: it starts processes of every kind, so it knows all their packages; of
+``chaos/`` it uses only the package's public surface (``peerckpt.chaos``: ``Chaos``, which it
+runs beside a job when asked, and what the campaign draws faults with). Nothing below it
+imports or names it: under plain torchrun the rank's package finds the host supervisor's
+module through the ``peerckpt.processes`` entry point.
 
+- ``cli.py``: the ``peerckpt`` command (``python -m peerckpt.launch`` runs it too);
+- ``campaign.py``: the seeded chaos campaign (``peerckpt chaos``);
+- ``torchrun.py``: the host supervisor under plain torchrun;
 - ``base.py``: ``Launcher``, ``JobSpec``, ``JobResult``; ``checks.py`` every rule a job's
   settings must meet, checked before anything starts (by the launchers and the CLI alike);
 - ``local.py``: ``peerckpt run`` on this machine, every node a simulated failure domain;
