@@ -91,7 +91,8 @@ class DevicePulls:
                 self._probed = self._probe()
                 fabric, why = self._probed
                 if fabric is None:
-                    level = logging.WARNING if self.mode is TransportMode.NCCL else logging.INFO
+                    # auto on a machine without a GPU is the common case: no news
+                    level = logging.WARNING if self.mode is TransportMode.NCCL else logging.DEBUG
                     log.log(level, "node %d pulls over TCP: %s", self.node, why)
             return self._probed[0]
 
