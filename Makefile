@@ -7,7 +7,7 @@ BENCH_STAMP := $(VENV)/.bench-installed
 
 .PHONY: demo test test-all test-gpu gpu-wheels bench bench-goodput lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first, from the CPU wheel: a plain `torch` requirement resolved later would pull CUDA.
 	$(PY) -m pip install --quiet torch==2.13.0
