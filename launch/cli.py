@@ -29,6 +29,8 @@ def _run(args: argparse.Namespace) -> int:
     from peerckpt.launch.base import JobSpec
     from peerckpt.launch.local import LocalLauncher
     from peerckpt.launch.report import format_report
+    from peerckpt.replication.nccl import check_transport
+    from peerckpt.replication.transport import ENV as TRANSPORT_ENV
     from peerckpt.tls import use_files
 
     mode = (
@@ -40,6 +42,8 @@ def _run(args: argparse.Namespace) -> int:
     )
     checks.check_run_flags(_given(args), mode)  # the launcher checks the JobSpec itself
     use_files(args.tls_cert, args.tls_key, args.tls_ca)  # inherited by every process started
+    # How recovery pulls travel, for every agent started (nccl refused here without CuPy/CUDA).
+    os.environ[TRANSPORT_ENV] = check_transport(args.transport).value
     spec = JobSpec(
         script=args.script,
         args=args.script_args,
@@ -489,6 +493,14 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="let the world shrink, down to this many nodes (1 … --nodes), when no spare is left",
+    )
+    run.add_argument(
+        "--transport",
+        choices=["auto", "tcp", "nccl"],
+        default="auto",
+        help="how a replacement's state is pulled from a peer agent: auto (the default) uses "
+        "NCCL where both agents have CUDA and NCCL (peerckpt[gpu]), TCP otherwise and as the "
+        "fallback; nccl is refused on a host without them",
     )
     run.add_argument(
         "--max-restarts",
