@@ -57,7 +57,9 @@ import setproctitle
 
 from peerckpt.errors import PeerckptError
 from peerckpt.pidwatch import ProcessWatch
-from peerckpt.secret import secret_from_env
+from peerckpt.secret import FD_ENV as SECRET_FD_ENV
+from peerckpt.secret import NAMES as SECRET_NAMES
+from peerckpt.secret import secret_from_env, secret_pipe
 from peerckpt.wire import Connection, client_handshake, server_handshake
 
 log = logging.getLogger("peerckpt.launcher")
@@ -167,6 +169,10 @@ class _Server:
             self.listener.close()
             os.close(self.wake_r)
             os.close(self.wake_w)
+            # the job's secret as the launcher hands it to every process it starts: in a
+            # pipe this child alone holds, never in the environment the request carried
+            env = {k: v for k, v in env.items() if k not in SECRET_NAMES}
+            env[SECRET_FD_ENV] = str(secret_pipe(self.secret))
             code = become(argv, env, cwd)
         except BaseException:
             traceback.print_exc()

@@ -28,6 +28,9 @@ from peerckpt.errors import PeerckptError
 from peerckpt.launch import prefork
 from peerckpt.launch.gpus import sharing_env
 from peerckpt.names import RUN_ENV
+from peerckpt.secret import FD_ENV as SECRET_FD_ENV
+from peerckpt.secret import NAMES as SECRET_NAMES
+from peerckpt.secret import secret_pipe
 from peerckpt.states import MAX_RESTARTS, ExitCode
 
 log = logging.getLogger("peerckpt.launcher")
@@ -106,19 +109,28 @@ class ProcessSet:
         env = dict(os.environ)
         env.update(self.extra_env)
         env.setdefault("OMP_NUM_THREADS", "1")  # one intra-op thread per rank unless told
-        env.update(PEERCKPT_JOB=self.job, PEERCKPT_SECRET=self.secret.hex(), **extra)
+        for name in SECRET_NAMES:  # the secret travels in a descriptor (``spawn``)
+            env.pop(name, None)
+        env.update(PEERCKPT_JOB=self.job, **extra)
         if self.run is not None:
             env[RUN_ENV] = self.run
         return env
 
     def spawn(self, argv: list[str], env: dict[str, str], ready: bool) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            argv,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE if ready else None,
-            start_new_session=True,
-        )
+        """Start a process of the job; it reads the job's secret from an inherited pipe
+        (``peerckpt/secret.py``), never from its environment."""
+        fd = secret_pipe(self.secret)
+        try:
+            return subprocess.Popen(
+                argv,
+                env={**env, SECRET_FD_ENV: str(fd)},
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE if ready else None,
+                start_new_session=True,
+                pass_fds=(fd,),
+            )
+        finally:
+            os.close(fd)
 
     def await_ready(
         self,

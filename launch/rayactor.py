@@ -37,6 +37,9 @@ from peerckpt.launch.rayhost import (
 from peerckpt.launch.rayseal import Opener, context
 from peerckpt.outfiles import private_dir
 from peerckpt.pidwatch import ProcessWatch
+from peerckpt.secret import FD_ENV as SECRET_FD_ENV
+from peerckpt.secret import NAMES as SECRET_NAMES
+from peerckpt.secret import check_secret, secret_pipe
 from peerckpt.states import ExitCode
 
 
@@ -84,18 +87,26 @@ class RayHost:
         self.result_path = os.path.join(self._result_dir, RESULT_FILE)
         full = dict(os.environ)
         full.update(env)
-        full.update({"PEERCKPT_SECRET": payload["secret"], ACTOR_ENV: str(os.getpid())})
+        for name in SECRET_NAMES:
+            full.pop(name, None)
+        # the secret in a pipe the host launcher alone inherits, not in its environment
+        secret_fd = secret_pipe(_secret(payload.get("secret")))
+        full.update({SECRET_FD_ENV: str(secret_fd), ACTOR_ENV: str(os.getpid())})
         if "raylet" in _name(os.getppid()):
             full[RAYLET_ENV] = str(os.getppid())
             self.raylet = ProcessWatch(os.getppid())
         cwd = env.get("PEERCKPT_RAY_CWD", "")
-        starter = subprocess.Popen(
-            [sys.executable, "-m", "peerckpt.launch.rayhost"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=full,
-            cwd=cwd if os.path.isdir(cwd) else None,
-        )
+        try:
+            starter = subprocess.Popen(
+                [sys.executable, "-m", "peerckpt.launch.rayhost"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=full,
+                cwd=cwd if os.path.isdir(cwd) else None,
+                pass_fds=(secret_fd,),
+            )
+        finally:
+            os.close(secret_fd)
         out, _ = starter.communicate(
             json.dumps({**orders, "result": self.result_path}).encode(), timeout=60
         )
@@ -171,3 +182,11 @@ def _free(addr: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def _secret(text: Any) -> bytes:
+    """The job's secret from the driver's sealed orders (hex), checked."""
+    try:
+        return check_secret(bytes.fromhex(text))
+    except (TypeError, ValueError):
+        raise ConfigurationError("the driver's orders hold no job secret in hex") from None

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from peerckpt import logs
 from peerckpt.errors import ConfigurationError
 from peerckpt.secret import ENV as SECRET_ENV
+from peerckpt.secret import NAMES as SECRET_NAMES
 from peerckpt.secret import secret_from_env
 from peerckpt.states import ProcRole
 
@@ -42,7 +43,9 @@ class LaunchEnv:
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> LaunchEnv:
         env = os.environ if environ is None else environ
-        missing = [k for k in ("PEERCKPT_JOB", "PEERCKPT_SECRET", "PEERCKPT_AGENT") if k not in env]
+        missing = [k for k in ("PEERCKPT_JOB", "PEERCKPT_AGENT") if k not in env]
+        if not any(name in env for name in SECRET_NAMES):
+            missing.insert(1, SECRET_ENV)
         if missing:
             raise ConfigurationError(
                 f"this process was not started by a peerckpt launcher ({', '.join(missing)} "

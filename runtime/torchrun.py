@@ -49,7 +49,9 @@ from importlib.metadata import entry_points
 
 from peerckpt.errors import ConfigurationError, JobEnded, PeerUnavailable
 from peerckpt.pidwatch import alive
-from peerckpt.secret import secret_from_env
+from peerckpt.secret import FD_ENV as SECRET_FD_ENV
+from peerckpt.secret import NAMES as SECRET_NAMES
+from peerckpt.secret import secret_from_env, secret_pipe
 
 log = logging.getLogger("peerckpt.torchrun")
 START_TIMEOUT_S = 300.0  # the supervisor imports torch and, off the first host, waits for
@@ -198,13 +200,22 @@ def _spawn_supervisor(
     ]
     if first_round and env.get("GROUP_RANK", "0") == "0":
         argv.append("--coordinator")
-    child_env = {k: v for k, v in env.items() if k not in ("PEERCKPT_SECRET_FILE",)}
-    child_env.update(PEERCKPT_JOB=job, PEERCKPT_SECRET=secret.hex())
+    child_env = {k: v for k, v in env.items() if k not in SECRET_NAMES}
+    fd = secret_pipe(secret)  # the secret in an inherited pipe, not in its environment
+    child_env.update(PEERCKPT_JOB=job, **{SECRET_FD_ENV: str(fd)})
     # Its own session: torchrun ends a worker's whole process group when it restarts it,
     # and this process must outlive those restarts (it watches torchrun itself).
-    proc = subprocess.Popen(
-        argv, env=child_env, stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True
-    )
+    try:
+        proc = subprocess.Popen(
+            argv,
+            env=child_env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            close_fds=True,
+            pass_fds=(fd,),
+        )
+    finally:
+        os.close(fd)
     with open(os.path.join(path, "supervisor.pid"), "w") as f:
         f.write(str(proc.pid))
     return proc.pid

@@ -33,3 +33,15 @@ def test_a_secret_of_16_bytes_or_more_is_taken() -> None:
 def test_a_missing_secret_names_the_variable() -> None:
     with pytest.raises(ConfigurationError, match="PEERCKPT_SECRET is not set"):
         secret_from_env({})
+
+
+def test_a_descriptor_that_holds_no_secret_is_refused_naming_it() -> None:
+    import os
+
+    read, write = os.pipe()
+    os.write(write, b"not hex")
+    os.close(write)
+    with pytest.raises(ConfigurationError, match=r"descriptor \d+ \(PEERCKPT_SECRET_FD\).*hex"):
+        secret_from_env({"PEERCKPT_SECRET_FD": str(read)})
+    with pytest.raises(ConfigurationError, match=r"cannot read the job's secret from descriptor"):
+        secret_from_env({"PEERCKPT_SECRET_FD": "987"})  # not open here

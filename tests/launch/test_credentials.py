@@ -34,3 +34,18 @@ def test_the_persist_url_reaches_the_coordinator_in_its_environment_not_its_argv
         assert json.loads(proc.environ()[ENV])["url"] == url
     finally:
         launcher.stop()
+
+
+def test_the_jobs_secret_is_in_no_processs_environment(tmp_path: Path) -> None:
+    """A process's initial environment stays readable in /proc/PID/environ for its whole
+    life, whatever it takes out of ``os.environ``: the secret comes in an inherited pipe."""
+    spec = JobSpec(script=str(JOBS / "ddp_job.py"), job=job_name())
+    launcher = LocalLauncher(spec, claim=False)
+    try:
+        launcher._start_coordinator([])
+        assert launcher.coordinator is not None and launcher.rpc is not None  # it proved it
+        environ = psutil.Process(launcher.coordinator.pid).environ()
+        assert "PEERCKPT_SECRET" not in environ and "PEERCKPT_SECRET_FD" in environ
+        assert not [k for k, v in environ.items() if launcher.procs.secret.hex() in v]
+    finally:
+        launcher.stop()

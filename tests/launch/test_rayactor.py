@@ -82,9 +82,12 @@ class _Started:
 
     orders: dict = {}
     env: dict = {}
+    secret = b""  # what the inherited descriptor held
 
-    def __init__(self, argv, stdin, stdout, env, cwd) -> None:
+    def __init__(self, argv, stdin, stdout, env, cwd, pass_fds) -> None:
         _Started.env = env
+        assert pass_fds == (int(env["PEERCKPT_SECRET_FD"]),)
+        _Started.secret = os.read(pass_fds[0], 4096)
         self.returncode = 0
 
     def communicate(self, data: bytes, timeout: float) -> tuple[bytes, None]:
@@ -107,7 +110,9 @@ def test_the_result_file_is_in_a_fresh_private_directory(monkeypatch, tmp_path) 
     assert folder.parent == tmp_path and folder.name.startswith("peerckpt-ray-")
     assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
     assert st.st_uid == os.getuid()
-    assert _Started.env["PEERCKPT_SECRET"] == "ab" * 32 and _Started.env["FROM_DRIVER"] == "1"
+    # the secret in a pipe the host launcher inherits, not in its environment
+    assert _Started.secret == b"ab" * 32 and _Started.env["FROM_DRIVER"] == "1"
+    assert "PEERCKPT_SECRET" not in _Started.env
     rayhost._write(host.result_path, 0, {"exit_code": 0})
     host.watch = _Exited()  # type: ignore[assignment]
     assert host.poll() == {"code": 0, "result": {"exit_code": 0}, "node_lost": False}
