@@ -233,7 +233,7 @@ def recovery(mib: int, runs: int) -> dict[str, Any]:
             chunks = (ChunkRecord("w", "uint8", (size,), (0,), (size,), 0, size),)
             manifest = SnapshotManifest(rank, 1, 0, chunks, size).with_checksums(slot.segment.view)
             slot.manifest = manifest
-            pieces = pieces_of(coding, rank, size)
+            pieces = pieces_of(coding, rank, manifest)
             owner = Encoding(name, secret, lambda: 0, lambda: None, lambda j, n, e: done.release())
             encodings.append(owner)
             with slot.lock:

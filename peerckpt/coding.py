@@ -233,3 +233,22 @@ def rebuildable(group: Group, rank: int, data_alive: set[int], nodes_alive: set[
         if len(stripe_survivors(group, stripe, data_alive, nodes_alive)) < group.k:
             return False
     return True
+
+
+def survives(coding: Coding, lost: set[int]) -> bool:
+    """Whether the parity rebuilds every rank of the nodes ``lost`` (lost together, every other
+    node alive). Losing fewer nodes is survived whenever losing more is, so a set of chunks held
+    on the nodes ``T`` outlives every loss the parity survives exactly when ``survives(T)`` is
+    false: the rule by which data-parallel twins stand in for parity (``recovery/twins.py``)."""
+    placed = [(r, n) for g in coding.groups for r, n in zip(g.ranks, g.nodes, strict=True)]
+    alive_ranks = {r for r, n in placed if n not in lost}
+    for group in coding.groups:
+        hit = [r for r, n in zip(group.ranks, group.nodes, strict=True) if n in lost]
+        if not hit:
+            continue
+        if group.k < 1 or (group.size == group.k + group.m and len(hit) > group.m):
+            return False  # every stripe of a K + M group spans all of it: more than M is too many
+        nodes_alive = {n for n in group.nodes if n not in lost}
+        if not all(rebuildable(group, r, alive_ranks, nodes_alive) for r in hit):
+            return False
+    return True

@@ -185,8 +185,9 @@ class CommitTracker:
         if len(by_rank) != len(self.ranks):  # only members are counted: every one has it
             return None
         reports = self._twin_reports.get(step, {})
-        verdict = verify(reports, {r: self.domains.get(r, (-1, 1 << 30))[1] for r in reports})
-        if verdict.short:  # too few twins hold their chunks: push them whole first
+        buddies = {r: self.domains.get(r, (-1, 1 << 30))[1] for r in reports}
+        verdict = verify(reports, buddies, self.coding)
+        if verdict.short:  # too few twins hold their chunks: push (or code) them whole first
             self.short = [(r, step) for r in verdict.short]
             return None
         if not self._all_layouts:
@@ -224,7 +225,7 @@ class CommitTracker:
                 holders.discard(node)
         self.lost_nodes.add(node)
         self.unrebuildable = mark_rebuildable(
-            self.committed_coding, self.committed_holders, self.lost_nodes
+            self.committed_coding, self.committed_holders, self.lost_nodes, self.committed_twins
         )
 
     def add_holder(self, rank: int, node: int) -> None:

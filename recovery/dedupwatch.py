@@ -56,11 +56,12 @@ class DedupWatch:
             total = sum(n for r, (_, n) in self._saved.items() if r in tracker.ranks)
             if saved:
                 log.info(
-                    "redundancy-aware replication: %s of %s per snapshot step not mirrored "
+                    "redundancy-aware replication: %s of %s per snapshot step not %s "
                     "(%d of %d bytes: data-parallel twins hold them; resilient(dedup=False) "
                     "turns it off)",
                     human(saved),
                     human(total),
+                    "mirrored" if tracker.coding is None else "coded into parity",
                     saved,
                     total,
                 )

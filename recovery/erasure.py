@@ -11,13 +11,15 @@ The coordinator
   the agents encode with them;
 - remembers the groups of the committed step (``CommitTracker.committed_coding``) and the
   nodes lost since it committed, and, whenever a node is lost (``mark_rebuildable``), marks
-  every rank that no node holds any more but whose stripes each keep K readable pieces as
+  every rank that no node holds any more but whose stripes each keep K readable pieces (and,
+  for a rank coded without its data-parallel chunks, one of whose twins is still held) as
   held by ``ERASURE``: the planner then reads it as from any holder, and the agent that
   reads it rebuilds it first (``replication/decoding.py``). A rank with too few pieces
   left keeps no holder, and the recovery falls back to durable storage, or fails, naming
   the ranks and the loss (``decide``'s ``NeedStorage``);
 - puts what a rebuild needs into the membership (``restore_coding``): the committed step's
-  groups and, for every rank still held, one node that holds it.
+  groups, for every rank still held one node that holds it, and the twins of every rank
+  coded without its data-parallel chunks (docs/erasure.md, "Dedup").
 
 ``ErasurePlacement`` carries the spec in the job's settings: a placement with no buddies.
 Pure functions, no I/O.
@@ -93,13 +95,19 @@ def real(holders: set[int]) -> set[int]:
 
 
 def mark_rebuildable(
-    coding: Coding | None, holders: dict[int, set[int]], lost: set[int]
+    coding: Coding | None,
+    holders: dict[int, set[int]],
+    lost: set[int],
+    twins: Mapping[int, tuple[int, ...]] | None = None,
 ) -> list[int]:
     """Mark as held by ``ERASURE`` every rank that no node holds but that its group can
     rebuild (``lost``: the nodes lost since ``coding``'s step committed); unmark the rest.
+    A rank in ``twins`` was coded without its data-parallel chunks: it is rebuildable only
+    while one of those twins is still held by a node (its chunks are read from there).
     Returns the ranks lost for good (no holder, not rebuildable)."""
     if coding is None:
         return []
+    twins = twins or {}
     alive_ranks = {r for r, h in holders.items() if real(h)}
     gone = []
     for group in coding.groups:
@@ -109,19 +117,29 @@ def mark_rebuildable(
             held.discard(ERASURE)
             if real(held):
                 continue
-            if rebuildable(group, rank, alive_ranks, nodes_alive):
+            twin_held = rank not in twins or any(t in alive_ranks for t in twins[rank])
+            if twin_held and rebuildable(group, rank, alive_ranks, nodes_alive):
                 held.add(ERASURE)
             else:
                 gone.append(rank)
     return gone
 
 
-def restore_coding(coding: Coding | None, holders: Mapping[int, set[int]]) -> dict[str, Any]:
-    """What an agent needs to rebuild a rank of the committed step (``Membership``)."""
+def restore_coding(
+    coding: Coding | None,
+    holders: Mapping[int, set[int]],
+    twins: Mapping[int, tuple[int, ...]] | None = None,
+) -> dict[str, Any]:
+    """What an agent needs to rebuild a rank of the committed step (``Membership``): the
+    groups, a node holding each rank still held, and the twins of each rank coded without
+    its data-parallel chunks (the rebuild reads those chunks from a twin)."""
     if coding is None:
         return {}
     held = {r: min(real(h)) for r, h in holders.items() if real(h)}
-    return {"coding": coding.to_msg(), "holders": held}
+    out: dict[str, Any] = {"coding": coding.to_msg(), "holders": held}
+    if twins:
+        out["twins"] = {r: list(t) for r, t in twins.items()}
+    return out
 
 
 def open_epoch(
@@ -144,7 +162,9 @@ def open_epoch(
     return replace(
         membership,
         erasure=tracker.coding.to_msg(),
-        erasure_restore=restore_coding(tracker.committed_coding, tracker.committed_holders),
+        erasure_restore=restore_coding(
+            tracker.committed_coding, tracker.committed_holders, tracker.committed_twins
+        ),
     )
 
 
@@ -154,12 +174,27 @@ def why_unrebuildable(tracker: CommitTracker | None) -> str:
         return ""
     coding = tracker.committed_coding
     gone = sorted(tracker.unrebuildable)
-    groups = [g for g in coding.groups if set(g.ranks) & set(gone)]
-    lost = sorted({n for g in groups for n in g.nodes if n in tracker.lost_nodes})
+    alive = {r for r, h in tracker.committed_holders.items() if real(h)}
+    twins = tracker.committed_twins
+    twinless = [r for r in gone if r in twins and not set(twins[r]) & alive]
+    parts = []
+    rest = [r for r in gone if r not in twinless]
+    if rest:
+        groups = [g for g in coding.groups if set(g.ranks) & set(rest)]
+        lost = sorted({n for g in groups for n in g.nodes if n in tracker.lost_nodes})
+        parts.append(
+            f"rank(s) {rest} cannot be rebuilt from memory: their group (nodes "
+            f"{sorted({n for g in groups for n in g.nodes})}) lost nodes {lost} together, "
+            f"more than the {coding.spec.m} its parity survives"
+        )
+    if twinless:
+        parts.append(
+            f"rank(s) {twinless} cannot be rebuilt from memory: they were coded without their "
+            f"data-parallel chunks, and every node holding a twin of them (ranks "
+            f"{sorted({t for r in twinless for t in twins[r]})}) was lost since the commit"
+        )
     return (
-        f"erasure {coding.spec}: rank(s) {gone} cannot be rebuilt from memory: their group "
-        f"(nodes {sorted({n for g in groups for n in g.nodes})}) lost nodes {lost} together, "
-        f"more than the {coding.spec.m} its parity survives; a larger M (--erasure "
+        f"erasure {coding.spec}: {'; '.join(parts)}; a larger M (--erasure "
         f"{coding.spec.k}+{coding.spec.m + 1}) or a durable tier (--persist) survives that"
     )
 

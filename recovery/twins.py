@@ -13,6 +13,13 @@ least 1 + k (k: its buddies): the invariant that every chunk of a committed step
 others', or too few twins) is named: the coordinator logs it once and asks its agent to push
 it whole (``ReplicateWhole``); the step commits once that push is in.
 
+With ``--erasure K+M`` the agent codes a rank without those chunks (``replication/dedup.py``
+``coded_absent``), and the rule is erasure's: the twins' nodes, lost together, must be more
+than the parity survives (``peerckpt/coding.py`` ``survives``; in a group of K + M, at least
+M + 1 of its nodes), so that whatever loss the parity survives leaves a twin. A rank that
+falls short keeps its step from committing (its parity already holds it without them) and
+is coded whole from its next snapshot on.
+
 For a recovery, :func:`recovery_sources` turns the committed step's holders into what the
 same-topology plan needs: a rank whose complete copies are all gone is read from a node
 holding its partial copy, and its data-parallel chunks from a twin's complete copy on any
@@ -29,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from peerckpt.coding import Coding, survives
 from peerckpt.manifest import ChunkRecord
 from peerckpt.membership import Membership
 from peerckpt.recovery.planning.sources import plan_sources
@@ -59,12 +67,17 @@ class Verdict:
     short: tuple[int, ...] = ()
 
 
-def verify(reports: Mapping[int, Report], buddies: Mapping[int, int]) -> Verdict:
-    """Check the twins of every partially replicated rank of one step.
+def verify(
+    reports: Mapping[int, Report], buddies: Mapping[int, int], coding: Coding | None = None
+) -> Verdict:
+    """Check the twins of every partially replicated (or coded) rank of one step.
 
     ``reports``: rank → its report of the step; ``buddies``: rank → how many buddies it has
     (k). A partial rank r is covered when the nodes of the ranks with r's digest number at
-    least 1 + k.
+    least 1 + k. With ``--erasure`` (``coding``: the step's groups) it is covered when those
+    nodes lost together are more than the parity survives (``coding.survives``): then every
+    loss the parity survives leaves one of them, so r's chunks outlive exactly what its
+    coded bytes do (with a group of K + M: at least M + 1 twin nodes in one group).
     """
     classes: dict[str, list[int]] = {}
     for rank, report in reports.items():
@@ -72,15 +85,22 @@ def verify(reports: Mapping[int, Report], buddies: Mapping[int, int]) -> Verdict
             classes.setdefault(report.digest, []).append(rank)
     twins: dict[int, tuple[int, ...]] = {}
     short: list[int] = []
+    outlive: dict[frozenset[int], bool] = {}  # twin nodes → they outlive what parity does
     # Only partial ranks are checked: a step of 8,000 whole ranks costs one pass, no sort.
     for rank in sorted(r for r, report in reports.items() if report.partial):
         report = reports[rank]
         group = classes.get(report.digest, [rank]) if report.digest else [rank]
-        domains = {reports[r].node for r in group}
-        if len(domains) < 1 + buddies.get(rank, 0):
-            short.append(rank)
+        domains = frozenset(reports[r].node for r in group)
+        if coding is None:
+            covered = len(domains) >= 1 + buddies.get(rank, 0)
         else:
+            if domains not in outlive:
+                outlive[domains] = not survives(coding, set(domains))
+            covered = outlive[domains]
+        if covered:
             twins[rank] = tuple(sorted(r for r in group if r != rank))
+        else:
+            short.append(rank)
     return Verdict(twins, tuple(short))
 
 

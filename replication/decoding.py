@@ -11,7 +11,12 @@ replacement's, or a resharding reader's) calls ``rebuild``:
    checked, with the stripe's manifests, the lost rank's among them) first, then the data
    pieces of surviving ranks (``fetch_ranges``, from the node the plan says holds each);
 3. decode each of the lost rank's pieces (``peerckpt/coding.py``'s ``decode_rows``) straight
-   into one of its own slots, and verify every chunk against the rank's own crc32c.
+   into one of its own slots, and verify every chunk against the rank's own crc32c;
+4. a rank coded without its data-parallel chunks (its manifest names them absent:
+   ``replication/dedup.py``) has them read from a twin that survives
+   (``replication/twinfill.py``: locally, else ``fetch_boxes``), each checked against the
+   lost rank's own crc32c. Every piece's byte ranges are its rank's coded ranges
+   (``manifest.byte_ranges()``), as the encoder cut them.
 
 A parity whose bytes do not match the crc32c its holder computed is corrupt: refused
 (ChecksumMismatch, naming the holder and the stripe), never decoded from. A rebuilt chunk
@@ -35,6 +40,7 @@ from peerckpt.gf256 import mad_into
 from peerckpt.manifest import SnapshotManifest
 from peerckpt.messages.data import FetchParity, FetchRanges, ParityReply
 from peerckpt.replication.store import Slot, SlotStore
+from peerckpt.replication.twinfill import complete
 from peerckpt.states import SlotKind
 from peerckpt.wire import Connection
 
@@ -89,6 +95,18 @@ def _fetch_ranges(
     return data
 
 
+def twin_sources(restore: dict[str, Any], rank: int, alive: set[int], node: int) -> list[list[int]]:
+    """Where a rebuild of ``rank`` reads the chunks it was coded without: [node, twin rank]
+    of each twin still held on a node in ``alive``, this agent's ``node`` first."""
+    holders = {int(r): int(n) for r, n in restore.get("holders", {}).items()}
+    twins = {int(r): [int(t) for t in ts] for r, ts in restore.get("twins", {}).items()}
+    pairs = sorted({(holders[t], t) for t in twins.get(rank, ()) if holders.get(t) in alive})
+    best: dict[int, int] = {}
+    for n, t in pairs:
+        best.setdefault(n, t)  # one twin per node: the smallest
+    return [[n, best[n]] for n in sorted(best, key=lambda n: (n != node, n))]
+
+
 def rebuild(
     store: SlotStore,
     epoch: int,
@@ -99,8 +117,11 @@ def rebuild(
     alive: set[int],
     connect: Callable[[int], Connection],
     index: int,
+    node: int = -1,
 ) -> Rebuilt:
-    """Rebuild ``rank``'s snapshot of ``step`` into its own slot ``index``; verified."""
+    """Rebuild ``rank``'s snapshot of ``step`` into its own slot ``index``; verified. Chunks
+    it was coded without are read from a data-parallel twin (``twin_sources``; ``node``:
+    this agent's, where a twin's copy is read without the network)."""
     if not restore:
         raise RecoveryFailed(f"rank {rank} has no copy and no erasure layout to rebuild from")
     coding = Coding.from_msg(restore["coding"])
@@ -154,7 +175,7 @@ def rebuild(
                 man = manifests[other]
                 piece = stripe.symbol_at(q)
                 assert piece is not None
-                ranges = piece_ranges([(0, man.used_bytes)], k, piece)
+                ranges = piece_ranges(man.byte_ranges(), k, piece)
                 node = holders[other]
                 data_jobs[(p, q)] = pool.submit(
                     _fetch_ranges, connect(node), epoch, gen, other, step, ranges
@@ -172,7 +193,7 @@ def rebuild(
             symbols = [(k + t, parity[(p, t)][0]) for t in rows]
             symbols += [(int(stripe.symbol_at(q) or 0), pieces[(p, q)]) for q in positions]
             coef = decode_rows(k, m, [s for s, _ in symbols])[p]
-            ranges = piece_ranges([(0, mine.used_bytes)], k, p)
+            ranges = piece_ranges(mine.byte_ranges(), k, p)
             out = np.zeros(sum(b - a for a, b in ranges), dtype=np.uint8)
             for c, (_, arr) in zip(coef, symbols, strict=True):
                 n = min(out.size, arr.size)
@@ -188,10 +209,16 @@ def rebuild(
                 f"{bad[:3]}: a surviving piece was damaged; it is not restored from"
             )
         slot.manifest = mine
+    if mine.absent:  # coded without its data-parallel chunks: a twin holds them
+        for source, nbytes in complete(
+            store, slot, node, epoch, twin_sources(restore, rank, alive, node), connect
+        ).items():
+            pulled[source] = pulled.get(source, 0) + nbytes
     log.info(
-        "rebuilt rank %d step %d from %d piece(s) of its group",
+        "rebuilt rank %d step %d from %d piece(s) of its group%s",
         rank,
         step,
         len(parity) + len(pieces),
+        f" and {len(mine.absent)} chunk(s) of a data-parallel twin" if mine.absent else "",
     )
     return Rebuilt(slot, pulled)

@@ -11,7 +11,12 @@ checksum and names the chunks it lacks (``manifest.extra["absent"]``).
 The agent only assumes the twins are equal; the coordinator verifies it at every commit from
 the digests of the declared chunks' checksums (``twin_digest``) that every report carries,
 and asks for a full push of a rank whose twins differ (``recovery/twins.py``,
-``ReplicateFully``). From then on that rank is pushed whole for the rest of the epoch.
+``ReplicateWhole``). From then on that rank is pushed whole for the rest of the epoch.
+
+With ``--erasure K+M`` the same chunks are left out of the rank's *coded* bytes
+(``coded_absent``): its pieces are cut from the rest, and its parity holders keep its
+manifest with those chunks named absent, which a rebuild decodes around and then fills from
+a twin (``replication/decoding.py``).
 
 Pure functions, no I/O.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 
+from peerckpt.coding import Coding
 from peerckpt.manifest import SnapshotManifest
 from peerckpt.membership import Membership
 
@@ -38,6 +44,19 @@ def absent_chunks(manifest: SnapshotManifest, members: Membership, rank: int) ->
         return ()
     domains = {a.node for a in members.ranks.values()}
     if len(domains) < 1 + len(buddies):
+        return ()
+    return tuple(i for i in twins if manifest.chunks[i].nbytes)
+
+
+def coded_absent(manifest: SnapshotManifest, coding: Coding, rank: int) -> tuple[int, ...]:
+    """``--erasure``: the chunks the coding of ``rank``'s snapshot may leave out: its declared
+    ones when its group is protected (k ≥ 1); else none. The twins the agent assumes (every
+    declaring rank of the epoch, one per node at least) then span a protected group's K + M
+    nodes, more than its parity survives losing; the coordinator checks the twins it really
+    has at commit (``recovery/twins.py``) and has a rank that falls short coded whole."""
+    twins = declared(manifest)
+    group = coding.group_of(rank)
+    if not twins or group is None or group.k < 1:
         return ()
     return tuple(i for i in twins if manifest.chunks[i].nbytes)
 

@@ -3,7 +3,9 @@
 Where ``--replicas k`` pushes a rank's whole snapshot to k buddies, here the agent cuts the
 rank's coded bytes into its group's k pieces (``peerckpt/coding.py``) and sends piece p to
 the m nodes holding the parity rows of the stripe it belongs to, each of which folds it in
-(``replication/parity.py``). One sender thread per destination node, one connection each;
+(``replication/parity.py``). The coded bytes are the snapshot less the chunks its
+data-parallel twins hold (``job.absent``, ``replication/dedup.py``); the manifest sent with
+each piece names those chunks absent, so a rebuild knows which bytes were coded. One sender thread per destination node, one connection each;
 the pieces of a snapshot to one node go one after another, the nodes in parallel. Once every
 piece is acknowledged the snapshot counts as replicated to that node, and when every node
 did, ``Mirroring`` reports it (``Replicated``, the rank's own node its only complete copy).
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from peerckpt.coding import Coding, parity_matrix, piece_ranges, stripe_of_piece
 from peerckpt.errors import PeerckptError, PeerUnavailable, StaleEpoch
 from peerckpt.faults import NO_FAULTS, FaultHooks
+from peerckpt.manifest import SnapshotManifest
 from peerckpt.messages.data import Ack, ParityPiece, Ready
 from peerckpt.replication.parity import send_ranges
 from peerckpt.replication.replicator import ReplicationJob
@@ -47,6 +50,8 @@ class Piece:
     k: int
     coef: int
     ranges: tuple[tuple[int, int], ...]
+    absent: tuple[int, ...] = ()  # the chunks this coding of the snapshot left out
+    unfold: bool = False  # take this piece, folded in before, out of the parity again
 
     @property
     def length(self) -> int:
@@ -63,8 +68,14 @@ class CodedJob:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def pieces_of(coding: Coding, rank: int, used: int) -> list[Piece]:
-    """Every piece of ``rank``'s snapshot of ``used`` bytes and the node it goes to."""
+def pieces_of(
+    coding: Coding, rank: int, manifest: SnapshotManifest, absent: tuple[int, ...] = ()
+) -> list[Piece]:
+    """Every piece of ``rank``'s snapshot (``manifest``) and the node it goes to. The coded
+    bytes are the slot's byte ranges of every chunk but ``absent`` (those its data-parallel
+    twins hold: ``replication/dedup.py``); each piece's holder keeps the manifest naming
+    them absent, which is how a rebuild knows what was coded."""
+    coded = manifest.without(absent).byte_ranges()
     group = coding.group_of(rank)
     if group is None or group.k < 1:
         return []
@@ -73,10 +84,11 @@ def pieces_of(coding: Coding, rank: int, used: int) -> list[Piece]:
     out = []
     for p in range(k):
         stripe = stripe_of_piece(g, k, m, pos, p)
-        ranges = tuple(piece_ranges([(0, used)], k, p))
+        ranges = tuple(piece_ranges(coded, k, p))
         for t in range(m):
             node = group.nodes[(stripe.index + t) % g]
-            out.append(Piece(node, group.ranks, stripe.index, t, p, k, matrix[t][p], ranges))
+            coef = matrix[t][p]
+            out.append(Piece(node, group.ranks, stripe.index, t, p, k, coef, ranges, absent))
     return out
 
 
@@ -245,7 +257,8 @@ class _PieceSender:
                     piece.k,
                     piece.coef,
                     piece.length,
-                    job.manifest,
+                    job.manifest.without(piece.absent),  # the holder keeps what was coded
+                    piece.unfold,
                 )
             )
             conn.recv_msg(Ready)

@@ -90,12 +90,17 @@ class Mirroring:
     def _encode(
         self, members: Membership, epoch: int, slot: Slot, manifest: SnapshotManifest
     ) -> None:
-        """``--erasure``: send the snapshot's pieces to its stripes' parity holders."""
+        """``--erasure``: send the snapshot's pieces to its stripes' parity holders; the
+        chunks its data-parallel twins hold are left out of them (``dedup.coded_absent``)."""
         assert members.erasure is not None
-        pieces = pieces_of(Coding.from_msg(members.erasure), slot.rank, manifest.used_bytes)
+        coding = Coding.from_msg(members.erasure)
+        absent: tuple[int, ...] = ()
+        if (epoch, slot.rank) not in self._whole:
+            absent = dedup.coded_absent(manifest, coding, slot.rank)
+        pieces = pieces_of(coding, slot.rank, manifest, absent)
         with slot.lock:
             job = ReplicationJob.start(epoch, slot, manifest, sorted({p.node for p in pieces}))
-        job.coded = True
+        job.coded, job.absent = True, absent
         if epoch != self._epoch():
             return
         if not pieces:
@@ -113,7 +118,8 @@ class Mirroring:
 
     def replicate_whole(self, members: Membership, rank: int, step: int) -> None:
         """The coordinator found ``rank``'s data-parallel chunks unequal to its twins' (or too
-        few twins): push its snapshot of ``step`` whole, and every later one of the epoch."""
+        few twins): push its snapshot of ``step`` whole, and every later one of the epoch
+        (with ``--erasure``: code every later one whole)."""
         self._whole.add((members.epoch, rank))
         slot = self.store.find(members.gen, rank, step)
         if slot is None or slot.kind is not SlotKind.OWN:
@@ -124,7 +130,26 @@ class Mirroring:
             if manifest is None or manifest.step != step:
                 return
             job = ReplicationJob(members.epoch, slot, manifest, members.placement.get(rank, []))
+        if members.erasure is not None:
+            self._recode_whole(members, job)
+            return
         self._submit(job, members)
+
+    def _recode_whole(self, members: Membership, job: ReplicationJob) -> None:
+        """``--erasure``: code ``job``'s snapshot anew, whole, for the same step: each piece
+        cut without the twins' chunks is taken out of its parity (the same bytes folded again:
+        the slot still holds them, its step not being committed), then the whole piece folded
+        in, one after the other on each holder's connection."""
+        assert members.erasure is not None
+        coding = Coding.from_msg(members.erasure)
+        rank, manifest = job.slot.rank, job.manifest
+        before = dedup.coded_absent(manifest, coding, rank)
+        old = pieces_of(coding, rank, manifest, before)
+        new = pieces_of(coding, rank, manifest)
+        pieces = [p for o, n in zip(old, new, strict=True) for p in (replace(o, unfold=True), n)]
+        job.buddies, job.coded = sorted({p.node for p in new}), True
+        self.encoding.retry_s = self.retry_s
+        self.encoding.submit(job, pieces, members.node_addrs)
 
     def cancel_inflight(self) -> None:
         """An epoch change: abandon the transfers in flight."""

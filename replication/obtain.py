@@ -73,7 +73,16 @@ def obtain_committed(
             if source == ERASURE:
                 index = _pull_target(store, gen, rank, step)
                 got = rebuild(
-                    store, epoch, gen, rank, step, erasure or {}, alive or set(), connect, index
+                    store,
+                    epoch,
+                    gen,
+                    rank,
+                    step,
+                    erasure or {},
+                    alive or set(),
+                    connect,
+                    index,
+                    node=node,
                 )
                 slot, nbytes = got.slot, sum(got.pulled.values())
             elif source == node:

@@ -3,7 +3,7 @@
 Exchanges on an authenticated data connection (``replication/transfer.py`` serves them)::
 
     parity_piece  → {parity_piece, epoch, gen, rank, step, committed, group, stripe, row,
-                     piece, k, coef, length, manifest}                   ← {ready} | error
+                     piece, k, coef, length, manifest, unfold}           ← {ready} | error
                   → {data, off} + bytes … → {end, crcs: [piece crc, chunk crcs …]}
                                                                          ← {ack} | error
     fetch_parity  → {fetch_parity, epoch, gen, group, stripe, row, step}
@@ -16,7 +16,10 @@ replica slots per rank: never the one holding the committed step is reset. A pie
 received whole into process memory, its crc32c checked, and only then folded in
 (parity ^= coef · piece, ``peerckpt/gf256.py``): a transfer that breaks midway leaves the
 parity untouched, and a piece folded already (a push retried after its ack was lost) is
-not folded twice. The last of the stripe's k pieces computes the parity's crc32c before
+not folded twice. A piece is taken out again by folding the same bytes once more
+(``unfold``, checked against the crc32c recorded when it was folded): so a rank coded
+without its twins' chunks whose twins turn out to differ is coded anew, whole, for the same
+step (``replication/mirroring.py``). The last of the stripe's k pieces computes the parity's crc32c before
 its ack goes out, so by the time a step commits (every piece of every rank acknowledged)
 every parity of that step is complete and checksummed. A fetch answers only a complete
 parity, with that crc32c, which the reader checks: a parity corrupted in memory is found
@@ -63,7 +66,7 @@ class ParityBuffer:
     step: int | None = None
     k: int = 0
     filled: int = 0  # bytes written: the longest piece folded so far
-    got: set[int] = field(default_factory=set)
+    got: dict[int, int] = field(default_factory=dict)  # piece → the crc32c of what was folded
     manifests: dict[int, SnapshotManifest] = field(default_factory=dict)
     crc: int | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -92,21 +95,38 @@ class ParityStore:
         rank: int,
         data: np.ndarray,
         manifest: SnapshotManifest,
+        crc: int | None = None,
+        unfold: bool = False,
     ) -> None:
-        """Fold ``data`` (piece ``piece`` of ``rank``'s snapshot of ``step``) into the parity
-        of ``key``; never into the buffer holding step ``keep`` (the committed one)."""
+        """Fold ``data`` (piece ``piece`` of ``rank``'s snapshot of ``step``, its crc32c
+        ``crc``) into the parity of ``key``; never into the buffer holding step ``keep`` (the
+        committed one). ``unfold``: take that piece out again (``data``: the bytes folded in,
+        their crc32c recorded then; anything else is not taken out), leaving the parity
+        incomplete until the piece is folded in anew."""
+        crc = crc32c.crc32c(data.data) if crc is None else crc
         with self._lock:
             pair = self._pairs.setdefault(key, [ParityBuffer(), ParityBuffer()])
             target = next((b for b in pair if b.step == step), None)
             if target is None:
+                if unfold:
+                    return  # nothing of that step is here to take out
                 free = [b for b in pair if b.step is None or b.step != keep]
                 target = min(free, key=lambda b: -1 if b.step is None else b.step)
                 with target.lock:
                     target.step, target.k, target.filled = step, k, 0
-                    target.got, target.manifests, target.crc = set(), {}, None
+                    target.got, target.manifests, target.crc = {}, {}, None
         with target.lock:
-            if target.step != step or piece in target.got:
-                return  # reset by a newer step meanwhile, or folded already
+            if target.step != step:
+                return  # reset by a newer step meanwhile
+            if unfold:
+                if target.got.get(piece) != crc or data.size > target.filled:
+                    return  # not what was folded in (or taken out already: a retried unfold)
+                mad_into(target.array()[: data.size], data, coef)  # x + x = 0 in GF(2^8)
+                del target.got[piece]
+                target.crc = None
+                return
+            if piece in target.got:
+                return  # folded already (a retried push)
             self._fit(target, key, data.size)
             parity = target.array()
             n, f = data.size, target.filled
@@ -114,7 +134,7 @@ class ParityStore:
             if n > f:
                 mul_into(parity[f:n], data[f:n], coef)
                 target.filled = n
-            target.got.add(piece)
+            target.got[piece] = crc
             target.manifests[rank] = manifest
             if len(target.got) >= target.k:
                 target.crc = crc32c.crc32c(parity[: target.filled].data)
@@ -207,7 +227,19 @@ def serve_piece(
     keep = max((s for s in (committed, msg.committed) if s is not None), default=None)
     key: ParityKey = (msg.gen, tuple(msg.group), msg.stripe, msg.row)
     manifest = msg.manifest.with_crcs(sent[1:])
-    parity.fold(key, msg.step, keep, msg.k, msg.piece, msg.coef, msg.rank, data, manifest)
+    parity.fold(
+        key,
+        msg.step,
+        keep,
+        msg.k,
+        msg.piece,
+        msg.coef,
+        msg.rank,
+        data,
+        manifest,
+        sent[0],
+        msg.unfold,
+    )
     conn.send_msg(Ack())
 
 

@@ -253,6 +253,7 @@ class Preparer:
                         set(members.node_addrs),
                         self._connect(members),
                         index=_pull_target(self.store, gen, rank, step),
+                        node=self.node,
                     )
         return [r._replace(source_node=self.node) if r.source_node == ERASURE else r for r in reads]
 

@@ -134,7 +134,9 @@ class ParityPiece(DataRequest):
     """Fold piece ``piece`` of ``rank``'s snapshot of ``step`` (``length`` bytes, as data
     frames) into parity row ``row`` of stripe ``stripe`` of the coding group ``group`` (its
     ranks by position), which has ``k`` data pieces, times ``coef``. ``manifest``: the
-    rank's, kept beside the parity (a rebuild needs it); its checksums come in ``end``."""
+    rank's, kept beside the parity (a rebuild needs it); its checksums come in ``end``.
+    ``unfold``: take out the piece folded in before (the same bytes again), so that the rank's
+    snapshot can be coded anew (whole, where it was coded without its twins' chunks)."""
 
     PAYLOAD = "manifest"
     epoch: int
@@ -150,6 +152,7 @@ class ParityPiece(DataRequest):
     coef: int
     length: int
     manifest: SnapshotManifest
+    unfold: bool = False
 
 
 @message("fetch_parity")

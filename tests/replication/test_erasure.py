@@ -44,7 +44,7 @@ def _encode_all(peers, job) -> dict[int, bytes]:
             lambda: None,
             lambda j, n, e: done.release() if e is None else None,
         )
-        pieces = pieces_of(CODING, rank, manifest.used_bytes)
+        pieces = pieces_of(CODING, rank, manifest)
         nodes = sorted({p.node for p in pieces})
         expected += len(nodes)
         with slot.lock:
