@@ -21,7 +21,7 @@ The puller checksums every chunk (crc32c) as its piece lands on the host, as ove
   ``replication/obtain.py`` tries the plan's next source.
 
 The endpoints are the agents (pinned host → GPU → NCCL → GPU → the replacement's slot), not
-the rank processes: docs/architecture.md, departure 22, says why and what receiving straight
+the rank processes: docs/decisions.md, 22, says why and what receiving straight
 into the replacement's CUDA tensors would need.
 """
 
