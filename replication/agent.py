@@ -174,6 +174,7 @@ class Agent:
         )
         self.relays = Relays(secret, job)  # the rendezvous store, reached through the gate
         self.preparer.store_addr = self.relays.address_for
+        self.preparer.device = self.device
         self._lock = threading.RLock()
         self.mirroring = Mirroring(
             node,

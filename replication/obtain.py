@@ -10,6 +10,7 @@ each source and why.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from peerckpt.manifest import SnapshotManifest
 from peerckpt.reads import ERASURE
 from peerckpt.replication.decoding import rebuild
 from peerckpt.replication.dedup import sent_bytes
+from peerckpt.replication.devicepull import DevicePulls
 from peerckpt.replication.store import Slot, SlotStore
 from peerckpt.replication.transfer import fetch
 from peerckpt.replication.twinfill import complete
@@ -59,12 +61,15 @@ def obtain_committed(
     twins: list[list[int]] | None = None,
     erasure: dict[str, Any] | None = None,
     alive: set[int] | None = None,
+    device: DevicePulls | None = None,
 ) -> Obtained:
     """Make ``rank``'s snapshot of ``step`` (layout ``gen``) available, verified, in one of
     its own slots. A source's copy lacking the data-parallel chunks is completed from the
     first of ``twins`` ([node, twin rank] pairs) that has them (``replication/twinfill.py``).
     The source ``ERASURE`` rebuilds it from its coding group (``erasure``: the membership's
-    ``erasure_restore``; ``alive``: the nodes of the epoch; ``replication/decoding.py``)."""
+    ``erasure_restore``; ``alive``: the nodes of the epoch; ``replication/decoding.py``). A
+    peer's copy comes over NCCL where ``device`` and the peer can (``--transport``;
+    ``replication/devicepull.py``), else over TCP."""
     failures = []
     unreachable = False  # some source's node did not answer (it may be dying)
     for source in sources:
@@ -88,7 +93,9 @@ def obtain_committed(
             elif source == node:
                 slot, nbytes = _local_copy(store, gen, rank, step), 0
             else:
-                slot = _pull(store, epoch, gen, rank, step, connect(source))
+                slot = _pull(
+                    store, epoch, gen, rank, step, functools.partial(connect, source), device
+                )
                 nbytes = sent_bytes(slot.manifest) if slot.manifest else 0
             if slot.manifest is not None and slot.manifest.absent:
                 nbytes += sum(complete(store, slot, node, epoch, twins or [], connect).values())
@@ -147,22 +154,41 @@ def _pull_target(store: SlotStore, gen: int, rank: int, step: int) -> int:
     return 0
 
 
-def _pull(store: SlotStore, epoch: int, gen: int, rank: int, step: int, conn: Connection) -> Slot:
+def _pull(
+    store: SlotStore,
+    epoch: int,
+    gen: int,
+    rank: int,
+    step: int,
+    connect: Callable[[], Connection],
+    device: DevicePulls | None = None,
+) -> Slot:
     index = _pull_target(store, gen, rank, step)
     holder: list[Slot] = []
 
     def allocate(manifest: SnapshotManifest) -> memoryview:
-        slot = store.ensure(SlotKind.OWN, gen, rank, index, manifest.used_bytes)
-        slot.lock.acquire()
-        slot.invalidate()
-        holder.append(slot)
-        return slot.segment.view
+        # Called again for a TCP pull after a device pull failed: the slot stays locked.
+        if holder:
+            if manifest.used_bytes > holder[0].segment.size:
+                raise ValueError(f"rank {rank} step {step} grew between two pulls")
+        else:
+            slot = store.ensure(SlotKind.OWN, gen, rank, index, manifest.used_bytes)
+            slot.lock.acquire()
+            holder.append(slot)
+        holder[0].invalidate()
+        return holder[0].segment.view
 
+    conn: Connection | None = None
     try:
-        manifest = fetch(conn, epoch, gen, rank, step, allocate)
+        if device is not None:
+            manifest, _ = device.pull(connect, epoch, gen, rank, step, allocate)
+        else:
+            conn = connect()
+            manifest = fetch(conn, epoch, gen, rank, step, allocate)
         holder[0].manifest = manifest
         return holder[0]
     finally:
         if holder:
             holder[0].lock.release()
-        conn.close()
+        if conn is not None:
+            conn.close()

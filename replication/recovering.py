@@ -32,6 +32,7 @@ from peerckpt.reads import ERASURE, Read
 from peerckpt.reads import decode as decode_reads
 from peerckpt.replication.control import ControlServer, ProcLink
 from peerckpt.replication.decoding import rebuild
+from peerckpt.replication.devicepull import DevicePulls
 from peerckpt.replication.gather import GatherJob, assemble
 from peerckpt.replication.obtain import _pull_target, obtain_committed
 from peerckpt.replication.store import SlotStore
@@ -70,6 +71,7 @@ class Preparer:
         self._rebuilding = threading.Lock()
         # The store address local ranks use (the agent's relay when the store is tunnelled).
         self.store_addr: Callable[[str], str] = lambda addr: addr
+        self.device: DevicePulls | None = None  # pulls over NCCL where it can (the agent's)
 
     def _connect(self, members: Membership) -> Callable[[int], Connection]:
         """Data connections to the epoch's agents, by node."""
@@ -272,6 +274,7 @@ class Preparer:
             twins=members.twins.get(rank),
             erasure=members.erasure_restore,
             alive=set(members.node_addrs),
+            device=self.device,
         )
         with self._lock:
             key = (members.epoch, rank)

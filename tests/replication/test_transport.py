@@ -382,3 +382,25 @@ def test_without_cupy_an_agent_has_no_fabric_and_says_why() -> None:
         pytest.skip("this machine can open NCCL links")
     fabric, why = nccl.probe()
     assert fabric is None and "pip install 'peerckpt[gpu]'" in why
+
+
+def test_a_recovery_obtains_a_peer_copy_over_the_device_link(nccl_peers, job, fabric) -> None:
+    from peerckpt.replication.obtain import obtain_committed
+
+    name, secret = job
+    original = write_mixed(nccl_peers[0].store, rank=7, step=3)
+    got = obtain_committed(
+        nccl_peers[2].store,
+        2,
+        1,
+        0,
+        rank=7,
+        step=3,
+        sources=[0],
+        connect=lambda n: connect_tcp(nccl_peers[n].server.address, secret, name),
+        device=device_pulls(fabric),
+    )
+    assert got.source == 0 and _same_bytes(original, got.slot)
+    assert sorted(fabric.faults.opened) == [0, 1]
+    assert got.slot.lock.acquire(timeout=1.0)  # released once the copy is in
+    got.slot.lock.release()
