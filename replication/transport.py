@@ -26,7 +26,7 @@ to end or to leave).
 Choosing (``choose``): ``tcp`` is always TCP; ``nccl`` and ``auto`` use a device link when both
 ends can open one (CuPy importable with NCCL, a CUDA device), TCP otherwise: a recovery is never
 refused for want of its fast path (``peerckpt run --transport nccl`` checks the launcher's host
-before anything starts; ``launch/checks.py``).
+before anything starts: ``nccl.check_transport``, called by ``launch/cli.py``).
 """
 
 from __future__ import annotations
