@@ -78,7 +78,7 @@ from common import (
 )
 
 sys.path.insert(0, str(REPO))
-from peerckpt.launch.base import JobSpec
+from peerckpt.launch.base import JobOutcome, JobSpec
 from peerckpt.launch.local import LocalLauncher
 from tests.torchrun_hosts import TorchrunJob, runtime_dirs
 
@@ -170,8 +170,8 @@ def peerckpt_run(
         result = launcher.run()
     finally:
         left = leftover_segments(name)
-    if result.state != "succeeded":
-        raise SystemExit(f"the peerckpt job {result.state}: {result.reason}")
+    if result.state is not JobOutcome.SUCCEEDED:
+        raise SystemExit(f"the peerckpt job {result.state.value}: {result.reason}")
     fired = [c for c in result.chaos if c.get("fired_at")]
     row: dict[str, Any] = {
         "window_s": window_s(out, steps),

@@ -16,6 +16,7 @@ One rule per line; ``step=*`` matches every step; ``#`` starts a comment.
 
 from __future__ import annotations
 
+import enum
 import errno
 import os
 import re
@@ -29,12 +30,23 @@ FAULT_FILE = ".peerckpt-faults"
 _STEP = re.compile(r"step-(\d{12})")
 
 
+class FaultKind(enum.Enum):
+    """What a rule does to a write; its value is the rule's first word."""
+
+    ENOSPC = "enospc"  # the disk fills up after ``after`` bytes of the file
+    EIO = "eio"  # every write fails
+    SLOW = "slow"  # the file's first write sleeps ``delay`` seconds
+
+
 @dataclass(frozen=True)
 class Rule:
-    kind: str  # "enospc", "eio" or "slow"
+    kind: FaultKind
     step: int | None  # None: every step
     after: int = 0
     delay: float = 0.0
+
+
+_KINDS = {k.value for k in FaultKind}
 
 
 def parse_rules(text: str) -> list[Rule]:
@@ -46,10 +58,12 @@ def parse_rules(text: str) -> list[Rule]:
             continue
         kind, *fields = line.split()
         args = dict(f.split("=", 1) for f in fields if "=" in f)
-        if kind not in ("enospc", "eio", "slow") or "step" not in args:
+        if kind not in _KINDS or "step" not in args:
             raise ValueError(f"bad fault rule {raw!r}: want 'enospc|eio|slow step=N|* [...]'")
         step = None if args["step"] == "*" else int(args["step"])
-        rules.append(Rule(kind, step, int(args.get("after", 0)), float(args.get("delay", 0))))
+        rules.append(
+            Rule(FaultKind(kind), step, int(args.get("after", 0)), float(args.get("delay", 0)))
+        )
     return rules
 
 
@@ -78,12 +92,12 @@ class FaultyOpener(LocalFileOpener):
         n = len(memoryview(data).cast("B"))
         first, self._written_once = not getattr(self, "_written_once", False), True
         for rule in rules_for(self.path):
-            if rule.kind == "slow":
+            if rule.kind is FaultKind.SLOW:
                 if first:
                     time.sleep(rule.delay)
-            elif rule.kind == "eio":
+            elif rule.kind is FaultKind.EIO:
                 raise OSError(errno.EIO, f"Input/output error (injected) writing {self.path}")
-            elif rule.kind == "enospc" and self.tell() + n > rule.after:
+            elif rule.kind is FaultKind.ENOSPC and self.tell() + n > rule.after:
                 fits = max(0, rule.after - self.tell())
                 if fits:
                     super().write(memoryview(data).cast("B")[:fits])

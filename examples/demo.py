@@ -67,7 +67,7 @@ def run_job(name: str, spares: int = 0, chaos: str = "") -> tuple[JobResult, Pat
     )
     with stderr_to(log):
         result = LocalLauncher(spec).run()
-    print(f"  {result.state} in {result.wall_s:.1f} s (log: {log.relative_to(REPO)})")
+    print(f"  {result.state.value} in {result.wall_s:.1f} s (log: {log.relative_to(REPO)})")
     if result.reason:
         print(f"  reason: {result.reason}")
     return result, out

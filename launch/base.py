@@ -13,11 +13,13 @@ the machine-level faults only it can cause in its backend: ``kill_node``, ``kill
 from __future__ import annotations
 
 import abc
+import enum
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from peerckpt.launch.checks import check_spec
+from peerckpt.states import ExitCode, JobState
 
 log = logging.getLogger("peerckpt.launcher")
 
@@ -71,11 +73,35 @@ class JobSpec:
         return self.nodes * self.nproc_per_node
 
 
+class JobOutcome(enum.Enum):
+    """How a job ended, as its launcher reports it: the coordinator's end state, or
+    ``INTERRUPTED`` when a signal stopped the launcher itself."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"  # the coordinator was told to stop the job
+    INTERRUPTED = "interrupted"  # the launcher was stopped by a signal (Ctrl-C)
+
+    @classmethod
+    def of(cls, state: JobState) -> JobOutcome:
+        """The outcome of a job that ended in ``state`` (one of the ended states)."""
+        return cls(state.value)
+
+    @property
+    def exit_code(self) -> int:
+        """The launcher's exit status for this outcome."""
+        if self is JobOutcome.SUCCEEDED:
+            return int(ExitCode.OK)
+        return int(ExitCode.INTERRUPTED if self is JobOutcome.INTERRUPTED else ExitCode.FAILED)
+
+
 @dataclass
 class JobResult:
+    """How a job ended and what happened on the way: the report (``to_json``)."""
+
     job: str
     exit_code: int
-    state: str
+    state: JobOutcome
     reason: str
     events: list[dict[str, Any]]
     chaos: list[dict[str, Any]]
@@ -88,16 +114,26 @@ class JobResult:
     tensor_digests: dict[str, dict[str, str]] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)  # report.summarize: what protected it
 
+    def to_json(self) -> dict[str, Any]:
+        """The report's JSON form (``peerckpt run --report``): every field, the state as
+        its string."""
+        return {**self.__dict__, "state": self.state.value}
 
-def chaos_verdict(state: str, reason: str, unfired: list[str]) -> tuple[str, str]:
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> JobResult:
+        """A result read back from its JSON form (a Ray host's, a report file)."""
+        return cls(**{**data, "state": JobOutcome(data["state"])})
+
+
+def chaos_verdict(state: JobOutcome, reason: str, unfired: list[str]) -> tuple[JobOutcome, str]:
     """A chaos run that did not fire every action tested less than it was asked to: it fails,
     with a line per action that never fired (logged here), even when the job succeeded."""
     for line in unfired:
         log.error("%s", line)
-    if not unfired or state != "succeeded":
+    if not unfired or state is not JobOutcome.SUCCEEDED:
         return state, reason
     more = f" (and {len(unfired) - 1} more)" if len(unfired) > 1 else ""
-    return "failed", f"the job succeeded, but {unfired[0]}{more}"
+    return JobOutcome.FAILED, f"the job succeeded, but {unfired[0]}{more}"
 
 
 class Launcher(abc.ABC):

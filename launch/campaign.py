@@ -30,7 +30,7 @@ import psutil
 
 from peerckpt.chaos import check_ray_campaign, generate_ray, parse_chaos
 from peerckpt.errors import ConfigurationError
-from peerckpt.launch.base import JobResult, JobSpec
+from peerckpt.launch.base import JobOutcome, JobResult, JobSpec
 from peerckpt.launch.local import LocalLauncher
 from peerckpt.launch.progress import Report
 from peerckpt.launch.report import failure_rows
@@ -243,7 +243,7 @@ def run_campaign(
         if progress and hasattr(ref_launcher, "watchers"):  # the Ray driver has no view
             ref_launcher.watchers.append(_committed(bar))
         reference = ref_launcher.run()
-    if reference.state != "succeeded":
+    if reference.state is not JobOutcome.SUCCEEDED:
         campaign = Campaign(seed, [])
         campaign.job_state = "reference failed"
         campaign.job_reason = reference.reason
@@ -265,7 +265,7 @@ def run_campaign(
             launcher.watchers.append(_fired(bar, launcher))
         result = launcher.run()
     campaign.result = result
-    campaign.job_state, campaign.job_reason = result.state, result.reason
+    campaign.job_state, campaign.job_reason = result.state.value, result.reason
     campaign.leaks = leaks(result.job, getattr(launcher, "rundir", None))
     compare(campaign, reference, result)
     return campaign

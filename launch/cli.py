@@ -166,7 +166,7 @@ def _chaos(args: argparse.Namespace) -> int:
 
         stem = path[:-5] if path.endswith(".json") else path
         report, picture = f"{stem}-report.json", f"{stem}-timeline.png"
-        write_private(report, json.dumps(campaign.result.__dict__, indent=1, default=str))
+        write_private(report, json.dumps(campaign.result.to_json(), indent=1, default=str))
         timeline(report, picture)
         print(f"the chaos run's report: {report}; its timeline: {picture}")
     return 0 if campaign.ok else 1

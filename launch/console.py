@@ -29,9 +29,8 @@ from peerckpt.messages import encode
 from peerckpt.messages.control import Status
 from peerckpt.rpc import RpcClient
 from peerckpt.secret import job_secret
+from peerckpt.states import JobState
 from peerckpt.units import human
-
-ENDED = ("succeeded", "failed", "stopped")
 
 
 def connect(job: str, endpoint: str | None, secret_file: str | None) -> RpcClient:
@@ -68,7 +67,7 @@ def _recovery_cells(r: RecoveryView) -> list[str]:
         moved.append(f"{human(r.storage_bytes)} storage")
     return [
         time.strftime("%H:%M:%S", time.localtime(r.detected_at)),
-        r.kind,
+        r.kind.value,
         r.cause,
         ", ".join(f"{k}@n{v}" for k, v in sorted(r.lost.items())) or "–",
         _ms(r.detection_s),
@@ -82,14 +81,16 @@ def _recovery_cells(r: RecoveryView) -> list[str]:
 
 def render(view: JobView) -> Group:
     """The job as rich tables: summary, nodes, ranks, last recoveries."""
-    color = {"running": "green", "failed": "red", "succeeded": "cyan"}.get(view.state, "yellow")
+    color = {JobState.RUNNING: "green", JobState.FAILED: "red", JobState.SUCCEEDED: "cyan"}.get(
+        view.state, "yellow"
+    )
     head = Text.from_markup(
-        f"job [bold]{view.job}[/] [{color}]{view.state}[/] · epoch {view.epoch} · "
+        f"job [bold]{view.job}[/] [{color}]{view.state.value}[/] · epoch {view.epoch} · "
         f"world {view.world_size} · committed step {_opt(view.committed_step)} · "
         f"durable step {_opt(view.durable_step)} · lag {_opt(view.lag)} · "
         f"spares {view.spares}" + (" · [red]recovering[/]" if view.recovering else "")
     )
-    totals = ", ".join(f"{k} {n}" for k, n in view.recoveries_total.items())
+    totals = ", ".join(f"{k.value} {n}" for k, n in view.recoveries_total.items())
     lines: list[Any] = [head, Text(f"recoveries: {totals}")]
     if view.reason:
         lines.append(Text(view.reason, style="red"))
@@ -170,7 +171,7 @@ def status(
             console.print(render(view))
             return 0
         with Live(render(view), console=console, refresh_per_second=4) as live:
-            while view.state not in ENDED:
+            while not view.state.ended:
                 time.sleep(interval)
                 try:
                     view = fetch(rpc)

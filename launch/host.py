@@ -48,7 +48,7 @@ from peerckpt.launch.local import LocalLauncher
 from peerckpt.messages.control import JobStatus, SparesStarting, Status
 from peerckpt.rpc import RpcClient
 from peerckpt.shm import sweep
-from peerckpt.states import JobState
+from peerckpt.states import JobState, ProcRole
 from peerckpt.succession import STEP_DOWN_WINDOW_S, join, split, succession, takeover_after
 
 log = logging.getLogger("peerckpt.launcher")
@@ -152,13 +152,13 @@ class HostLauncher(LocalLauncher):
         world = spec.world
         for local in range(spec.nproc_per_node):
             if host.spare_host:
-                self._spares.append(procs.start_proc(n, "spare", WORLD_SIZE=str(world)))
+                self._spares.append(procs.start_proc(n, ProcRole.SPARE, WORLD_SIZE=str(world)))
             elif host.grows:
-                procs.start_proc(n, "joiner")
+                procs.start_proc(n, ProcRole.JOINER)
             else:
                 rank = n * spec.nproc_per_node + local
                 self._ranks[rank] = procs.start_proc(
-                    n, "rank", RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world)
+                    n, ProcRole.RANK, RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world)
                 )
         self._spare_node = n if host.spare_host else -1
         self._write_job_file()

@@ -29,7 +29,7 @@ from peerckpt.launch.processes import ProcessSet
 from peerckpt.messages.control import AllocateNode, Status
 from peerckpt.rpc import RpcClient
 from peerckpt.shm import sweep
-from peerckpt.states import ExitCode, JobState
+from peerckpt.states import ExitCode, JobState, ProcRole
 
 log = logging.getLogger("peerckpt.launcher")
 __all__ = ["find_job", "join"]
@@ -60,7 +60,7 @@ def join(
         agent = procs.start_agent(node, info["coordinator"], ["--joining", str(count)])
         procs.await_ready(agent.agent, f"agent of node {node}")
         for _ in range(count):
-            procs.start_proc(node, "joiner")
+            procs.start_proc(node, ProcRole.JOINER)
         log.info("node %d joins job %s with %d rank(s)", node, job, count)
         while not stop.wait(0.2):
             try:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from peerckpt.errors import PeerckptError, PeerUnavailable
 from peerckpt.faults import ENV as FAULTS_ENV
-from peerckpt.launch.base import JobResult, JobSpec, Launcher, chaos_verdict
+from peerckpt.launch.base import JobOutcome, JobResult, JobSpec, Launcher, chaos_verdict
 from peerckpt.launch.gpus import visible_gpus
 from peerckpt.launch.jobfile import JobClaim
 from peerckpt.launch.monitor import JobMonitor, MonitorServer
@@ -47,7 +47,7 @@ from peerckpt.outfiles import write_private
 from peerckpt.persist.config import to_env as persist_env
 from peerckpt.rpc import RpcClient
 from peerckpt.shm import sweep
-from peerckpt.states import ExitCode, JobState
+from peerckpt.states import JobState, ProcRole
 
 if TYPE_CHECKING:
     from peerckpt.chaos import Chaos
@@ -130,10 +130,10 @@ class LocalLauncher(Launcher):
             for local in range(spec.nproc_per_node):
                 rank = n * spec.nproc_per_node + local
                 self._ranks[rank] = procs.start_proc(
-                    n, "rank", RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world)
+                    n, ProcRole.RANK, RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world)
                 )
         for _ in range(spec.spares):
-            self._spares.append(procs.start_proc(spec.nodes, "spare", WORLD_SIZE=str(world)))
+            self._spares.append(procs.start_proc(spec.nodes, ProcRole.SPARE, WORLD_SIZE=str(world)))
         self._spare_node = spec.nodes
         self._write_job_file()
         log.info(
@@ -224,7 +224,7 @@ class LocalLauncher(Launcher):
         )
         self.procs.await_ready(node.agent, f"agent of node {n}")
         for _ in range(count):
-            self.procs.start_proc(n, "joiner")
+            self.procs.start_proc(n, ProcRole.JOINER)
         log.info("node %d is joining the job with %d rank(s)", n, count)
         return n
 
@@ -235,7 +235,7 @@ class LocalLauncher(Launcher):
     # -- running --------------------------------------------------------------------------
     def run(self) -> JobResult:
         start = time.time()
-        state, reason = "failed", ""
+        state, reason = JobOutcome.FAILED, ""
         events: list[dict[str, Any]] = []
         previous = (
             {
@@ -270,17 +270,12 @@ class LocalLauncher(Launcher):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         if self._interrupted.is_set():
-            state, reason = "interrupted", "stopped by a signal (Ctrl-C)"
+            state, reason = JobOutcome.INTERRUPTED, "stopped by a signal (Ctrl-C)"
         unfired = self.chaos.unfired() if self.chaos is not None else []
         state, reason = chaos_verdict(state, reason, unfired)
-        code = int(
-            {"succeeded": ExitCode.OK, "interrupted": ExitCode.INTERRUPTED}.get(
-                state, ExitCode.FAILED
-            )
-        )
         result = JobResult(
             self.job,
-            code,
+            state.exit_code,
             state,
             reason,
             events,
@@ -294,17 +289,21 @@ class LocalLauncher(Launcher):
             self.monitor.summary(),
         )
         if self.spec.report:
-            write_private(self.spec.report, json.dumps(result.__dict__, indent=2, default=str))
+            write_private(self.spec.report, json.dumps(result.to_json(), indent=2, default=str))
         return result
 
-    def _watch(self) -> tuple[str, str, list[dict[str, Any]]]:
+    def _watch(self) -> tuple[JobOutcome, str, list[dict[str, Any]]]:
         assert self.rpc is not None
         state, events = JobState.STARTING, list[RecoveryEvent]()
         started = time.monotonic()
         while not self._interrupted.wait(0.05):
             if self.coordinator is not None and self.coordinator.poll() is not None:
                 if state is not JobState.RUNNING or self._restarts >= MAX_COORDINATOR_RESTARTS:
-                    return "failed", "the coordinator exited unexpectedly", self._all_events(events)
+                    return (
+                        JobOutcome.FAILED,
+                        "the coordinator exited unexpectedly",
+                        self._all_events(events),
+                    )
                 self._earlier_events = self._all_events(events)
                 state, events = JobState.RESTARTING, []
                 self._restart_coordinator()
@@ -315,7 +314,7 @@ class LocalLauncher(Launcher):
                 log.warning("coordinator status: %s", exc)
                 if self._coordinator_gone(state):
                     return (
-                        "failed",
+                        JobOutcome.FAILED,
                         f"the job's coordinator is gone: {exc}",
                         self._all_events(events),
                     )
@@ -324,10 +323,10 @@ class LocalLauncher(Launcher):
             self._flushes = [encode(f) for f in status.flushes]
             self._observe(status)
             if state.ended:
-                return state.value, status.reason, self._all_events(events)
+                return JobOutcome.of(state), status.reason, self._all_events(events)
             refusal = self.chaos.refusal if self.chaos is not None else None
             if refusal is not None:
-                return "failed", refusal, self._all_events(events)
+                return JobOutcome.FAILED, refusal, self._all_events(events)
             self.procs.end_groups()  # a rank that died takes its DataLoader workers along
             if state is JobState.RUNNING:
                 self.procs.restart_stuck(WORLD_SIZE=str(self.spec.world))
@@ -337,8 +336,8 @@ class LocalLauncher(Launcher):
             if state is JobState.STARTING and not self._restarts:
                 problem = self._start_problem(time.monotonic() - started)
                 if problem:
-                    return "failed", problem, []
-        return "interrupted", "stopped by a signal", self._all_events(events)
+                    return JobOutcome.FAILED, problem, []
+        return JobOutcome.INTERRUPTED, "stopped by a signal", self._all_events(events)
 
     def _on_signal(self) -> None:
         """Ctrl-C or SIGTERM: stop the job; a second one while the last flush runs: at once."""
@@ -499,7 +498,9 @@ class LocalLauncher(Launcher):
             return
         for _ in range(missing):
             self._spares.append(
-                self.procs.start_proc(self._spare_node, "spare", WORLD_SIZE=str(self.spec.world))
+                self.procs.start_proc(
+                    self._spare_node, ProcRole.SPARE, WORLD_SIZE=str(self.spec.world)
+                )
             )
         self._spares_announced = 0
         log.info("started %d spare(s) on node %d to replace those used", missing, self._spare_node)

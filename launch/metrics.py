@@ -21,12 +21,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from peerckpt.launch.view import PHASES, RECOVERY_KINDS, JobView
+from peerckpt.launch.view import PHASES, JobView, RepairKind
+from peerckpt.states import FlushState, JobState
 
 # Seconds: a local rank restart is tens of milliseconds, a node loss waits for a heartbeat
 # timeout, a cold start from storage can take minutes.
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
-JOB_STATES = ("starting", "running", "finishing", "succeeded", "failed", "stopped")
+# The states a job's gauge shows (RESTARTING is a launcher's passing view, never a job's).
+JOB_STATES = tuple(s for s in JobState if s is not JobState.RESTARTING)
 
 
 def _histogram(values: tuple[float, ...]) -> tuple[list[tuple[str, float]], float]:
@@ -75,7 +77,7 @@ class JobCollector(Collector):
             "peerckpt_job_state", "1 for the job's current state.", labels=["job", "state"]
         )
         for s in JOB_STATES:
-            state.add_metric([view.job, s], float(view.state == s))
+            state.add_metric([view.job, s.value], float(view.state is s))
         yield state
 
         recoveries = CounterMetricFamily(
@@ -85,8 +87,8 @@ class JobCollector(Collector):
             "storage (state read from durable storage).",
             labels=["job", "kind"],
         )
-        for kind in RECOVERY_KINDS:
-            recoveries.add_metric([view.job, kind], float(view.recoveries_total[kind]))
+        for kind in RepairKind:
+            recoveries.add_metric([view.job, kind.value], float(view.recoveries_total[kind]))
         yield recoveries
         seconds = HistogramMetricFamily(
             "peerckpt_recovery_seconds",
@@ -104,8 +106,8 @@ class JobCollector(Collector):
             "Flushes of a committed step to durable storage, by outcome.",
             labels=["job", "state"],
         )
-        for s in ("committed", "failed"):
-            flushes.add_metric([view.job, s], float(view.flushes.get(s, 0)))
+        for outcome in (FlushState.COMMITTED, FlushState.FAILED):
+            flushes.add_metric([view.job, outcome.value], float(view.flushes.get(outcome, 0)))
         yield flushes
 
         by_node = {

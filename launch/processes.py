@@ -31,7 +31,7 @@ from peerckpt.names import RUN_ENV
 from peerckpt.secret import FD_ENV as SECRET_FD_ENV
 from peerckpt.secret import NAMES as SECRET_NAMES
 from peerckpt.secret import secret_pipe
-from peerckpt.states import MAX_RESTARTS, ExitCode
+from peerckpt.states import MAX_RESTARTS, ExitCode, ProcRole
 
 log = logging.getLogger("peerckpt.launcher")
 READY_TIMEOUT_S = 60.0
@@ -185,16 +185,18 @@ class ProcessSet:
             self.nodes[n] = node
         return node
 
-    def start_proc(self, n: int, role: str, **env: str) -> Proc:
+    def start_proc(self, n: int, role: ProcRole, **env: str) -> Proc:
         """Start a training process of ``role`` on node ``n``: a spare is forked from the
         prefork server where there is one, anything else is a fresh ``python script``."""
         node = self.nodes[n]
         if self.share_gpus:  # more ranks than GPUs: each its own NCCL host (launch/gpus.py)
             self._started += 1
             env = {**sharing_env(self.job, n, self._started), **env}
-        full = self.env(PEERCKPT_AGENT=node.socket, PEERCKPT_NODE=str(n), PEERCKPT_ROLE=role, **env)
+        full = self.env(
+            PEERCKPT_AGENT=node.socket, PEERCKPT_NODE=str(n), PEERCKPT_ROLE=role.value, **env
+        )
         proc: Proc | None = None
-        if role == "spare" and self.prefork is not None:
+        if role is ProcRole.SPARE and self.prefork is not None:
             proc = self.prefork.fork(list(self.script), full)
             if proc is not None:
                 log.info("spare pid %d on node %d forked by the prefork server", proc.pid, n)
@@ -220,7 +222,9 @@ class ProcessSet:
                     continue
                 node.restarted.add(proc.pid)
                 count = self._restarts.get(proc.pid, 0) + 1
-                new = self.start_proc(node.index, "spare", PEERCKPT_RESTARTS=str(count), **env)
+                new = self.start_proc(
+                    node.index, ProcRole.SPARE, PEERCKPT_RESTARTS=str(count), **env
+                )
                 self._restarts[new.pid] = count
                 log.warning(
                     "pid %d on node %d was stuck in an aborted epoch; pid %d takes its place "
@@ -262,7 +266,7 @@ class ProcessSet:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)
                 wait_all([old], 10.0)
-            new = self.start_proc(n, "spare", **env)
+            new = self.start_proc(n, ProcRole.SPARE, **env)
             log.warning(
                 "rank %d (pid %d) died on node %d, whose agent holds its state: pid %d takes "
                 "its place (restart in place)",

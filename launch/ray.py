@@ -34,6 +34,7 @@ Everything this driver started is ended when it returns, whatever happened.
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import logging
 import os
@@ -45,7 +46,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from peerckpt.errors import ConfigurationError, PeerckptError
-from peerckpt.launch.base import JobResult, JobSpec, Launcher, chaos_verdict
+from peerckpt.launch.base import JobOutcome, JobResult, JobSpec, Launcher, chaos_verdict
 from peerckpt.launch.checks import check_ray_address
 from peerckpt.launch.rayactor import RayHost
 from peerckpt.launch.rayenv import forwarded
@@ -64,6 +65,14 @@ NODES_POLL_S = 1.0  # how often it lists Ray's nodes (a node joining, a spare us
 END_WAIT_S = 60.0  # how long hosts get to stop on their own once the job ended
 
 
+class HostRole(enum.Enum):
+    """What a host of a Ray job brings: the ranks of the first epoch, spares, or growth."""
+
+    RANKS = "ranks"  # hosts 0 … --nodes-1
+    SPARE = "spare"  # a spare host: --nproc-per-node hot spares
+    JOINER = "joiner"  # a node that grows the job (chaos ``add node``)
+
+
 @dataclass
 class _Host:
     """One host of the job: its Ray node, its node rank, its actor."""
@@ -71,7 +80,7 @@ class _Host:
     rank: int
     node_id: str
     addr: str
-    role: str  # "ranks", "spare", "joiner"
+    role: HostRole
     actor: Any
     done: dict[str, Any] | None = None
     lost: bool = False
@@ -131,7 +140,7 @@ class RayLauncher(Launcher):
     def _free_nodes(self) -> list[dict[str, Any]]:
         return [n for n in self.alive_nodes() if n["NodeID"] not in self._used]
 
-    def _place(self, node: dict[str, Any], role: str) -> _Host:
+    def _place(self, node: dict[str, Any], role: HostRole) -> _Host:
         """Pin an actor to ``node`` and take the next node rank for it."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -166,7 +175,7 @@ class RayLauncher(Launcher):
                 "node_rank": host.rank,
                 "rdzv_endpoint": self.endpoint,
                 "node_addr": host.addr,
-                "spare_host": host.role == "spare",
+                "spare_host": host.role is HostRole.SPARE,
             },
         }
         env = forwarded(os.environ)  # the launching shell's, as srun does (``rayenv.py``)
@@ -177,7 +186,11 @@ class RayLauncher(Launcher):
         sealed = seal(payload, public, context(self.job, host.rank))
         ray.get(host.actor.start.remote(sealed, self.job, host.rank), timeout=120)
         log.info(
-            "host %d (%s, %s) on Ray node %s", host.rank, host.role, host.addr, host.node_id[:12]
+            "host %d (%s, %s) on Ray node %s",
+            host.rank,
+            host.role.value,
+            host.addr,
+            host.node_id[:12],
         )
 
     def start(self) -> None:
@@ -197,13 +210,13 @@ class RayLauncher(Launcher):
                 spec.spares,
                 len(nodes) - spec.nodes,
             )
-        first = self._place(nodes[0], "ranks")
+        first = self._place(nodes[0], HostRole.RANKS)
         self.endpoint = ray.get(first.actor.endpoint.remote(first.addr), timeout=120)
         placed = [first]
         for node in nodes[1 : spec.nodes]:
-            placed.append(self._place(node, "ranks"))
+            placed.append(self._place(node, HostRole.RANKS))
         for node in nodes[spec.nodes : spec.nodes + spec.spares]:
-            placed.append(self._place(node, "spare"))
+            placed.append(self._place(node, HostRole.SPARE))
         for host in placed:  # host 0 first: the others wait for its coordinator
             self._launch(host)
         self.rpc = RpcClient(self.endpoint, self._secret, self.job)
@@ -242,7 +255,7 @@ class RayLauncher(Launcher):
         free = self._free_nodes()
         if not free:
             raise PeerckptError("add node: every alive Ray node already holds a host of the job")
-        host = self._place(free[0], "joiner")
+        host = self._place(free[0], HostRole.JOINER)
         self._launch(host)
         return host.rank
 
@@ -338,7 +351,7 @@ class RayLauncher(Launcher):
         ended = [
             h
             for h in self.hosts.values()
-            if h.role == "ranks" and h.done is not None and h.done["code"] != 0
+            if h.role is HostRole.RANKS and h.done is not None and h.done["code"] != 0
         ]
         if not ended:
             return ""
@@ -373,14 +386,14 @@ class RayLauncher(Launcher):
         reserve = [
             h
             for h in self.hosts.values()
-            if h.role == "spare" and not h.lost and h.done is None and h.rank not in holding
+            if h.role is HostRole.SPARE and not h.lost and h.done is None and h.rank not in holding
         ]
         if len(reserve) >= self.spec.spares:
             return
         free = self._free_nodes()
         if not free:
             return
-        host = self._place(free[0], "spare")
+        host = self._place(free[0], HostRole.SPARE)
         log.info("Ray node %s (%s) joins as spare host %d", host.node_id[:12], host.addr, host.rank)
         self._launch(host)
 
@@ -430,10 +443,10 @@ class RayLauncher(Launcher):
             if host.rank != 0:
                 fired += ((host.done or {}).get("result") or {}).get("chaos", [])
         if report is not None:
-            result = JobResult(**report)
+            result = JobResult.from_json(report)
             fired += result.chaos
         else:
-            state = "interrupted" if code == ExitCode.INTERRUPTED else "failed"
+            state = JobOutcome.INTERRUPTED if code == ExitCode.INTERRUPTED else JobOutcome.FAILED
             result = JobResult(self.job, code, state, reason, [], [], wall_s)
         result.chaos = sorted(fired, key=lambda c: c.get("fired_at") or float("inf"))
         # Every host fails its own run when one of its actions never fired; the job's result
@@ -445,10 +458,10 @@ class RayLauncher(Launcher):
         unfired = [line for line in unfired if line not in result.unfired]
         result.unfired += unfired
         result.state, result.reason = chaos_verdict(result.state, result.reason, unfired)
-        if result.state == "failed" and result.exit_code == ExitCode.OK:
+        if result.state is JobOutcome.FAILED and result.exit_code == ExitCode.OK:
             result.exit_code = int(ExitCode.FAILED)
         if self.spec.report:
-            write_private(self.spec.report, json.dumps(result.__dict__, indent=2, default=str))
+            write_private(self.spec.report, json.dumps(result.to_json(), indent=2, default=str))
         return result
 
 

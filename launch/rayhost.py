@@ -139,7 +139,7 @@ def main() -> int:
             os._exit(ExitCode.LAUNCHER_GONE)
     result = results[0] if results else None
     code = result.exit_code if result is not None else int(ExitCode.FAILED)
-    _write(orders["result"], code, result.__dict__ if result is not None else None)
+    _write(orders["result"], code, result.to_json() if result is not None else None)
     return code
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from peerckpt.launch.base import JobResult
+from peerckpt.launch.base import JobOutcome, JobResult
 from peerckpt.reads import ERASURE, STORAGE
 
 
@@ -229,13 +229,13 @@ def summarize(
     }
 
 
-def format_summary(summary: dict[str, Any], state: str = "succeeded") -> list[str]:
+def format_summary(summary: dict[str, Any], state: JobOutcome = JobOutcome.SUCCEEDED) -> list[str]:
     """Human lines of ``summarize``'s figures: what the job was protected by, or that it was
     not (nothing claims a protection it did not give). A job that failed before anything was
     committed is not told how to loop: it may have failed before its loop began."""
     if not summary:
         return []
-    if not summary["protected"] and state == "failed":
+    if not summary["protected"] and state is JobOutcome.FAILED:
         return ["no snapshot was committed before the job failed"]
     if not summary["protected"]:
         taken = summary["rank_snapshots"]
@@ -266,7 +266,7 @@ def format_summary(summary: dict[str, Any], state: str = "succeeded") -> list[st
 def format_report(result: JobResult) -> str:
     """A short human report: how the job ended, per failure detection and recovery, and the
     summary of what protected it."""
-    head = f"job {result.state} in {result.wall_s:.1f} s"
+    head = f"job {result.state.value} in {result.wall_s:.1f} s"
     if result.reason:
         head += f": {result.reason}"
     lines = [head, *format_failures(result.events, result.chaos)]

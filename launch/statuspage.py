@@ -13,6 +13,7 @@ import html
 import time
 
 from peerckpt.launch.view import JobView, RecoveryView
+from peerckpt.states import JobState
 from peerckpt.units import human
 
 REFRESH_S = 2
@@ -75,9 +76,12 @@ def _recovery_row(r: RecoveryView) -> list[tuple[str, str, str]]:
 
 def render(view: JobView, metrics_path: str = "/metrics") -> str:
     """The status page of ``view``."""
-    state_class = "bad" if view.state == "failed" else "ok" if view.state != "stopped" else ""
+    state = view.state
+    state_class = (
+        "bad" if state is JobState.FAILED else "ok" if state is not JobState.STOPPED else ""
+    )
     summary = [
-        ("state", f'<span class="{state_class}">{_e(view.state)}</span>'),
+        ("state", f'<span class="{state_class}">{_e(state.value)}</span>'),
         ("epoch", _e(view.epoch)),
         ("world size", _e(view.world_size)),
         ("committed step", _step(view.committed_step)),
@@ -87,7 +91,7 @@ def render(view: JobView, metrics_path: str = "/metrics") -> str:
         ("recovering", "yes" if view.recovering else "no"),
         (
             "recoveries",
-            _e(", ".join(f"{k} {n}" for k, n in view.recoveries_total.items())),
+            _e(", ".join(f"{k.value} {n}" for k, n in view.recoveries_total.items())),
         ),
     ]
     out = [

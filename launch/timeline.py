@@ -71,7 +71,7 @@ def timeline_data(report: dict[str, Any]) -> dict[str, Any]:
             {
                 "number": number,
                 "cause": r.cause,
-                "kind": r.kind,
+                "kind": r.kind.value,
                 "injected": r.fault_at is not None,
                 "fault_s": rel(r.fault_at if r.fault_at is not None else r.detected_at),
                 "detected_s": rel(r.detected_at),

@@ -15,13 +15,24 @@ re-forming the process group, copying the state into the model.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from peerckpt.launch.report import causes, settled_at
 from peerckpt.reads import STORAGE
+from peerckpt.states import FlushState, JobState
 
-RECOVERY_KINDS = ("rank", "node", "reshard", "storage")
+
+class RepairKind(enum.Enum):
+    """How a failure was repaired, as the metrics count recoveries (their ``kind`` label)."""
+
+    RANK = "rank"  # a process replaced
+    NODE = "node"  # a node's ranks replaced
+    RESHARD = "reshard"  # the world changed size
+    STORAGE = "storage"  # state read from durable storage
+
+
 PHASES = ("detection", "transfer", "restore")
 RECENT = 10  # recoveries a view keeps (the metrics count all of them)
 
@@ -58,7 +69,7 @@ class RankView:
 class RecoveryView:
     """One failure and what its repair cost."""
 
-    kind: str  # one of RECOVERY_KINDS
+    kind: RepairKind
     cause: str
     epoch: int | None  # the epoch it opened
     fault_at: float | None  # when the launcher injected it (wall clock), if it did
@@ -83,7 +94,7 @@ class JobView:
     """Everything an observer shows about the job at one instant."""
 
     job: str
-    state: str
+    state: JobState
     reason: str
     epoch: int
     world_size: int
@@ -95,15 +106,19 @@ class JobView:
     nodes: tuple[NodeView, ...]
     ranks: tuple[RankView, ...]
     recoveries: tuple[RecoveryView, ...]  # the last RECENT, oldest first
-    recoveries_total: dict[str, int]  # kind → finished recoveries, over the whole job
+    recoveries_total: dict[RepairKind, int]  # finished recoveries, over the whole job
     phase_seconds: dict[str, tuple[float, ...]]  # phase → every finished recovery's, in order
     recovering: bool  # a recovery is under way
-    flushes: dict[str, int] = field(default_factory=dict)  # state → durable flushes
+    flushes: dict[FlushState, int] = field(default_factory=dict)  # durable flushes by state
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (``peerckpt status --json``, ``/status.json``)."""
         out = asdict(self)
+        out["state"] = self.state.value
+        out["flushes"] = {s.value: n for s, n in self.flushes.items()}
+        out["recoveries_total"] = {k.value: n for k, n in self.recoveries_total.items()}
         for r in out["recoveries"]:
+            r["kind"] = r["kind"].value
             r["lost"] = {str(k): v for k, v in r["lost"].items()}
         return out
 
@@ -112,7 +127,7 @@ def _ints(d: dict[Any, Any] | None) -> dict[int, Any]:
     return {int(k): v for k, v in (d or {}).items()}
 
 
-def recovery_kind(event: dict[str, Any]) -> str:
+def recovery_kind(event: dict[str, Any]) -> RepairKind:
     """The metrics' kind of a failure event: storage, reshard, rank or node."""
     pulls = event.get("pulls", [])
     if (
@@ -120,10 +135,10 @@ def recovery_kind(event: dict[str, Any]) -> str:
         or event.get("fallback")
         or any(p.get("source") == STORAGE for p in pulls)
     ):
-        return "storage"
+        return RepairKind.STORAGE
     if event.get("mode") == "reshard" or event.get("kind") == "grow":
-        return "reshard"
-    return "node" if event.get("kind") == "node" else "rank"
+        return RepairKind.RESHARD
+    return RepairKind.NODE if event.get("kind") == "node" else RepairKind.RANK
 
 
 def transfer_seconds(pulls: list[dict[str, Any]]) -> float | None:
@@ -247,7 +262,7 @@ def build_view(
         )
     recoveries = recovery_views(events, chaos or [])
     finished = [r for r in recoveries if r.resumed_at is not None]
-    totals = dict.fromkeys(RECOVERY_KINDS, 0)
+    totals = dict.fromkeys(RepairKind, 0)
     for r in finished:
         totals[r.kind] += 1
     phases = {
@@ -256,13 +271,14 @@ def build_view(
         "restore": tuple(r.restore_s for r in finished if r.restore_s is not None),
         "total": tuple(r.total_s for r in finished if r.total_s is not None),
     }
-    flushes: dict[str, int] = {}
+    flushes: dict[FlushState, int] = {}
     for f in status.get("flushes", []):
-        flushes[f["state"]] = flushes.get(f["state"], 0) + 1
+        state = FlushState(f["state"])
+        flushes[state] = flushes.get(state, 0) + 1
     lags = [r.lag for r in ranks if r.lag is not None]
     return JobView(
         job=status.get("job", ""),
-        state=status.get("state", "unknown"),
+        state=JobState(status["state"]),
         reason=status.get("reason", ""),
         epoch=int(status.get("epoch", -1)),
         world_size=int(status.get("world_size", 0)),

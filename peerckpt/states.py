@@ -11,6 +11,7 @@ messages carry their values.
 - ``EpochMode``: how an epoch restores; the table says which mode may follow which.
 - ``SlotKind``: what a shared-memory slot holds. A slot is made as one kind and never
   changes it, so it has no table.
+- ``RecoveryKind``: what changed the membership, for one recovery (a record, no table).
 - ``ExitCode``: how a process ends, read by launchers.
 """
 
@@ -127,6 +128,16 @@ class SlotKind(enum.Enum):
     OWN = "own"  # a local rank's snapshot (its ping-pong pair)
     REPLICA = "replica"  # a copy of another node's rank
     STAGING = "staging"  # a resharding rank's gathered boxes, freed once it restored
+
+
+class RecoveryKind(enum.Enum):
+    """What one membership change of the coordinator's record (``RecoveryEvent``) was."""
+
+    RANK = "rank"  # ranks lost, their nodes alive
+    NODE = "node"  # a node lost, and its ranks with it
+    GROW = "grow"  # a node joined the job
+    COLD_START = "cold_start"  # the first epoch restored from durable storage
+    RENDEZVOUS = "rendezvous"  # a restarted coordinator opened a new epoch of its agents
 
 
 class ExitCode(enum.IntEnum):

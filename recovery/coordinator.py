@@ -88,7 +88,7 @@ from peerckpt.recovery.liveness import Clocks
 from peerckpt.recovery.observed import observed
 from peerckpt.recovery.placement import Placement, RingPlacement
 from peerckpt.recovery.registry import AgentInfo, Registry
-from peerckpt.states import EpochMode, JobState, ProcRole
+from peerckpt.states import EpochMode, JobState, ProcRole, RecoveryKind
 
 log = logging.getLogger("peerckpt.coordinator")
 
@@ -328,7 +328,7 @@ class Coordinator:
             restarted = frozenset({member}) if msg.in_place else frozenset()
             self.epochs.recover(
                 Loss(
-                    "rank",
+                    RecoveryKind.RANK,
                     frozenset({member}),
                     frozenset(),
                     msg.reason,
@@ -352,7 +352,9 @@ class Coordinator:
         if self.life.state is JobState.STARTING:
             self.life.fail(f"node {node} was lost before the job started: {reason}")
             return
-        self.epochs.recover(Loss("node", frozenset(lost), frozenset({node}), reason, time.time()))
+        self.epochs.recover(
+            Loss(RecoveryKind.NODE, frozenset(lost), frozenset({node}), reason, time.time())
+        )
 
     def replication_failed(self, msg: ReplicationFailed) -> Ok:
         """A snapshot could not be mirrored to a buddy; the step cannot commit without it.
@@ -425,7 +427,9 @@ class Coordinator:
                     )
         if lost:
             reason = "its process exited while the coordinator was down"
-            self.epochs.recover(Loss("rank", frozenset(lost), frozenset(), reason, time.time()))
+            self.epochs.recover(
+                Loss(RecoveryKind.RANK, frozenset(lost), frozenset(), reason, time.time())
+            )
 
     # -- progress -------------------------------------------------------------------------
     def replicated(self, msg: Replicated) -> ReplicatedReply:

@@ -38,7 +38,7 @@ from peerckpt.recovery.commits import CommitTracker
 from peerckpt.recovery.elastic import grown, old_layout_summary, replaced, restarted, shrunk
 from peerckpt.recovery.placement import Placement
 from peerckpt.recovery.twins import domains_of, recovery_sources
-from peerckpt.states import EPOCH_MODE, EpochMode
+from peerckpt.states import EPOCH_MODE, EpochMode, RecoveryKind
 
 Proc = tuple[int, int]  # (node, pid)
 
@@ -84,7 +84,7 @@ class Loss:
     for spares still starting (set once it waits); ``never_joined``: spares given up on;
     ``ordered``: those of ``ranks`` the coordinator ordered restarted in place on their node."""
 
-    kind: str  # "rank" or "node"
+    kind: RecoveryKind  # RANK, NODE, or RENDEZVOUS (a restarted coordinator's regroup)
     ranks: frozenset[int]
     nodes: frozenset[int]
     reason: str
@@ -97,7 +97,7 @@ class Loss:
     def merged(self, other: Loss) -> Loss:
         """One recovery for both losses (the second struck while the first waited)."""
         return Loss(
-            "node" if "node" in (self.kind, other.kind) else self.kind,
+            RecoveryKind.NODE if RecoveryKind.NODE in (self.kind, other.kind) else self.kind,
             self.ranks | other.ranks,
             self.nodes | other.nodes,
             f"{self.reason}; {other.reason}",

@@ -45,7 +45,7 @@ from peerckpt.recovery.fallback import durable_to_restore, same_chunks
 from peerckpt.recovery.job import JobLife, Settings, Spares
 from peerckpt.recovery.registry import Registry
 from peerckpt.recovery.unreshardable import join_refusal
-from peerckpt.states import EpochMode, JobState, ProcRole
+from peerckpt.states import EpochMode, JobState, ProcRole, RecoveryKind
 
 log = logging.getLogger("peerckpt.coordinator")
 
@@ -308,7 +308,9 @@ class Epochs:
                 log.error("node %d is not added: %s", agent.node, refused)
                 self.refused_joins[agent.node] = refused
                 continue
-            event = self._record("grow", frozenset(), {agent.node}, f"node {agent.node} joined")
+            event = self._record(
+                RecoveryKind.GROW, frozenset(), {agent.node}, f"node {agent.node} joined"
+            )
             join = Join(agent.node, tuple((p.node, p.pid) for p in joiners))
             self._carry_out(decide_join(self.view(), join), event)
 
@@ -487,7 +489,10 @@ class Epochs:
             self.life.fail(f"cannot read the durable checkpoints in {config.url}: {exc}")
             return True
         event = self._record(
-            "cold_start", frozenset(), frozenset(), f"restored step {ckpt.step} from {config.url}"
+            RecoveryKind.COLD_START,
+            frozenset(),
+            frozenset(),
+            f"restored step {ckpt.step} from {config.url}",
         )
         log.info(
             "cold start: restoring step %d (%d ranks) from %s into %d ranks",
@@ -524,7 +529,7 @@ class Epochs:
     # -- the record ----------------------------------------------------------------------------
     def _record(
         self,
-        kind: str,
+        kind: RecoveryKind,
         ranks: frozenset[int] | set[int],
         nodes: frozenset[int] | set[int],
         reason: str,

@@ -66,7 +66,7 @@ class FlushInProgress:
     def record(self) -> FlushRecord:
         return FlushRecord(
             step=self.step,
-            state=self.state.value,
+            state=self.state,
             error=self.error,
             started_at=self.started_at,
             committed_at=self.committed_at,

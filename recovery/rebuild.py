@@ -39,7 +39,7 @@ from peerckpt.recovery.commits import CommitTracker
 from peerckpt.recovery.decide import Loss
 from peerckpt.recovery.registry import AgentInfo
 from peerckpt.recovery.twins import domains_of, twins_by_digest
-from peerckpt.states import JobState, ProcRole
+from peerckpt.states import JobState, ProcRole, RecoveryKind
 
 if TYPE_CHECKING:
     from peerckpt.recovery.coordinator import Coordinator
@@ -161,7 +161,7 @@ def regroup_unformed(c: Coordinator) -> None:
         "ranks form it again"
     )
     log.warning("%s", reason)
-    c.epochs.recover(Loss("rendezvous", frozenset(), frozenset(), reason, time.time()))
+    c.epochs.recover(Loss(RecoveryKind.RENDEZVOUS, frozenset(), frozenset(), reason, time.time()))
 
 
 def unformed(c: Coordinator) -> set[int]:

@@ -16,7 +16,7 @@ import pytest
 
 from peerckpt.chaos.spec import parse_chaos
 from peerckpt.errors import ConfigurationError
-from peerckpt.launch.base import JobResult
+from peerckpt.launch.base import JobOutcome, JobResult
 from peerckpt.launch.campaign import TAIL_STEPS, Campaign, compare, generate, place
 from peerckpt.launch.timeline import timeline_data
 
@@ -42,7 +42,7 @@ def _result(
     tensors: dict[str, dict[str, str]] | None = None,
 ) -> JobResult:
     return JobResult(
-        "j", 0, "succeeded", "", [], chaos, 1.0, [], digests, tensor_digests=tensors or {}
+        "j", 0, JobOutcome.SUCCEEDED, "", [], chaos, 1.0, [], digests, tensor_digests=tensors or {}
     )
 
 

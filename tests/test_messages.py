@@ -27,7 +27,7 @@ from peerckpt.messages.control import (
 )
 from peerckpt.messages.data import FetchBoxes, Push
 from peerckpt.messages.local import EpochStart, RestoreBody, RestorePlan, SnapshotTaken
-from peerckpt.states import EpochMode, JobState
+from peerckpt.states import EpochMode, JobState, RecoveryKind
 
 MANIFEST = SnapshotManifest(
     rank=1,
@@ -79,7 +79,11 @@ SAMPLES = [
         {0: [0, 10]},
         [[2, 20]],
         {0: True},
-        [RecoveryEvent("rank", [1], [], "exited", {1: 1}, 1.5, 1, pulls=[Pull(1, 2, 0, 32, 0.1)])],
+        [
+            RecoveryEvent(
+                RecoveryKind.RANK, [1], [], "exited", {1: 1}, 1.5, 1, pulls=[Pull(1, 2, 0, 32, 0.1)]
+            )
+        ],
         [],
         [],
     ),

@@ -33,7 +33,7 @@ from typing import Any, Generic, TypeVar
 from peerckpt.columns import ChunkColumns
 from peerckpt.membership import Membership
 from peerckpt.messages import Message, message
-from peerckpt.states import EpochMode, JobState, ProcRole
+from peerckpt.states import EpochMode, FlushState, JobState, ProcRole, RecoveryKind
 
 R = TypeVar("R")
 
@@ -443,10 +443,12 @@ class Shutdown(Event):
 class RecoveryEvent(Message):
     """One membership change and its recovery, as it progresses (replaced, never mutated).
 
-    ``kind``: ``rank`` or ``node`` (a loss), ``grow`` (a node joined), ``cold_start``.
+    ``kind``: ``RANK`` or ``NODE`` (a loss), ``GROW`` (a node joined), ``COLD_START``,
+    ``RENDEZVOUS`` (a restarted coordinator's ranks form their group again); it travels as
+    its value, the string the report and ``peerckpt status --json`` show.
     """
 
-    kind: str
+    kind: RecoveryKind
     ranks: list[int]
     nodes: list[int]
     reason: str
@@ -486,7 +488,7 @@ class RecoveryEvent(Message):
 @dataclass(frozen=True)
 class FlushRecord(Message):
     step: int
-    state: str
+    state: FlushState
     error: str
     started_at: float
     committed_at: float | None

@@ -7,15 +7,15 @@ import errno
 import fsspec
 import pytest
 
-from peerckpt.chaos.faultyfs import FAULT_FILE, parse_rules, rules_for
+from peerckpt.chaos.faultyfs import FAULT_FILE, FaultKind, parse_rules, rules_for
 
 
 def test_rules_parse_and_apply_by_step_and_directory(tmp_path) -> None:
     (tmp_path / FAULT_FILE).write_text("enospc step=10 after=5  # a comment\neio step=*\n")
     step10 = str(tmp_path / "ckpt" / "step-000000000010" / "data-n0.bin")
     step11 = str(tmp_path / "ckpt" / "step-000000000011" / "data-n0.bin")
-    assert [r.kind for r in rules_for(step10)] == ["enospc", "eio"]
-    assert [r.kind for r in rules_for(step11)] == ["eio"]
+    assert [r.kind for r in rules_for(step10)] == [FaultKind.ENOSPC, FaultKind.EIO]
+    assert [r.kind for r in rules_for(step11)] == [FaultKind.EIO]
     assert rules_for(str(tmp_path / "latest")) == []  # not under a step: never faulted
     with pytest.raises(ValueError, match="bad fault rule 'crash step=1'"):
         parse_rules("crash step=1")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from peerckpt.launch.gpus import sharing_env, visible_gpus
 from peerckpt.launch.processes import Node, ProcessSet, wait_all
+from peerckpt.states import ProcRole
 
 RECORD = """
 import json, os, sys
@@ -35,8 +36,8 @@ def test_processes_sharing_a_gpu_are_each_an_nccl_host_of_their_own(tmp_path: Pa
     for n in (0, 1):
         agents.append(subprocess.Popen([sys.executable, "-c", "pass"]))
         procs.nodes[n] = Node(n, agents[-1], "sock")
-        procs.start_proc(n, "rank")
-        procs.start_proc(n, "rank")
+        procs.start_proc(n, ProcRole.RANK)
+        procs.start_proc(n, ProcRole.RANK)
     wait_all([p for n in (0, 1) for p in procs.nodes[n].procs] + agents, 30.0)
     seen = [json.loads(line) for line in record.read_text().splitlines()]
     assert len({s["NCCL_HOSTID"] for s in seen}) == 4  # two ranks of a node differ too
@@ -50,7 +51,7 @@ def test_without_sharing_nccl_is_left_alone(tmp_path: Path) -> None:
     procs = ProcessSet("job", b"s", [str(script), str(record)], str(tmp_path), {})
     agent = subprocess.Popen([sys.executable, "-c", "pass"])
     procs.nodes[0] = Node(0, agent, "sock")
-    procs.start_proc(0, "rank")
+    procs.start_proc(0, ProcRole.RANK)
     wait_all([*procs.nodes[0].procs, agent], 30.0)
     [seen] = [json.loads(line) for line in record.read_text().splitlines()]
     assert seen["NCCL_HOSTID"] is None

@@ -21,6 +21,7 @@ import pytest
 from peerckpt.errors import AuthenticationError
 from peerckpt.launch.prefork import Forked
 from peerckpt.launch.processes import Node, ProcessSet
+from peerckpt.states import ProcRole
 from peerckpt.wire import Connection, client_handshake
 from tests.conftest import job_name
 
@@ -91,10 +92,10 @@ def test_a_forked_spare_is_what_python_script_would_be(procs, tmp_path: Path) ->
         ps.start_prefork()
     finally:
         del os.environ["SERVER_ONLY"]
-    first = ps.start_proc(0, "spare", X="one")
+    first = ps.start_proc(0, ProcRole.SPARE, X="one")
     assert isinstance(first, Forked)
     assert first.wait(timeout=60) == 3
-    second = ps.start_proc(0, "spare", X="two")
+    second = ps.start_proc(0, ProcRole.SPARE, X="two")
     assert second.wait(timeout=60) == 3
     assert ps.prefork is not None
     server = ps.prefork.proc.pid
@@ -123,12 +124,12 @@ def test_an_exception_exits_1_and_a_spare_without_server_is_a_fresh_python(
     out = tmp_path / "out.jsonl"
     ps = procs(str(out), "raise")
     ps.start_prefork()
-    forked = ps.start_proc(0, "spare")
+    forked = ps.start_proc(0, ProcRole.SPARE)
     assert isinstance(forked, Forked) and forked.wait(timeout=60) == 1
     off = procs(str(out), "4", prefork=False)
     off.start_prefork()
     assert off.prefork is None
-    plain = off.start_proc(0, "spare")
+    plain = off.start_proc(0, ProcRole.SPARE)
     assert isinstance(plain, subprocess.Popen) and plain.wait(timeout=60) == 4
     ppids = [r["ppid"] for r in _records(out) if "argv" in r]
     assert ppids[0] == ps.prefork.proc.pid and ppids[1] == os.getpid()
@@ -145,7 +146,7 @@ def test_the_server_refuses_a_wrong_secret_and_goes_on_serving(procs, tmp_path: 
     with pytest.raises(AuthenticationError):
         client_handshake(Connection(sock), secrets.token_bytes(32), JOB)
     sock.close()
-    assert ps.start_proc(0, "spare").wait(timeout=60) == 0
+    assert ps.start_proc(0, ProcRole.SPARE).wait(timeout=60) == 0
     assert len([r for r in _records(out) if "argv" in r]) == 1
 
 
@@ -153,7 +154,7 @@ def test_a_spare_outlives_a_dead_server_and_its_exit_is_still_seen(procs, tmp_pa
     out = tmp_path / "out.jsonl"
     ps = procs(str(out), "wait")
     ps.start_prefork()
-    spare = ps.start_proc(0, "spare")
+    spare = ps.start_proc(0, ProcRole.SPARE)
     assert isinstance(spare, Forked)
     deadline = time.monotonic() + 60
     while not _records(out) and time.monotonic() < deadline:
@@ -166,7 +167,7 @@ def test_a_spare_outlives_a_dead_server_and_its_exit_is_still_seen(procs, tmp_pa
     assert spare.wait(timeout=30) == 255  # its status died with the server: "unknown"
     # and a later spare starts as a fresh process
     (tmp_path / "out.jsonl.go").touch()
-    later = ps.start_proc(0, "spare")
+    later = ps.start_proc(0, ProcRole.SPARE)
     assert isinstance(later, subprocess.Popen) and later.wait(timeout=60) == 0
 
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from peerckpt.launch.processes import Node, ProcessSet, wait_all
-from peerckpt.states import ExitCode
+from peerckpt.states import ExitCode, ProcRole
 
 # Records its role and restart count, then asks for a restart until its third incarnation.
 SCRIPT = """
@@ -38,7 +38,7 @@ def test_a_process_that_asks_for_a_restart_gets_a_fresh_spare_on_its_node(tmp_pa
     script.write_text(SCRIPT)
     procs = ProcessSet("job", b"s", [str(script), str(record)], str(tmp_path), {})
     procs.nodes[1] = Node(1, subprocess.Popen([sys.executable, "-c", "pass"]), "sock")
-    procs.start_proc(1, "rank")
+    procs.start_proc(1, ProcRole.RANK)
     started = []
     try:
         deadline = time.monotonic() + 60.0
@@ -74,7 +74,7 @@ def test_an_ordered_restart_in_place_starts_one_spare_on_the_node_for_its_own_pr
     script.write_text(RECORD)
     procs = ProcessSet("job", b"s", [str(script), str(record)], str(tmp_path), {})
     procs.nodes[0] = Node(0, subprocess.Popen([sys.executable, "-c", "pass"]), "sock")
-    rank = procs.start_proc(0, "rank")
+    rank = procs.start_proc(0, ProcRole.RANK)
     lost = rank.pid
     try:
         deadline = time.monotonic() + 60.0

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from peerckpt.launch.base import JobSpec
-from peerckpt.launch.ray import RayLauncher, _Host
+from peerckpt.launch.ray import HostRole, RayLauncher, _Host
 from peerckpt.launch.rayactor import RayHost
 from peerckpt.launch.rayseal import context
 
@@ -51,7 +51,7 @@ def test_the_secret_the_environment_and_the_persist_url_never_travel_in_clear(
     launcher.job, launcher._secret, launcher._host_chaos = "j", SECRET, {}
     launcher.endpoint = "127.0.0.1:29400"
     actor = _Actor()
-    host = _Host(1, "node-1", "127.0.0.2", "ranks", actor)
+    host = _Host(1, "node-1", "127.0.0.2", HostRole.RANKS, actor)
     launcher._launch(host)
 
     carried = pickle.dumps(actor.sent)

@@ -3,7 +3,7 @@ NOT PROTECTED when no snapshot was committed."""
 
 from __future__ import annotations
 
-from peerckpt.launch.base import JobResult
+from peerckpt.launch.base import JobOutcome, JobResult
 from peerckpt.launch.report import format_report, format_summary, summarize
 
 LOST = {"kind": "rank", "ranks": [1], "reason": "exited", "lost": {1: 0}, "detected_at": 5.0}
@@ -48,12 +48,16 @@ def test_a_job_that_committed_nothing_is_not_protected() -> None:
     assert "ctx.steps(total)" in hint and "range()" in hint
     first, _ = format_summary(summarize(0, None, 8, [], []))
     assert first == "NOT PROTECTED: no snapshot was committed (8 taken by the ranks)"
-    failed = format_summary(summarize(0, None, 0, [], []), "failed")  # maybe before its loop
+    failed = format_summary(
+        summarize(0, None, 0, [], []), JobOutcome.FAILED
+    )  # maybe before its loop
     assert failed == ["no snapshot was committed before the job failed"]
 
 
 def test_the_report_ends_with_the_summary() -> None:
-    result = JobResult("j", 0, "succeeded", "", [], [], 3.0, summary=summarize(0, None, 0, [], []))
+    result = JobResult(
+        "j", 0, JobOutcome.SUCCEEDED, "", [], [], 3.0, summary=summarize(0, None, 0, [], [])
+    )
     lines = format_report(result).splitlines()
     assert lines[0] == "job succeeded in 3.0 s"
     assert lines[1] == "NOT PROTECTED: no snapshot was taken (loop over ctx.steps)"

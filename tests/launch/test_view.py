@@ -6,7 +6,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from peerckpt.launch.metrics import registry
-from peerckpt.launch.view import build_view, recovery_kind, transfer_seconds
+from peerckpt.launch.view import RepairKind, build_view, recovery_kind, transfer_seconds
 from peerckpt.messages import encode
 from peerckpt.messages.control import Pull
 from tests.launch.observed import CHAOS, T0, status
@@ -33,28 +33,28 @@ def test_the_view_places_every_rank_and_its_copies_and_costs_each_recovery() -> 
     assert nodes[2].spare and nodes[2].ranks == (2,) and nodes[2].memory == {}
     assert nodes[1].memory["replicas"] == 8192 and nodes[0].replicated_bytes == 900
     (rec,) = view.recoveries
-    assert rec.cause == "kill rank=2 at=30" and rec.kind == "rank"
+    assert rec.cause == "kill rank=2 at=30" and rec.kind is RepairKind.RANK
     assert round(rec.detection_s, 3) == 0.02 and rec.transfer_s == 0.03
     assert round(rec.restore_s, 3) == 0.2 and round(rec.total_s, 3) == 0.25
     assert rec.network_bytes == 5000 and rec.local_bytes == 4000 and rec.storage_bytes == 0
-    assert view.recoveries_total == {"rank": 1, "node": 0, "reshard": 0, "storage": 0}
-    assert not view.recovering and view.flushes == {"committed": 1, "failed": 1}
+    assert view.to_json()["recoveries_total"] == {"rank": 1, "node": 0, "reshard": 0, "storage": 0}
+    assert not view.recovering and view.to_json()["flushes"] == {"committed": 1, "failed": 1}
 
 
 def test_an_unfinished_recovery_is_under_way_and_not_counted() -> None:
     s = status()
     s["events"][0]["resumed_at"] = None
     view = build_view(s, chaos=CHAOS)
-    assert view.recovering and view.recoveries_total["rank"] == 0
+    assert view.recovering and view.recoveries_total[RepairKind.RANK] == 0
     assert view.recoveries[0].restore_s is None and view.recoveries[0].total_s is None
 
 
 def test_recovery_kinds_and_transfer_over_resharding_rounds() -> None:
-    assert recovery_kind({"kind": "node", "mode": "same", "pulls": []}) == "node"
-    assert recovery_kind({"kind": "rank", "mode": "reshard", "pulls": []}) == "reshard"
-    assert recovery_kind({"kind": "grow", "pulls": []}) == "reshard"
-    assert recovery_kind({"kind": "cold_start", "pulls": []}) == "storage"
-    assert recovery_kind({"kind": "node", "pulls": [{"source": -1}]}) == "storage"
+    assert recovery_kind({"kind": "node", "mode": "same", "pulls": []}) is RepairKind.NODE
+    assert recovery_kind({"kind": "rank", "mode": "reshard", "pulls": []}) is RepairKind.RESHARD
+    assert recovery_kind({"kind": "grow", "pulls": []}) is RepairKind.RESHARD
+    assert recovery_kind({"kind": "cold_start", "pulls": []}) is RepairKind.STORAGE
+    assert recovery_kind({"kind": "node", "pulls": [{"source": -1}]}) is RepairKind.STORAGE
     pulls = [
         {"round": 0, "seconds": 0.1},
         {"round": 0, "seconds": 0.3},
@@ -159,4 +159,4 @@ def test_a_superseded_recovery_costs_until_the_repair_that_ended_it() -> None:
     old, new = view.recoveries
     assert old.superseded and old.resumed_at is None and new.resumed_at == T0 + 11.5
     assert round(old.total_s, 3) == round(T0 + 11.5 - CHAOS[0]["fired_at"], 3)
-    assert view.recoveries_total["rank"] == 1  # counted once, by the repair that ended it
+    assert view.recoveries_total[RepairKind.RANK] == 1  # counted once, by the repair that ended it

@@ -32,7 +32,7 @@ from peerckpt.messages.control import (
 from peerckpt.recovery.coordinator import Coordinator
 from peerckpt.recovery.placement import placement_by_name
 from peerckpt.rpc import RpcClient, RpcServer
-from peerckpt.states import EpochMode, JobState, ProcRole
+from peerckpt.states import EpochMode, JobState, ProcRole, RecoveryKind
 
 
 def _rank(node: int, pid: int, rank: int) -> ProcJoined:
@@ -107,7 +107,9 @@ def test_a_lost_rank_is_replaced_by_a_spare_and_restores_the_committed_step() ->
     assert m.sources[2] == [0, 1]  # its buddy first, the node it was lost on last
     assert m.sources[0] == [0, 1]  # a survivor reads its own node's slot
     event = c.epochs.events[-1]
-    assert event.kind == "rank" and event.replacements == {2: [2, 200]} and event.epoch == 1
+    assert (
+        event.kind is RecoveryKind.RANK and event.replacements == {2: [2, 200]} and event.epoch == 1
+    )
     assert c.registry.procs[(2, 200)].role is ProcRole.RANK
 
 
@@ -294,7 +296,7 @@ def test_a_node_whose_heartbeats_stop_is_declared_lost() -> None:
     c.check_heartbeats()
     assert not c.registry.agents[1].alive and c.registry.agents[0].alive
     event = c.epochs.events[-1]
-    assert event.kind == "node" and event.nodes == [1]
+    assert event.kind is RecoveryKind.NODE and event.nodes == [1]
     assert "no heartbeat for" in event.reason
     assert _events(c, 0)[-1].membership.restore_step == 3
 
@@ -390,7 +392,10 @@ def test_a_coordinator_moved_off_a_dead_host_loses_its_nodes_once_the_others_are
     moved.check_heartbeats()
     assert not moved.registry.agents[0].alive
     (event,) = moved.epochs.events
-    assert event.kind == "node" and "127.0.0.2 died with the job's coordinator" in event.reason
+    assert (
+        event.kind is RecoveryKind.NODE
+        and "127.0.0.2 died with the job's coordinator" in event.reason
+    )
     m = moved.epochs.membership
     assert m is not None and m.epoch == 1 and m.restore_step == 3
     assert {m.ranks[r].node for r in (0, 1)} == {2} and m.sources[0][0] == 1
@@ -416,7 +421,7 @@ def test_a_survivor_restarted_in_place_is_part_of_the_recovery_it_could_not_leav
     assert c.epochs.membership.epoch == 2 and c.epochs.membership.ranks[1].pid == 300
     _resume_all(c, 2)
     [event] = c.epochs.events
-    assert event.kind == "node" and event.ranks == [2, 3] and event.epoch == 2
+    assert event.kind is RecoveryKind.NODE and event.ranks == [2, 3] and event.epoch == 2
     assert list(event.restarted) == [1] and event.restarted[1] >= event.detected_at
     assert event.replacements == {1: [0, 300], 2: [2, 200], 3: [2, 201]}
     assert event.resumed_at is not None and event.waited_for_spares_s is not None
@@ -432,5 +437,7 @@ def test_a_restart_in_place_after_every_rank_stepped_again_is_a_failure_of_its_o
     c.proc_joined(_spare(0, 300))
     first, second = c.epochs.events
     assert first.resumed_at is not None and first.restarted == {}
-    assert second.kind == "rank" and second.ranks == [1] and list(second.restarted) == [1]
+    assert (
+        second.kind is RecoveryKind.RANK and second.ranks == [1] and list(second.restarted) == [1]
+    )
     assert second.from_epoch == 1 and second.epoch == 2

@@ -21,7 +21,7 @@ from peerckpt.recovery.decide import (
     restarts_in_place,
 )
 from peerckpt.recovery.placement import RingPlacement
-from peerckpt.states import EpochMode
+from peerckpt.states import EpochMode, RecoveryKind
 
 LAYOUT = [ChunkRecord("w", "float32", (4,), (0,), (4,), 0, 16).to_msg()]
 
@@ -69,7 +69,12 @@ def _view(
 
 def _loss(*ranks: int, nodes: tuple[int, ...] = (), deadline: float | None = None) -> Loss:
     return Loss(
-        "node" if nodes else "rank", frozenset(ranks), frozenset(nodes), "test", 0.0, deadline
+        RecoveryKind.NODE if nodes else RecoveryKind.RANK,
+        frozenset(ranks),
+        frozenset(nodes),
+        "test",
+        0.0,
+        deadline,
     )
 
 
@@ -140,7 +145,7 @@ def test_a_join_grows_the_world_and_reshards() -> None:
 def test_merged_losses_recover_together() -> None:
     first = _loss(1, deadline=70.0)
     both = first.merged(_loss(3, nodes=(1,)))
-    assert both.ranks == {1, 3} and both.kind == "node" and both.deadline == 70.0
+    assert both.ranks == {1, 3} and both.kind is RecoveryKind.NODE and both.deadline == 70.0
     assert both.reason == "test; test"
 
 

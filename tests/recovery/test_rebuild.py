@@ -24,7 +24,7 @@ from peerckpt.messages.control import (
 )
 from peerckpt.recovery import rebuild
 from peerckpt.recovery.coordinator import Coordinator
-from peerckpt.states import EpochMode, JobState, ProcRole
+from peerckpt.states import EpochMode, JobState, ProcRole, RecoveryKind
 
 from .test_coordinator import LAYOUT
 
@@ -90,7 +90,7 @@ def test_ranks_that_never_stepped_in_the_rebuilt_epoch_form_its_group_again() ->
     assert new is not None and new.epoch == 2 and new.mode is EpochMode.SAME
     assert new.restore_step == 3 and new.ranks == m.ranks
     (event,) = c.epochs.events
-    assert event.kind == "rendezvous" and event.ranks == [] and event.from_epoch == 1
+    assert event.kind is RecoveryKind.RENDEZVOUS and event.ranks == [] and event.from_epoch == 1
     assert "rank(s) [0, 1] never reported stepping in epoch 1" in event.reason
     assert c.life.state is JobState.RUNNING
 

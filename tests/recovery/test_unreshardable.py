@@ -19,7 +19,7 @@ from peerckpt.messages.control import (
     Unreshardable,
 )
 from peerckpt.recovery.coordinator import Coordinator
-from peerckpt.states import JobState, ProcRole
+from peerckpt.states import JobState, ProcRole, RecoveryKind
 
 LAYOUT = [ChunkRecord("w", "float32", (4,), (0,), (4,), 0, 16).to_msg()]
 LOADER = "data (a StatefulDataLoader with a DistributedSampler)"
@@ -85,4 +85,4 @@ def test_a_job_that_can_reshard_lets_a_node_join_and_counts_its_commits() -> Non
     c.proc_joined(ProcJoined(node, ProcReport(300, ProcRole.JOINER, None)))
     status = c.status(Status())
     assert status.commits == 2 and status.refused_joins == {}
-    assert status.epoch == 1 and [e.kind for e in status.events] == ["grow"]
+    assert status.epoch == 1 and [e.kind for e in status.events] == [RecoveryKind.GROW]
