@@ -4,8 +4,10 @@ A launcher starts a job's processes (coordinator, one agent per node, ranks, spa
 the job until it ends, and stops everything it started, whatever happened. Backends: local
 simulated nodes (``launch/local.py``), one host of a multi-host job, plain torchrun, Ray.
 
-Call order: ``run()`` (which calls ``start()``, then watches the job, then ``stop()``, always)
-returns the :class:`JobResult`. While the job runs, a fault injector may ask the launcher for
+Call order: ``run()`` is the one sequence every backend follows (``Launcher.run`` says it step
+by step: start, chaos, the watch loop, stop always, the result, the report); a backend supplies
+``start``, ``_watch``, ``_result`` and ``stop``, and may hook ``_prepare``, ``_wind_down``,
+``_unfired`` and ``_on_signal``. It returns the :class:`JobResult`. While the job runs, a fault injector may ask the launcher for
 the machine-level faults only it can cause in its backend: ``kill_node``, ``kill_agent``,
 ``kill_coordinator``, and the growth ``add_node``.
 """
@@ -14,12 +16,22 @@ from __future__ import annotations
 
 import abc
 import enum
+import json
 import logging
+import signal
+import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from peerckpt.errors import PeerckptError
 from peerckpt.launch.checks import check_spec
+from peerckpt.outfiles import write_private
 from peerckpt.states import ExitCode, JobState
+
+if TYPE_CHECKING:
+    from peerckpt.chaos import Chaos
+    from peerckpt.rpc import RpcClient
 
 log = logging.getLogger("peerckpt.launcher")
 
@@ -141,10 +153,89 @@ class Launcher(abc.ABC):
 
     job: str  # the job's name: its processes' PEERCKPT_JOB, its shared-memory prefix
     run_id: str  # this run's random id: its processes' PEERCKPT_RUN, in every segment's name
+    spec: JobSpec
+    chaos: Chaos | None  # the faults this launcher injects itself, if any
+    rpc: RpcClient | None  # the coordinator's client, once started
+    _fault_dir: str | None  # where the chaos monkey's fault files go, if it needs one
+    _interrupted: threading.Event  # a signal asked the launcher to stop
+
+    def run(self) -> JobResult:
+        """Start the job, watch it until it ends, stop everything; return how it ended.
+
+        The sequence, the same for every backend: SIGINT and SIGTERM go to ``_on_signal``
+        (in the main thread); ``_prepare``; ``start``; the chaos monkey starts; ``_watch``
+        until the job ends, which says how; then, whatever happened (an error of the
+        launcher's own is logged and fails the job), the chaos monkey stops first (it thaws
+        what it froze), ``_wind_down`` collects what ``stop`` removes, ``stop`` ends every
+        process, and the signal handlers are put back. ``_result`` builds the result, a
+        chaos action that never fired fails it (``chaos_verdict``), and the report is
+        written (``--report``).
+        """
+        started = time.time()
+        outcome, reason = JobOutcome.FAILED, ""
+        previous = (
+            {
+                sig: signal.signal(sig, lambda s, f: self._on_signal())
+                for sig in (signal.SIGINT, signal.SIGTERM)
+            }
+            if threading.current_thread() is threading.main_thread()
+            else {}
+        )
+        try:
+            self._prepare()
+            self.start()
+            if self.chaos is not None:
+                assert self.rpc is not None
+                self.chaos.start(self, self.rpc, self._fault_dir)
+            outcome, reason = self._watch()
+        except PeerckptError as exc:
+            reason = str(exc)
+            log.error("%s", exc)
+        finally:
+            if self.chaos is not None:
+                self.chaos.stop()  # first: it thaws the processes it froze
+            self._wind_down()
+            self.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        result = self._result(outcome, reason, time.time() - started)
+        unfired = [line for line in self._unfired() if line not in result.unfired]
+        result.unfired += unfired
+        result.state, result.reason = chaos_verdict(result.state, result.reason, unfired)
+        if result.state is JobOutcome.FAILED and result.exit_code == ExitCode.OK:
+            result.exit_code = int(ExitCode.FAILED)
+        if self.spec.report:
+            write_private(self.spec.report, json.dumps(result.to_json(), indent=2, default=str))
+        return result
 
     @abc.abstractmethod
-    def run(self) -> JobResult:
-        """Start the job, watch it until it ends, stop everything; return how it ended."""
+    def start(self) -> None:
+        """Start the job's processes (and the coordinator's client, ``rpc``)."""
+
+    @abc.abstractmethod
+    def _watch(self) -> tuple[JobOutcome, str]:
+        """Watch the job until it ends (or a signal stops the launcher): how, and why."""
+
+    @abc.abstractmethod
+    def _result(self, outcome: JobOutcome, reason: str, wall_s: float) -> JobResult:
+        """The job's result, once everything stopped: ``outcome`` and ``reason`` as
+        ``_watch`` said (or the launcher's error), ``wall_s`` since ``run`` began."""
+
+    def _prepare(self) -> None:
+        """Before anything starts (a backend's observers)."""
+        return
+
+    def _wind_down(self) -> None:
+        """After the chaos monkey stopped, before ``stop``: collect what ``stop`` removes."""
+        return
+
+    def _unfired(self) -> list[str]:
+        """A line per chaos action that never fired."""
+        return self.chaos.unfired() if self.chaos is not None else []
+
+    def _on_signal(self) -> None:
+        """SIGINT or SIGTERM: stop the job."""
+        self._interrupted.set()
 
     @abc.abstractmethod
     def stop(self) -> None:

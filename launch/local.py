@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from peerckpt.errors import PeerckptError, PeerUnavailable
 from peerckpt.faults import ENV as FAULTS_ENV
-from peerckpt.launch.base import JobOutcome, JobResult, JobSpec, Launcher, chaos_verdict
+from peerckpt.launch.base import JobOutcome, JobResult, JobSpec, Launcher
 from peerckpt.launch.gpus import visible_gpus
 from peerckpt.launch.jobfile import JobClaim
 from peerckpt.launch.monitor import JobMonitor, MonitorServer
@@ -43,7 +43,6 @@ from peerckpt.messages.control import (
     Stop,
 )
 from peerckpt.names import check_job_name, new_run_id
-from peerckpt.outfiles import write_private
 from peerckpt.persist.config import to_env as persist_env
 from peerckpt.rpc import RpcClient
 from peerckpt.shm import sweep
@@ -98,6 +97,10 @@ class LocalLauncher(Launcher):
         self._spare_node = -1
         self._spares_announced = 0  # spares the coordinator was told are starting, not started
         self._fault_dir: str | None = None
+        # What the result holds, collected as the job runs and before ``stop`` removes it
+        self._events: list[dict[str, Any]] = []
+        self._digests: dict[str, list[str]] = {}
+        self._tensor_digests: dict[str, dict[str, str]] = {}
         # Observers: metrics and the status page (--metrics-port), the timeline samples, and
         # whatever else wants every status the launcher polls (progress, a campaign's bar).
         self.monitor = JobMonitor()
@@ -232,67 +235,45 @@ class LocalLauncher(Launcher):
         """Flags every agent this launcher starts gets (where it binds, on several hosts)."""
         return []
 
-    # -- running --------------------------------------------------------------------------
-    def run(self) -> JobResult:
-        start = time.time()
-        state, reason = JobOutcome.FAILED, ""
-        events: list[dict[str, Any]] = []
-        previous = (
-            {
-                sig: signal.signal(sig, lambda s, f: self._on_signal())
-                for sig in (signal.SIGINT, signal.SIGTERM)
-            }
-            if threading.current_thread() is threading.main_thread()
-            else {}
-        )
-        try:
-            if self.spec.metrics_port is not None:
-                self._server = MonitorServer(
-                    self.monitor, self.spec.metrics_addr, self.spec.metrics_port
-                )
-                self._server.start()
-            self.start()
-            assert self.rpc is not None
-            if self.chaos is not None:
-                self.chaos.start(self, self.rpc, self._fault_dir)
-            state, reason, events = self._watch()
-            if self._interrupted.is_set():
-                self._flush_before_stop()
-        except PeerckptError as exc:
-            reason = str(exc)
-            log.error("%s", exc)
-        finally:
-            if self.chaos is not None:
-                self.chaos.stop()  # first: it thaws the processes it froze
-            digests, tensor_digests = self._read_digests()
-            self._recovery_progress.close()
-            self.stop()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+    # -- running (the steps of ``Launcher.run``) -------------------------------------------
+    def _prepare(self) -> None:
+        if self.spec.metrics_port is not None:
+            self._server = MonitorServer(
+                self.monitor, self.spec.metrics_addr, self.spec.metrics_port
+            )
+            self._server.start()
+
+    def _watch(self) -> tuple[JobOutcome, str]:
+        outcome, reason, self._events = self._poll()
         if self._interrupted.is_set():
-            state, reason = JobOutcome.INTERRUPTED, "stopped by a signal (Ctrl-C)"
-        unfired = self.chaos.unfired() if self.chaos is not None else []
-        state, reason = chaos_verdict(state, reason, unfired)
-        result = JobResult(
+            self._flush_before_stop()
+        return outcome, reason
+
+    def _wind_down(self) -> None:
+        self._digests, self._tensor_digests = self._read_digests()  # stop removes them
+        self._recovery_progress.close()
+
+    def _result(self, outcome: JobOutcome, reason: str, wall_s: float) -> JobResult:
+        if self._interrupted.is_set():
+            outcome, reason = JobOutcome.INTERRUPTED, "stopped by a signal (Ctrl-C)"
+        return JobResult(
             self.job,
-            state.exit_code,
-            state,
+            outcome.exit_code,
+            outcome,
             reason,
-            events,
+            self._events,
             self.chaos.fired if self.chaos is not None else [],
-            time.time() - start,
+            wall_s,
             self._flushes,
-            digests,
+            self._digests,
             self.monitor.timeline(),
-            unfired,
-            tensor_digests,
+            [],
+            self._tensor_digests,
             self.monitor.summary(),
         )
-        if self.spec.report:
-            write_private(self.spec.report, json.dumps(result.to_json(), indent=2, default=str))
-        return result
 
-    def _watch(self) -> tuple[JobOutcome, str, list[dict[str, Any]]]:
+    def _poll(self) -> tuple[JobOutcome, str, list[dict[str, Any]]]:
+        """Poll the coordinator until the job ends: how, why, and the failures of the job."""
         assert self.rpc is not None
         state, events = JobState.STARTING, list[RecoveryEvent]()
         started = time.monotonic()
@@ -468,7 +449,7 @@ class LocalLauncher(Launcher):
 
         The coordinator may die on the way: a call it does not answer is tried again at the
         next status, and while a new spare node's agent waits for it (``CoordinatorLink.
-        register``) this restarts it, as ``_watch`` would; neither fails the job."""
+        register``) this restarts it, as ``_poll`` would; neither fails the job."""
         assigned = {pid for _, pid in status.ranks.values()}
         waiting = [p for p in self._spares if p.poll() is None and p.pid not in assigned]
         missing = self.spec.spares - len(waiting)

@@ -35,18 +35,16 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import json
 import logging
 import os
 import secrets
-import signal
 import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 from peerckpt.errors import ConfigurationError, PeerckptError
-from peerckpt.launch.base import JobOutcome, JobResult, JobSpec, Launcher, chaos_verdict
+from peerckpt.launch.base import JobOutcome, JobResult, JobSpec, Launcher
 from peerckpt.launch.checks import check_ray_address
 from peerckpt.launch.rayactor import RayHost
 from peerckpt.launch.rayenv import forwarded
@@ -55,7 +53,6 @@ from peerckpt.launch.rayplan import host_order, split_chaos
 from peerckpt.launch.rayseal import context, seal
 from peerckpt.messages.control import JobStatus, Status
 from peerckpt.names import check_job_name
-from peerckpt.outfiles import write_private
 from peerckpt.rpc import RpcClient
 from peerckpt.states import ExitCode, JobState
 
@@ -119,7 +116,9 @@ class RayLauncher(Launcher):
         self._connected = False
         self._lock = threading.Lock()
         self._actor_cls: Any = None
-        self.chaos: Any = None
+        self.chaos = None
+        self._fault_dir = None
+        self._host0: dict[str, Any] | None = None  # host 0's end: its exit status and result
 
     # -- starting -------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -220,6 +219,10 @@ class RayLauncher(Launcher):
         for host in placed:  # host 0 first: the others wait for its coordinator
             self._launch(host)
         self.rpc = RpcClient(self.endpoint, self._secret, self.job)
+        if self._driver_chaos:  # the faults only the driver can cause; ``run`` starts them
+            from peerckpt.chaos import Chaos
+
+            self.chaos = Chaos(self._driver_chaos)
         log.info(
             "job %s on Ray: %d node(s) × %d rank(s), %d spare node(s); coordinator %s",
             self.job,
@@ -259,39 +262,10 @@ class RayLauncher(Launcher):
         self._launch(host)
         return host.rank
 
-    # -- running --------------------------------------------------------------------------
-    def run(self) -> JobResult:
-        started = time.time()
-        previous = (
-            {
-                sig: signal.signal(sig, lambda s, f: self._interrupted.set())
-                for sig in (signal.SIGINT, signal.SIGTERM)
-            }
-            if threading.current_thread() is threading.main_thread()
-            else {}
-        )
-        code, report, reason = int(ExitCode.FAILED), None, ""
-        try:
-            self.start()
-            if self._driver_chaos:
-                from peerckpt.chaos import Chaos
-
-                assert self.rpc is not None
-                self.chaos = Chaos(self._driver_chaos)
-                self.chaos.start(self, self.rpc, None)
-            code, report, reason = self._watch()
-        except PeerckptError as exc:
-            reason = str(exc)
-            log.error("%s", exc)
-        finally:
-            if self.chaos is not None:
-                self.chaos.stop()
-            self.stop()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-        return self._result(code, report, reason, time.time() - started)
-
-    def _watch(self) -> tuple[int, dict[str, Any] | None, str]:
+    # -- running (the steps of ``Launcher.run``) -------------------------------------------
+    def _watch(self) -> tuple[JobOutcome, str]:
+        """Until host 0's launcher ends (its result, in ``_host0``), a host that brings ranks
+        fails the start, or a signal: spare nodes kept in reserve meanwhile."""
         import ray
 
         host0 = self.hosts[0]
@@ -300,17 +274,19 @@ class RayLauncher(Launcher):
             try:
                 done = ray.get(host0.actor.poll.remote(), timeout=30)
             except ray.exceptions.RayActorError:
-                return int(ExitCode.FAILED), None, "the Ray node of host 0 (the coordinator) died"
+                return JobOutcome.FAILED, "the Ray node of host 0 (the coordinator) died"
             if done is not None:
-                return int(done["code"]), done["result"], ""
+                self._host0 = done
+                ended = int(done["code"]) == ExitCode.INTERRUPTED
+                return JobOutcome.INTERRUPTED if ended else JobOutcome.FAILED, ""
             if time.monotonic() >= next_nodes:
                 next_nodes = time.monotonic() + NODES_POLL_S
                 self._check_hosts()
                 problem = self._start_problem()
                 if problem:
-                    return int(ExitCode.FAILED), None, problem
+                    return JobOutcome.FAILED, problem
                 self._replenish()
-        return int(ExitCode.INTERRUPTED), None, "stopped by a signal (Ctrl-C)"
+        return JobOutcome.INTERRUPTED, "stopped by a signal (Ctrl-C)"
 
     def _check_hosts(self) -> None:
         """Note hosts whose Ray node (and so actor) is gone: lost hosts, for the coordinator
@@ -434,35 +410,31 @@ class RayLauncher(Launcher):
             ray.shutdown()
             self._connected = False
 
-    def _result(
-        self, code: int, report: dict[str, Any] | None, reason: str, wall_s: float
-    ) -> JobResult:
+    def _result(self, outcome: JobOutcome, reason: str, wall_s: float) -> JobResult:
+        """Host 0's result, with the faults every host fired; else how the driver saw it end."""
         fired = list(self.chaos.fired) if self.chaos is not None else []
         # The faults every host fired are in its own result (host 0's in ``report``).
         for host in self.hosts.values():
             if host.rank != 0:
                 fired += ((host.done or {}).get("result") or {}).get("chaos", [])
+        report = self._host0["result"] if self._host0 is not None else None
         if report is not None:
             result = JobResult.from_json(report)
             fired += result.chaos
         else:
-            state = JobOutcome.INTERRUPTED if code == ExitCode.INTERRUPTED else JobOutcome.FAILED
-            result = JobResult(self.job, code, state, reason, [], [], wall_s)
+            code = int(self._host0["code"]) if self._host0 is not None else outcome.exit_code
+            result = JobResult(self.job, code, outcome, reason, [], [], wall_s)
         result.chaos = sorted(fired, key=lambda c: c.get("fired_at") or float("inf"))
-        # Every host fails its own run when one of its actions never fired; the job's result
-        # is host 0's, so the others' (and the driver's) are carried over.
-        unfired = list(self.chaos.unfired()) if self.chaos is not None else []
+        return result
+
+    def _unfired(self) -> list[str]:
+        """Every host fails its own run when one of its actions never fired; the job's result
+        is host 0's, so the others' (and the driver's) are carried over."""
+        unfired = super()._unfired()
         for host in self.hosts.values():
             if host.rank != 0:
                 unfired += ((host.done or {}).get("result") or {}).get("unfired", [])
-        unfired = [line for line in unfired if line not in result.unfired]
-        result.unfired += unfired
-        result.state, result.reason = chaos_verdict(result.state, result.reason, unfired)
-        if result.state is JobOutcome.FAILED and result.exit_code == ExitCode.OK:
-            result.exit_code = int(ExitCode.FAILED)
-        if self.spec.report:
-            write_private(self.spec.report, json.dumps(result.to_json(), indent=2, default=str))
-        return result
+        return unfired
 
 
 def run(
