@@ -77,9 +77,15 @@ def test_an_abort_cuts_the_pairs_gloo_connected_after_the_group_formed() -> None
     after the group formed: an abort that cut only what the group opened while forming (the
     store client) left the all-reduce waiting out the group's timeout (120 s here)."""
     for rank in _abort_with_a_peer_stopped("1"):
-        assert rank["lazy"] and rank["opened_first_all_reduce"] == 2, rank  # connected late
-        # The store client opened while forming, and the two pairs; never the listener.
-        assert rank["cut"] == 3, rank
+        # Lazy: a pair connects when either end first uses it, so which of a rank's two pairs
+        # its first all-reduce opened, and which it accepted while still forming, varies from
+        # run to run; at least one was connected after the group formed.
+        assert rank["lazy"] and rank["opened_first_all_reduce"] >= 1, rank  # connected late
+        # cut: the store client and the pair to the stopped rank at least, never the listener
+        # (the pair between the two survivors may be gone already, closed by the other's
+        # abort); released long before the group's timeout (120 s), which is what an abort
+        # that cut only what the group opened while forming waited out
+        assert rank["cut"] >= 2, rank
         assert rank["all_reduce"] != "finished" and rank["seconds"] < 20.0, rank
 
 
@@ -87,7 +93,7 @@ def test_an_abort_cuts_the_pairs_gloo_connected_after_the_group_formed() -> None
 def test_an_eager_group_connects_every_pair_while_it_forms_and_its_abort_cuts_them() -> None:
     for rank in _abort_with_a_peer_stopped("0"):
         assert not rank["lazy"] and rank["opened_first_all_reduce"] == 0, rank
-        assert rank["cut"] == 3, rank
+        assert rank["cut"] >= 2, rank  # as above
         assert rank["all_reduce"] != "finished" and rank["seconds"] < 20.0, rank
 
 
