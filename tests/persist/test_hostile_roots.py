@@ -508,6 +508,7 @@ def test_fuzz_hostile_local_roots(reader: Reader, shape: Shape) -> None:
     check_bounded(reader, shape, local=True)
 
 
+@pytest.mark.slow  # ~20 s; every reader on every S3 shape runs in make test above
 @settings(FEW, max_examples=6)  # each S3 example makes dozens of requests to moto
 @given(remote_shapes)
 def test_fuzz_hostile_s3_roots(reader: Reader, shape: Shape) -> None:
