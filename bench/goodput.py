@@ -187,8 +187,8 @@ def peerckpt_run(
         (dict(c["interval"], agreed_every=c["every"]) for c in chosen if c["interval"]), None
     )
     if fired:
-        row["restored_steps"] = [e.get("restore_step") for e in result.events]
-        row["recovery_kinds"] = [e.get("kind") for e in result.events]
+        row["restored_steps"] = [e.restore_step for e in result.events]
+        row["recovery_kinds"] = [e.kind.value for e in result.events]
     return row
 
 

@@ -44,6 +44,7 @@ from common import (
 
 sys.path.insert(0, str(REPO))
 from peerckpt.launch.report import settled_at
+from peerckpt.messages.control import RecoveryEvent
 
 JOB = REPO / "tests" / "jobs" / "ddp_job.py"
 BOUND_S = 2.0
@@ -82,7 +83,7 @@ def one_run(out: Path) -> dict[str, Any]:
     [kill] = report["chaos"]
     events = report["events"]
     first = events[0]
-    settled = settled_at(events, 0)
+    settled = settled_at([RecoveryEvent.from_json(e) for e in events], 0)
     reported = REPORTED.findall(log)
     after_detection = RECOVERED.findall(log)
     detection_s = first["detected_at"] - kill["fired_at"]

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from peerckpt.errors import PeerckptError
 from peerckpt.launch.checks import check_spec
+from peerckpt.messages import encode
+from peerckpt.messages.control import FlushRecord, RecoveryEvent
 from peerckpt.outfiles import write_private
 from peerckpt.states import ExitCode, JobState
 
@@ -115,10 +117,10 @@ class JobResult:
     exit_code: int
     state: JobOutcome
     reason: str
-    events: list[dict[str, Any]]
+    events: list[RecoveryEvent]  # every failure of the job, oldest first
     chaos: list[dict[str, Any]]
     wall_s: float
-    flushes: list[dict[str, Any]] = field(default_factory=list)  # durable checkpoints written
+    flushes: list[FlushRecord] = field(default_factory=list)  # durable checkpoints written
     digests: dict[str, list[str]] = field(default_factory=dict)  # "rank/step" → digests seen
     timeline: dict[str, Any] = field(default_factory=dict)  # JobMonitor.timeline()
     unfired: list[str] = field(default_factory=list)  # a line per chaos action that never fired
@@ -128,13 +130,25 @@ class JobResult:
 
     def to_json(self) -> dict[str, Any]:
         """The report's JSON form (``peerckpt run --report``): every field, the state as
-        its string."""
-        return {**self.__dict__, "state": self.state.value}
+        its string, the events and flushes as the maps they travel as."""
+        return {
+            **self.__dict__,
+            "state": self.state.value,
+            "events": [e.to_json() for e in self.events],
+            "flushes": [encode(f) for f in self.flushes],
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> JobResult:
         """A result read back from its JSON form (a Ray host's, a report file)."""
-        return cls(**{**data, "state": JobOutcome(data["state"])})
+        return cls(
+            **{
+                **data,
+                "state": JobOutcome(data["state"]),
+                "events": [RecoveryEvent.from_json(e) for e in data["events"]],
+                "flushes": [FlushRecord.from_json(f) for f in data.get("flushes", [])],
+            }
+        )
 
 
 def chaos_verdict(state: JobOutcome, reason: str, unfired: list[str]) -> tuple[JobOutcome, str]:

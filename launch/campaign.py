@@ -33,8 +33,9 @@ from peerckpt.errors import ConfigurationError
 from peerckpt.launch.base import JobOutcome, JobResult, JobSpec
 from peerckpt.launch.local import LocalLauncher
 from peerckpt.launch.progress import Report
-from peerckpt.launch.report import failure_rows
+from peerckpt.launch.report import FailureRow, failure_rows
 from peerckpt.launch.view import JobView
+from peerckpt.messages.control import JobStatus
 from peerckpt.outfiles import private_dir, write_private
 from peerckpt.shm import SHM_DIR, segment_prefix
 
@@ -271,15 +272,15 @@ def run_campaign(
     return campaign
 
 
-def _committed(bar: Report) -> Any:
+def _committed(bar: Report) -> Callable[[JobStatus, JobView], None]:
     """A launcher watcher: the committed step, as the reference run's progress."""
     return lambda status, view: bar.update(view.committed_step or 0)
 
 
-def _fired(bar: Report, launcher: Any) -> Any:
+def _fired(bar: Report, launcher: Any) -> Callable[[JobStatus, JobView], None]:
     """A launcher watcher: the faults fired so far, as the chaos run's progress."""
 
-    def watch(status: dict[str, Any], view: JobView) -> None:
+    def watch(status: JobStatus, view: JobView) -> None:
         fired = launcher.chaos.fired if launcher.chaos is not None else []
         bar.update(sum(1 for c in fired if c.get("fired_at")))
 
@@ -352,9 +353,7 @@ def compare(campaign: Campaign, reference: JobResult, run: JobResult) -> None:
         pulled = ""
         if failure is not None:
             parts = [
-                f"r{p['rank']} {p['bytes']:,} B n{p['source']}→n{p['node']}"
-                for p in failure.pulls
-                if p["bytes"]
+                f"r{p.rank} {p.bytes:,} B n{p.source}→n{p.node}" for p in failure.pulls if p.bytes
             ]
             pulled = ", ".join(parts) or "local copies only (no network)"
         note = "" if failure else "no rank was lost"
@@ -389,7 +388,7 @@ def difference(rank: int, step: int, seen: set[str], reference: JobResult, run: 
     return f"rank {rank} step {step}: its tensors differ"
 
 
-def _pair(run: JobResult) -> list[tuple[Any, dict[str, Any]]]:
+def _pair(run: JobResult) -> list[tuple[FailureRow, dict[str, Any]]]:
     """(failure row, the chaos record that caused it) for every injected failure."""
     rows = failure_rows(run.events, run.chaos)
     pairs = []

@@ -25,7 +25,6 @@ from rich.text import Text
 from peerckpt.errors import ConfigurationError, PeerckptError
 from peerckpt.launch.jobfile import find_job
 from peerckpt.launch.view import JobView, RecoveryView, build_view
-from peerckpt.messages import encode
 from peerckpt.messages.control import Status
 from peerckpt.rpc import RpcClient
 from peerckpt.secret import job_secret
@@ -42,7 +41,7 @@ def connect(job: str, endpoint: str | None, secret_file: str | None) -> RpcClien
 
 
 def fetch(rpc: RpcClient) -> JobView:
-    return build_view(encode(rpc.call(Status(), timeout=5.0)))
+    return build_view(rpc.call(Status(), timeout=5.0))
 
 
 def _ms(seconds: float | None) -> str:

@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from peerckpt.errors import PeerckptError, PeerUnavailable
 from peerckpt.faults import ENV as FAULTS_ENV
@@ -33,9 +33,9 @@ from peerckpt.launch.monitor import JobMonitor, MonitorServer
 from peerckpt.launch.processes import Proc, ProcessSet, coordinator_argv
 from peerckpt.launch.progress import RecoveryProgress
 from peerckpt.launch.view import JobView
-from peerckpt.messages import encode
 from peerckpt.messages.control import (
     AllocateNode,
+    FlushRecord,
     JobStatus,
     RecoveryEvent,
     SparesStarting,
@@ -88,9 +88,9 @@ class LocalLauncher(Launcher):
         self._interrupted = threading.Event()
         self._hurry = threading.Event()  # a second signal: stop without waiting for a flush
         self.rpc: RpcClient | None = None
-        self._flushes: list[dict[str, Any]] = []
+        self._flushes: list[FlushRecord] = []
         self._restarts = 0  # coordinator restarts
-        self._earlier_events: list[dict[str, Any]] = []  # failures seen by the coordinators before
+        self._earlier_events: list[RecoveryEvent] = []  # failures seen by the coordinators before
         self._coordinator_where: list[str] = []  # where the coordinator listens (its flags)
         self._store_port = 0
         self._spares: list[Proc] = []  # every spare process started
@@ -98,7 +98,7 @@ class LocalLauncher(Launcher):
         self._spares_announced = 0  # spares the coordinator was told are starting, not started
         self._fault_dir: str | None = None
         # What the result holds, collected as the job runs and before ``stop`` removes it
-        self._events: list[dict[str, Any]] = []
+        self._events: list[RecoveryEvent] = []
         self._digests: dict[str, list[str]] = {}
         self._tensor_digests: dict[str, dict[str, str]] = {}
         # Observers: metrics and the status page (--metrics-port), the timeline samples, and
@@ -106,7 +106,7 @@ class LocalLauncher(Launcher):
         self.monitor = JobMonitor()
         self._server: MonitorServer | None = None
         self._recovery_progress = RecoveryProgress()
-        self.watchers: list[Callable[[dict[str, Any], JobView], None]] = [self._recovery_progress]
+        self.watchers: list[Callable[[JobStatus, JobView], None]] = [self._recovery_progress]
         if self.chaos is not None and self.chaos.needs_fault_dir:
             self._fault_dir = os.path.join(self.rundir, "faults")
             os.mkdir(self._fault_dir, 0o700)
@@ -272,7 +272,7 @@ class LocalLauncher(Launcher):
             self.monitor.summary(),
         )
 
-    def _poll(self) -> tuple[JobOutcome, str, list[dict[str, Any]]]:
+    def _poll(self) -> tuple[JobOutcome, str, list[RecoveryEvent]]:
         """Poll the coordinator until the job ends: how, why, and the failures of the job."""
         assert self.rpc is not None
         state, events = JobState.STARTING, list[RecoveryEvent]()
@@ -301,7 +301,7 @@ class LocalLauncher(Launcher):
                     )
                 continue
             state, events = status.state, status.events
-            self._flushes = [encode(f) for f in status.flushes]
+            self._flushes = list(status.flushes)
             self._observe(status)
             if state.ended:
                 return JobOutcome.of(state), status.reason, self._all_events(events)
@@ -338,7 +338,7 @@ class LocalLauncher(Launcher):
             deadline, told = time.monotonic() + STOP_FLUSH_S, False
             while not self._hurry.wait(0.1):
                 status = self.rpc.call(Status(), timeout=5.0)
-                self._flushes = [encode(f) for f in status.flushes]
+                self._flushes = list(status.flushes)
                 if status.state.ended:
                     return
                 if not told:
@@ -368,13 +368,11 @@ class LocalLauncher(Launcher):
         return False
 
     def _observe(self, status: JobStatus) -> None:
-        """Hand a status to the monitor (metrics, status page, timeline) and the watchers
-        (they read it as the map it travels as, the form ``peerckpt status --json`` prints)."""
+        """Hand a status to the monitor (metrics, status page, timeline) and the watchers."""
         chaos = list(self.chaos.fired) if self.chaos is not None else []
-        raw = encode(status)
-        view = self.monitor.observe(raw, self._all_events(status.events), chaos)
+        view = self.monitor.observe(status, self._all_events(status.events), chaos)
         for watcher in self.watchers:
-            watcher(raw, view)
+            watcher(status, view)
 
     def _read_digests(self) -> tuple[dict[str, list[str]], dict[str, dict[str, str]]]:
         """The digests the coordinators recorded: "rank/step" → the distinct ones seen, and
@@ -406,10 +404,9 @@ class LocalLauncher(Launcher):
                     seen.append(parts[2])
         return found
 
-    def _all_events(self, events: list[RecoveryEvent]) -> list[dict[str, Any]]:
-        """The failures of the whole job (the report's JSON form): a restarted coordinator
-        knows only its own."""
-        return [*self._earlier_events, *(e.to_json() for e in events)]
+    def _all_events(self, events: list[RecoveryEvent]) -> list[RecoveryEvent]:
+        """The failures of the whole job: a restarted coordinator knows only its own."""
+        return [*self._earlier_events, *events]
 
     def kill_coordinator(self) -> None:
         """SIGKILL the coordinator; the launcher restarts it (``_restart_coordinator``)."""

@@ -29,6 +29,7 @@ from peerckpt.launch import metrics, statuspage
 from peerckpt.launch.httpserve import DEFAULT_LIMITS, BoundedHTTPServer, HttpLimits, host_allowed
 from peerckpt.launch.report import summarize
 from peerckpt.launch.view import JobView, build_view
+from peerckpt.messages.control import FlushRecord, JobStatus, NodeStats, RecoveryEvent
 
 log = logging.getLogger("peerckpt.launcher")
 MAX_STEP_SAMPLES = 200_000  # a timeline of a very long job keeps its first this many points
@@ -40,7 +41,7 @@ class JobMonitor:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._view: JobView | None = None
-        self._node_stats: dict[int, dict[str, Any]] = {}
+        self._node_stats: dict[int, NodeStats] = {}
         self.started_at = time.time()
         self._steps: list[list[float]] = []  # [t, rank, step]
         self._commits: list[list[float]] = []  # [t, step]
@@ -49,36 +50,34 @@ class JobMonitor:
         self._full_logged = False
         # Steps committed: a restarted coordinator counts from 0 again, the job does not.
         self._commits_before = self._commits_now = 0
-        self._events: list[dict[str, Any]] = []
-        self._flushes: list[dict[str, Any]] = []
+        self._events: list[RecoveryEvent] = []
+        self._flushes: list[FlushRecord] = []
 
     def observe(
-        self, status: dict[str, Any], events: list[dict[str, Any]], chaos: list[dict[str, Any]]
+        self, status: JobStatus, events: list[RecoveryEvent], chaos: list[dict[str, Any]]
     ) -> JobView:
         """Take one ``Status`` reply; return the job's view now."""
         now = time.time()
         with self._lock:
-            for node, stats in (status.get("node_stats") or {}).items():
-                self._node_stats[int(node)] = stats
-            commits = int(status.get("commits") or 0)
+            self._node_stats.update(status.node_stats)
+            commits = status.commits
             if commits < self._commits_now:
                 self._commits_before += self._commits_now
             self._commits_now = commits
-            self._events, self._flushes = events, list(status.get("flushes") or [])
+            self._events, self._flushes = events, list(status.flushes)
             view = build_view(status, events, chaos, dict(self._node_stats))
             self._view = view
             self._sample(now, status, view)
             return view
 
-    def _sample(self, now: float, status: dict[str, Any], view: JobView) -> None:
+    def _sample(self, now: float, status: JobStatus, view: JobView) -> None:
         if view.committed_step is not None and (
             not self._commits or self._commits[-1][1] != view.committed_step
         ):
             self._commits.append([now, view.committed_step])
         if view.epoch >= 0 and (not self._epochs or self._epochs[-1][1] != view.epoch):
             self._epochs.append([now, view.epoch, view.world_size])
-        for rank, step in (status.get("last_replicated") or {}).items():
-            rank, step = int(rank), int(step)
+        for rank, step in status.last_replicated.items():
             if self._last.get(rank) == step:
                 continue
             self._last[rank] = step
@@ -99,7 +98,7 @@ class JobMonitor:
             return summarize(
                 self._commits_before + self._commits_now,
                 view.committed_step if view is not None else None,
-                sum(int(s.get("snapshots", 0)) for s in self._node_stats.values()),
+                sum(s.snapshots for s in self._node_stats.values()),
                 self._events,
                 self._flushes,
             )

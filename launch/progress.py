@@ -31,6 +31,7 @@ from rich.progress import (
 
 if TYPE_CHECKING:
     from peerckpt.launch.view import JobView
+    from peerckpt.messages.control import JobStatus
 
 PLAIN_EVERY_S = 2.0
 
@@ -147,7 +148,7 @@ class RecoveryProgress:
         self._report: Report | None = None
         self._epoch: int | None = None
 
-    def __call__(self, status: dict[str, Any], view: JobView) -> None:
+    def __call__(self, status: JobStatus, view: JobView) -> None:
         last = view.recoveries[-1] if view.recoveries else None
         if view.recovering and last is not None and last.resumed_at is None:
             if self._report is None or self._epoch != last.epoch:
@@ -161,7 +162,7 @@ class RecoveryProgress:
                     delay_s=self._delay_s,
                 )
                 self._epoch = last.epoch
-            self._report.update(len(status.get("resumed", [])), view.world_size)
+            self._report.update(len(status.resumed), view.world_size)
         elif self._report is not None:
             self._report.update(view.world_size, view.world_size)
             self.close()

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from peerckpt.launch.base import JobOutcome, JobResult
+from peerckpt.messages.control import FlushRecord, Pull, RecoveryEvent
 from peerckpt.reads import ERASURE, STORAGE
+from peerckpt.states import FlushState, RecoveryKind
 
 
 @dataclass
@@ -30,7 +32,7 @@ class FailureRow:
     detected_s: float | None  # after the kill; None when nobody injected it
     recovered_s: float | None  # kill (or detection) → every rank stepping again
     restore_step: int | None
-    pulls: list[dict[str, Any]] = field(default_factory=list)
+    pulls: list[Pull] = field(default_factory=list)
     superseded: bool = False  # another failure opened a newer epoch before this one resumed
     change: str = ""  # how the world changed, if it did
     fallback: str = ""  # why the state came from durable storage instead of memory
@@ -40,45 +42,48 @@ class FailureRow:
     # rank → (its node, which restart of it): lost ranks restarted in place on their node
 
 
-def settled_at(events: list[dict[str, Any]], index: int) -> float | None:
+def settled_at(events: list[RecoveryEvent], index: int) -> float | None:
     """When every rank stepped again after failure ``index``: the end of its own recovery, or,
     when newer failures superseded it, of the recovery that repaired them all; None while
     that has not happened."""
     event, seen = events[index], {index}
-    while event.get("resumed_at") is None:
-        epoch = event.get("epoch")
+    while event.resumed_at is None:
+        epoch = event.epoch
         later = [
             i
             for i, e in enumerate(events)
-            if epoch is not None and e.get("from_epoch") == epoch and i not in seen
+            if epoch is not None and e.from_epoch == epoch and i not in seen
         ]
         if not later:
             return None
         seen.add(later[0])
         event = events[later[0]]
-    return float(event["resumed_at"])
+    return float(event.resumed_at)
 
 
-def _matches(action: dict[str, Any], event: dict[str, Any]) -> bool:
+def superseded(events: list[RecoveryEvent], event: RecoveryEvent) -> bool:
+    """Whether a newer failure opened an epoch before ``event``'s recovery resumed."""
+    return event.resumed_at is None and any(e.from_epoch == event.epoch for e in events)
+
+
+def _matches(action: dict[str, Any], event: RecoveryEvent) -> bool:
     if action["kind"] in ("kill_rank", "hang_rank"):
-        return event["kind"] == "rank" and action["target"] in event["ranks"]
+        return event.kind is RecoveryKind.RANK and action["target"] in event.ranks
     if action["kind"] == "add_node":
-        return event["kind"] == "grow" and action.get("node") in event["nodes"]
+        return event.kind is RecoveryKind.GROW and action.get("node") in event.nodes
     if action["kind"] in ("corrupt_rank", "slow_node"):
         return False  # neither loses anything by itself
-    return event["kind"] == "node" and action.get("node", action["target"]) in event["nodes"]
+    return event.kind is RecoveryKind.NODE and action.get("node", action["target"]) in event.nodes
 
 
-def causes(
-    events: list[dict[str, Any]], chaos: list[dict[str, Any]]
-) -> list[dict[str, Any] | None]:
+def causes(events: list[RecoveryEvent], chaos: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
     """For every failure event, the chaos record of the action that caused it, or None: the
     first fired action not yet paired that lost the event's target before its detection."""
     unmatched = [c for c in chaos if c.get("fired_at")]
     found: list[dict[str, Any] | None] = []
     for event in events:
         cause = next(
-            (c for c in unmatched if c["fired_at"] <= event["detected_at"] and _matches(c, event)),
+            (c for c in unmatched if c["fired_at"] <= event.detected_at and _matches(c, event)),
             None,
         )
         if cause is not None:
@@ -87,43 +92,42 @@ def causes(
     return found
 
 
-def failure_rows(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -> list[FailureRow]:
+def failure_rows(events: list[RecoveryEvent], chaos: list[dict[str, Any]]) -> list[FailureRow]:
     """Pair every failure event with the chaos action that caused it, if any."""
     rows = []
     for index, (event, cause) in enumerate(zip(events, causes(events, chaos), strict=True)):
-        t0 = cause["fired_at"] if cause else event["detected_at"]
+        t0 = cause["fired_at"] if cause else event.detected_at
         resumed = settled_at(events, index)
-        replaced = {int(r): v for r, v in event.get("replacements", {}).items()}
+        replaced = event.replacements
         if cause is not None:
             what = cause["action"]
-        elif event["kind"] == "cold_start":
-            what = f"cold start: {event['reason']}, {event['old_world']} ranks then"
+        elif event.kind is RecoveryKind.COLD_START:
+            what = f"cold start: {event.reason}, {event.old_world} ranks then"
         else:
-            what = f"{event['kind']} lost ({event['reason']})"
+            what = f"{event.kind.value} lost ({event.reason})"
         rows.append(
             FailureRow(
                 cause=what,
-                lost={int(r): n for r, n in event.get("lost", {}).items()},
-                detected_s=event["detected_at"] - t0 if cause else None,
+                lost=dict(event.lost),
+                detected_s=event.detected_at - t0 if cause else None,
                 recovered_s=resumed - t0 if resumed else None,
-                restore_step=event.get("restore_step"),
-                pulls=sorted(event.get("pulls", []), key=lambda p: p["rank"]),
-                fallback=event.get("fallback", ""),
-                superseded=event.get("resumed_at") is None
-                and any(e.get("from_epoch") == event.get("epoch") for e in events),
+                restore_step=event.restore_step,
+                pulls=sorted(event.pulls, key=lambda p: p.rank),
+                fallback=event.fallback,
+                superseded=superseded(events, event),
                 restarted={
-                    int(r): (replaced[int(r)][0] if int(r) in replaced else None, at - t0)
-                    for r, at in sorted(event.get("restarted", {}).items())
+                    r: (replaced[r][0] if r in replaced else None, at - t0)
+                    for r, at in sorted(event.restarted.items())
                 },
                 in_place={
-                    int(r): (replaced[int(r)][0] if int(r) in replaced else None, count)
-                    for r, count in sorted(event.get("in_place", {}).items())
+                    r: (replaced[r][0] if r in replaced else None, count)
+                    for r, count in sorted(event.in_place.items())
                 },
                 change=(
-                    f"the world grew to {event['grown_to']} ranks"
-                    if "grown_to" in event
-                    else f"the world shrank to {event['shrunk_to']} ranks"
-                    if "shrunk_to" in event
+                    f"the world grew to {event.grown_to} ranks"
+                    if event.grown_to is not None
+                    else f"the world shrank to {event.shrunk_to} ranks"
+                    if event.shrunk_to is not None
                     else ""
                 ),
             )
@@ -131,7 +135,7 @@ def failure_rows(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -> l
     return rows
 
 
-def format_failures(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -> list[str]:
+def format_failures(events: list[RecoveryEvent], chaos: list[dict[str, Any]]) -> list[str]:
     """Human lines: per failure, detection, recovery and where every rank's state came from."""
     lines = []
     for row in failure_rows(events, chaos):
@@ -180,26 +184,26 @@ def format_failures(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -
                 f"from step {(row.restore_step if row.restore_step is not None else -1) + 1}"
             )
         for pull in row.pulls:
-            ms = pull["seconds"] * 1000
-            if pull["source"] == STORAGE:
+            ms = pull.seconds * 1000
+            if pull.source == STORAGE:
                 lines.append(
-                    f"    rank {pull['rank']} on node {pull['node']}: read {pull['bytes']:,} bytes "
+                    f"    rank {pull.rank} on node {pull.node}: read {pull.bytes:,} bytes "
                     f"from durable storage in {ms:.1f} ms"
                 )
-            elif pull["source"] == ERASURE:
+            elif pull.source == ERASURE:
                 lines.append(
-                    f"    rank {pull['rank']} on node {pull['node']}: rebuilt from its group's "
-                    f"pieces and parity, {pull['bytes']:,} bytes pulled in {ms:.1f} ms"
+                    f"    rank {pull.rank} on node {pull.node}: rebuilt from its group's "
+                    f"pieces and parity, {pull.bytes:,} bytes pulled in {ms:.1f} ms"
                 )
-            elif pull["source"] == pull["node"]:
+            elif pull.source == pull.node:
                 lines.append(
-                    f"    rank {pull['rank']} on node {pull['node']}: its node's own memory, "
+                    f"    rank {pull.rank} on node {pull.node}: its node's own memory, "
                     f"no network ({ms:.1f} ms)"
                 )
             else:
                 lines.append(
-                    f"    rank {pull['rank']} on node {pull['node']}: pulled {pull['bytes']:,} bytes "
-                    f"from node {pull['source']} over TCP in {ms:.1f} ms"
+                    f"    rank {pull.rank} on node {pull.node}: pulled {pull.bytes:,} bytes "
+                    f"from node {pull.source} over TCP in {ms:.1f} ms"
                 )
     return lines
 
@@ -208,15 +212,19 @@ def summarize(
     commits: int,
     committed_step: int | None,
     rank_snapshots: int,
-    events: list[dict[str, Any]],
-    flushes: list[dict[str, Any]],
+    events: list[RecoveryEvent],
+    flushes: list[FlushRecord],
 ) -> dict[str, Any]:
     """The end-of-run summary's figures (the JSON report's ``summary``): ``commits`` steps
     committed over the job, the last committed step, the snapshots the ranks took (one per
     rank and step, as the agents counted them), the last durable step, and the faults the
     job survived (failures whose recovery ended: every rank stepping again)."""
-    faults = [i for i, e in enumerate(events) if e.get("kind") not in ("grow", "cold_start")]
-    durable = [int(f["step"]) for f in flushes if f.get("state") == "committed"]
+    faults = [
+        i
+        for i, e in enumerate(events)
+        if e.kind not in (RecoveryKind.GROW, RecoveryKind.COLD_START)
+    ]
+    durable = [f.step for f in flushes if f.state is FlushState.COMMITTED]
     return {
         "protected": commits > 0,
         "snapshots_committed": commits,
@@ -270,12 +278,12 @@ def format_report(result: JobResult) -> str:
     if result.reason:
         head += f": {result.reason}"
     lines = [head, *format_failures(result.events, result.chaos)]
-    committed = [f for f in result.flushes if f["state"] == "committed"]
-    failed = [f for f in result.flushes if f["state"] == "failed"]
+    committed = [f for f in result.flushes if f.state is FlushState.COMMITTED]
+    failed = [f for f in result.flushes if f.state is FlushState.FAILED]
     if committed:
-        steps = ", ".join(str(f["step"]) for f in committed)
+        steps = ", ".join(str(f.step) for f in committed)
         lines.append(f"durable checkpoints written: step(s) {steps}")
     for f in failed:
-        lines.append(f"durable checkpoint of step {f['step']} failed: {f['error']}")
+        lines.append(f"durable checkpoint of step {f.step} failed: {f.error}")
     lines += format_summary(result.summary, result.state)
     return "\n".join(lines)

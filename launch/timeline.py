@@ -23,7 +23,8 @@ import json
 import os
 from typing import Any
 
-from peerckpt.errors import ConfigurationError
+from peerckpt.errors import ConfigurationError, ProtocolError
+from peerckpt.launch.base import JobResult
 from peerckpt.launch.report import causes
 from peerckpt.launch.view import recovery_views
 from peerckpt.outfiles import write_private
@@ -32,11 +33,11 @@ WIDTH_IN, HEIGHT_IN, DPI = 12.0, 8.0, 100  # 1200 × 800 pixels
 PHASE_COLORS = {"detection": "#f28e2b", "transfer": "#4e79a7", "restore": "#59a14f"}
 
 
-def load_report(path: str) -> dict[str, Any]:
-    """A job report written by ``peerckpt run --report``."""
+def load_report(path: str) -> JobResult:
+    """A job report written by ``peerckpt run --report``, decoded once."""
     try:
         with open(path) as f:
-            report: dict[str, Any] = json.load(f)
+            report = json.load(f)
     except (OSError, ValueError) as exc:
         raise ConfigurationError(
             f"cannot read the job report {path!r}: {exc}; write one with "
@@ -47,14 +48,20 @@ def load_report(path: str) -> dict[str, Any]:
             f"{path!r} is not a job report (no 'events'); write one with "
             "`peerckpt run --report PATH …`"
         )
-    return report
+    try:
+        return JobResult.from_json(report)
+    except (ProtocolError, KeyError, TypeError, ValueError) as exc:
+        raise ConfigurationError(
+            f"{path!r} is not a job report ({type(exc).__name__}: {exc}); write one with "
+            "`peerckpt run --report PATH …`"
+        ) from exc
 
 
-def timeline_data(report: dict[str, Any]) -> dict[str, Any]:
+def timeline_data(report: JobResult) -> dict[str, Any]:
     """What the picture shows, JSON-ready, times in seconds since the job started."""
-    samples = report.get("timeline") or {}
-    events, chaos = report.get("events", []), report.get("chaos", [])
-    starts = [samples.get("started_at")] + [e["detected_at"] for e in events]
+    samples = report.timeline
+    events, chaos = report.events, report.chaos
+    starts = [samples.get("started_at")] + [e.detected_at for e in events]
     starts += [c["fired_at"] for c in chaos if c.get("fired_at")]
     known = [t for t in starts if t is not None]
     t0 = samples.get("started_at") or (min(known) if known else 0.0)
@@ -112,9 +119,9 @@ def timeline_data(report: dict[str, Any]) -> dict[str, Any]:
     for number, f in enumerate(faults, 1):
         f["number"] = number
     return {
-        "job": report.get("job", ""),
-        "state": report.get("state", ""),
-        "wall_s": report.get("wall_s"),
+        "job": report.job,
+        "state": report.state.value,
+        "wall_s": report.wall_s,
         "started_at": t0,
         "ranks": ranks,
         "committed": [[rel(t), s] for t, s in samples.get("commits", [])],
@@ -123,12 +130,12 @@ def timeline_data(report: dict[str, Any]) -> dict[str, Any]:
         "skipped": [c["action"] for c in chaos if not c.get("fired_at")],
         "flushes": [
             {
-                "step": f["step"],
-                "state": f["state"],
-                "start_s": rel(f.get("started_at")),
-                "end_s": rel(f.get("committed_at")),
+                "step": f.step,
+                "state": f.state.value,
+                "start_s": rel(f.started_at),
+                "end_s": rel(f.committed_at),
             }
-            for f in report.get("flushes", [])
+            for f in report.flushes
         ],
     }
 

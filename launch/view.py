@@ -2,8 +2,8 @@
 observer shows — the metrics (``metrics.py``), the status page (``statuspage.py``) and
 ``peerckpt status`` (``console.py``).
 
-Pure functions and frozen records; no I/O. The status may come straight from the RPC
-(integer keys) or from JSON (string keys); both read the same.
+Pure functions and frozen records; no I/O. The status is the typed reply, read by its
+attributes; only ``JobView.to_json`` writes JSON.
 
 Recovery phases, per failure: *detection* is from the fault to the coordinator's decision
 (known only when the launcher injected the fault, so that it knows when it struck);
@@ -19,9 +19,10 @@ import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from peerckpt.launch.report import causes, settled_at
+from peerckpt.launch.report import causes, settled_at, superseded
+from peerckpt.messages.control import FlushRecord, JobStatus, NodeStats, Pull, RecoveryEvent
 from peerckpt.reads import STORAGE
-from peerckpt.states import FlushState, JobState
+from peerckpt.states import EpochMode, FlushState, JobState, RecoveryKind
 
 
 class RepairKind(enum.Enum):
@@ -123,62 +124,55 @@ class JobView:
         return out
 
 
-def _ints(d: dict[Any, Any] | None) -> dict[int, Any]:
-    return {int(k): v for k, v in (d or {}).items()}
-
-
-def recovery_kind(event: dict[str, Any]) -> RepairKind:
+def recovery_kind(event: RecoveryEvent) -> RepairKind:
     """The metrics' kind of a failure event: storage, reshard, rank or node."""
-    pulls = event.get("pulls", [])
     if (
-        event.get("kind") == "cold_start"
-        or event.get("fallback")
-        or any(p.get("source") == STORAGE for p in pulls)
+        event.kind is RecoveryKind.COLD_START
+        or event.fallback
+        or any(p.source == STORAGE for p in event.pulls)
     ):
         return RepairKind.STORAGE
-    if event.get("mode") == "reshard" or event.get("kind") == "grow":
+    if event.mode is EpochMode.RESHARD or event.kind is RecoveryKind.GROW:
         return RepairKind.RESHARD
-    return RepairKind.NODE if event.get("kind") == "node" else RepairKind.RANK
+    return RepairKind.NODE if event.kind is RecoveryKind.NODE else RepairKind.RANK
 
 
-def transfer_seconds(pulls: list[dict[str, Any]]) -> float | None:
+def transfer_seconds(pulls: list[Pull]) -> float | None:
     """The slowest rank's transfer per resharding round, summed over the rounds."""
     by_round: dict[int, float] = {}
     for p in pulls:
-        r = int(p.get("round") or 0)
-        by_round[r] = max(by_round.get(r, 0.0), float(p.get("seconds", 0.0)))
+        r = p.round or 0
+        by_round[r] = max(by_round.get(r, 0.0), p.seconds)
     return sum(by_round.values()) if by_round else None
 
 
-def recovery_views(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) -> list[RecoveryView]:
+def recovery_views(events: list[RecoveryEvent], chaos: list[dict[str, Any]]) -> list[RecoveryView]:
     """Every failure event with its cause (a chaos record, if the launcher injected it) and
     the cost of its repair, by phase."""
     out = []
     for index, (event, cause) in enumerate(zip(events, causes(events, chaos), strict=True)):
-        detected, resumed = float(event["detected_at"]), event.get("resumed_at")
+        detected, resumed = event.detected_at, event.resumed_at
         settled = settled_at(events, index)
         fault_at = float(cause["fired_at"]) if cause is not None else None
-        pulls = event.get("pulls", [])
-        transfer = transfer_seconds(pulls)
+        transfer = transfer_seconds(event.pulls)
         restore = None
         if resumed is not None:
             restore = max(0.0, resumed - detected - (transfer or 0.0))
         net = storage = local = 0
-        for p in pulls:
-            n = int(p.get("bytes", 0))
-            if p.get("source") == STORAGE:
-                storage += n
-            elif p.get("source") == p.get("node"):
-                local += n
+        for p in event.pulls:
+            if p.source == STORAGE:
+                storage += p.bytes
+            elif p.source == p.node:
+                local += p.bytes
             else:
-                net += n
+                net += p.bytes
         out.append(
             RecoveryView(
                 kind=recovery_kind(event),
                 cause=cause["action"]
                 if cause is not None
-                else f"{event['kind']}: {event['reason']}",
-                epoch=event.get("epoch"),
+                else f"{event.kind.value}: {event.reason}",
+                epoch=event.epoch,
                 fault_at=fault_at,
                 detected_at=detected,
                 resumed_at=resumed,
@@ -188,54 +182,52 @@ def recovery_views(events: list[dict[str, Any]], chaos: list[dict[str, Any]]) ->
                 total_s=settled - (fault_at if fault_at is not None else detected)
                 if settled is not None
                 else None,
-                restore_step=event.get("restore_step"),
-                lost=_ints(event.get("lost")),
+                restore_step=event.restore_step,
+                lost=dict(event.lost),
                 network_bytes=net,
                 storage_bytes=storage,
                 local_bytes=local,
-                superseded=resumed is None
-                and any(e.get("from_epoch") == event.get("epoch") for e in events),
+                superseded=superseded(events, event),
             )
         )
     return out
 
 
-def durable_step(flushes: list[dict[str, Any]]) -> int | None:
+def durable_step(flushes: list[FlushRecord]) -> int | None:
     """The newest step written to durable storage and committed there."""
-    steps = [int(f["step"]) for f in flushes if f.get("state") == "committed"]
+    steps = [f.step for f in flushes if f.state is FlushState.COMMITTED]
     return max(steps) if steps else None
 
 
 def build_view(
-    status: dict[str, Any],
-    events: list[dict[str, Any]] | None = None,
+    status: JobStatus,
+    events: list[RecoveryEvent] | None = None,
     chaos: list[dict[str, Any]] | None = None,
-    node_stats: dict[int, dict[str, Any]] | None = None,
+    node_stats: dict[int, NodeStats] | None = None,
 ) -> JobView:
     """The view of ``status`` (a ``Status`` reply). ``events`` replaces its failure events
     (a launcher knows those of coordinators before a restart), ``chaos`` says which the
     launcher injected, ``node_stats`` replaces its nodes' reports (a launcher keeps those of
     nodes a restarted coordinator never heard of)."""
-    events = status.get("events", []) if events is None else events
-    stats = _ints(status.get("node_stats")) if node_stats is None else node_stats
-    committed = status.get("committed_step")
-    placement, holders = _ints(status.get("placement")), _ints(status.get("holders"))
-    replicated = _ints(status.get("last_replicated"))
+    events = status.events if events is None else events
+    stats = status.node_stats if node_stats is None else node_stats
+    committed = status.committed_step
+    replicated = status.last_replicated
     latest: dict[int, int] = {}
     for s in stats.values():
-        latest.update(_ints(s.get("latest_step")))
+        latest.update(s.latest_step)
     ranks = []
-    for rank, (node, pid) in sorted(_ints(status.get("ranks")).items()):
+    for rank, (node, pid) in sorted(status.ranks.items()):
         # The heartbeat's step may be older than the coordinator's replicated one.
         known = [s for s in (latest.get(rank), replicated.get(rank)) if s is not None]
         snap = max(known) if known else None
         ranks.append(
             RankView(
                 rank=rank,
-                node=int(node),
-                pid=int(pid),
-                copies=tuple(sorted(int(n) for n in holders.get(rank, []))),
-                buddies=tuple(int(n) for n in placement.get(rank, [])),
+                node=node,
+                pid=pid,
+                copies=tuple(sorted(status.holders.get(rank, []))),
+                buddies=tuple(status.placement.get(rank, [])),
                 replicated_step=replicated.get(rank),
                 snapshot_step=snap,
                 lag=max(0, snap - committed)
@@ -243,21 +235,21 @@ def build_view(
                 else None,
             )
         )
-    spare_nodes = {int(n) for n in status.get("spare_nodes", [])}
+    spare_nodes = set(status.spare_nodes)
     nodes = []
-    for node, alive in sorted(_ints(status.get("nodes")).items()):
-        s = stats.get(node, {})
+    for node, alive in sorted(status.nodes.items()):
+        last = stats.get(node)
         nodes.append(
             NodeView(
                 node=node,
-                alive=bool(alive),
+                alive=alive,
                 spare=node in spare_nodes,
                 ranks=tuple(r.rank for r in ranks if r.node == node),
                 # A lost node's memory is gone with it, whatever it reported last.
-                memory={k: int(v) for k, v in s.get("memory", {}).items()} if alive else {},
-                snapshot_bytes=int(s.get("snapshot_bytes", 0)),
-                snapshots=int(s.get("snapshots", 0)),
-                replicated_bytes=int(s.get("replicated_bytes", 0)),
+                memory=dict(last.memory) if alive and last is not None else {},
+                snapshot_bytes=last.snapshot_bytes if last is not None else 0,
+                snapshots=last.snapshots if last is not None else 0,
+                replicated_bytes=last.replicated_bytes if last is not None else 0,
             )
         )
     recoveries = recovery_views(events, chaos or [])
@@ -272,27 +264,26 @@ def build_view(
         "total": tuple(r.total_s for r in finished if r.total_s is not None),
     }
     flushes: dict[FlushState, int] = {}
-    for f in status.get("flushes", []):
-        state = FlushState(f["state"])
-        flushes[state] = flushes.get(state, 0) + 1
+    for f in status.flushes:
+        flushes[f.state] = flushes.get(f.state, 0) + 1
     lags = [r.lag for r in ranks if r.lag is not None]
     return JobView(
-        job=status.get("job", ""),
-        state=JobState(status["state"]),
-        reason=status.get("reason", ""),
-        epoch=int(status.get("epoch", -1)),
-        world_size=int(status.get("world_size", 0)),
-        replicas=status.get("replicas"),
+        job=status.job,
+        state=status.state,
+        reason=status.reason,
+        epoch=status.epoch,
+        world_size=status.world_size,
+        replicas=status.replicas,
         committed_step=committed,
-        durable_step=durable_step(status.get("flushes", [])),
+        durable_step=durable_step(status.flushes),
         lag=max(lags) if lags else None,
-        spares=len(status.get("spares", [])),
+        spares=len(status.spares),
         nodes=tuple(nodes),
         ranks=tuple(ranks),
         recoveries=tuple(recoveries[-RECENT:]),
         recoveries_total=totals,
         phase_seconds=phases,
-        recovering=status.get("state") == "running"
+        recovering=status.state is JobState.RUNNING
         and any(r.resumed_at is None and not r.superseded for r in recoveries),
         flushes=flushes,
     )

@@ -18,7 +18,7 @@ from peerckpt.chaos.spec import parse_chaos
 from peerckpt.errors import ConfigurationError
 from peerckpt.launch.base import JobOutcome, JobResult
 from peerckpt.launch.campaign import TAIL_STEPS, Campaign, compare, generate, place
-from peerckpt.launch.timeline import timeline_data
+from peerckpt.launch.timeline import load_report, timeline_data
 
 from .conftest import JOBS, REPO, job_name
 
@@ -155,7 +155,7 @@ def _campaign(
     picture = Path(f"{stem}-timeline.png")
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"its timeline: {picture}" in proc.stdout
-    data = timeline_data(json.loads(Path(f"{stem}-report.json").read_text()))
+    data = timeline_data(load_report(f"{stem}-report.json"))
     drawn = [f["cause"] for f in data["faults"]]
     fired = [r["fault"] for r in report["rows"] if r["step"] is not None]
     assert not Counter(fired) - Counter(drawn), (fired, drawn)

@@ -483,6 +483,16 @@ class RecoveryEvent(Message):
         del out["type"]
         return {k: v for k, v in out.items() if v is not None or k == "resumed_at"}
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RecoveryEvent:
+        """An event read back from its JSON form (``to_json``): JSON wrote the integer keys
+        of its maps as strings, and a report written by hand may leave out a pull's type."""
+        from peerckpt.messages import decode
+
+        keyed = {k: _int_keys(data[k]) for k in _INT_KEYED if k in data}
+        pulls = [{**p, "type": Pull.TYPE} for p in data.get("pulls", [])]
+        return decode({**data, **keyed, "pulls": pulls, "type": cls.TYPE}, cls, where="a report")
+
 
 @message("flush_record")
 @dataclass(frozen=True)
@@ -494,6 +504,22 @@ class FlushRecord(Message):
     committed_at: float | None
     nbytes: int
     writers: dict[int, float | None]
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FlushRecord:
+        """A flush read back from its JSON form (``encode``): the writers' ranks as strings."""
+        from peerckpt.messages import decode
+
+        writers = _int_keys(data.get("writers", {}))
+        return decode({**data, "writers": writers, "type": cls.TYPE}, cls, where="a report")
+
+
+# The maps of a recovery event keyed by rank: JSON writes those keys as strings.
+_INT_KEYED = ("lost", "replacements", "restarted", "in_place")
+
+
+def _int_keys(d: dict[Any, Any]) -> dict[int, Any]:
+    return {int(k): v for k, v in d.items()}
 
 
 @message("job_status")

@@ -12,8 +12,10 @@ from rich.console import Console
 
 from peerckpt.errors import ConfigurationError
 from peerckpt.launch import console, statuspage
+from peerckpt.launch.base import JobOutcome, JobResult
 from peerckpt.launch.timeline import DPI, HEIGHT_IN, WIDTH_IN, timeline, timeline_data
 from peerckpt.launch.view import build_view
+from peerckpt.states import JobState
 from tests.launch.observed import CHAOS, T0, status
 
 
@@ -87,7 +89,7 @@ def test_the_status_page_is_well_formed_and_shows_nodes_ranks_and_recoveries() -
 
 
 def test_the_status_page_escapes_what_the_job_says() -> None:
-    s = status(reason="<script>alert(1)</script>", state="failed")
+    s = status(reason="<script>alert(1)</script>", state=JobState.FAILED)
     page = statuspage.render(build_view(s))
     assert "<script>" not in page and "&lt;script&gt;" in page
     _parse(page)
@@ -115,22 +117,24 @@ def test_status_refuses_a_secret_file_others_can_read(tmp_path, monkeypatch) -> 
         console.connect("demo", "127.0.0.1:1", None)
 
 
-def _report() -> dict:
+def _report() -> JobResult:
     s = status()
-    return {
-        "job": "demo",
-        "state": "succeeded",
-        "wall_s": 20.0,
-        "events": s["events"],
-        "chaos": CHAOS,
-        "flushes": s["flushes"],
-        "timeline": {
+    return JobResult(
+        "demo",
+        0,
+        JobOutcome.SUCCEEDED,
+        "",
+        s.events,
+        CHAOS,
+        20.0,
+        s.flushes,
+        timeline={
             "started_at": T0,
             "steps": [[T0 + 1 + 0.1 * i, r, i] for i in range(60) for r in range(4)],
             "commits": [[T0 + 1 + 0.1 * i, i] for i in range(60)],
             "epochs": [[T0 + 1, 0, 4], [T0 + 10.1, 1, 4]],
         },
-    }
+    )
 
 
 def test_the_timeline_data_holds_every_fault_of_the_run() -> None:
@@ -150,7 +154,7 @@ def test_the_timeline_data_holds_every_fault_of_the_run() -> None:
 
 def test_the_timeline_picture_has_the_expected_size(tmp_path) -> None:
     report = tmp_path / "report.json"
-    report.write_text(json.dumps(_report()))
+    report.write_text(json.dumps(_report().to_json()))
     data = timeline(str(report), str(tmp_path / "run.png"), str(tmp_path / "run.json"))
     raw = (tmp_path / "run.png").read_bytes()
     assert raw[:8] == b"\x89PNG\r\n\x1a\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+from dataclasses import replace
 
 from peerckpt import logs
 from peerckpt.launch import progress
@@ -57,17 +58,16 @@ def test_json_log_records_carry_rank_epoch_and_step(monkeypatch) -> None:
 def test_a_long_recovery_reports_the_ranks_stepping_again(monkeypatch) -> None:
     from peerckpt.launch.progress import RecoveryProgress
     from peerckpt.launch.view import build_view
-    from tests.launch.observed import status
+    from tests.launch.observed import EVENT, status
 
     now = [0.0]
     monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
     out = io.StringIO()
     watch = RecoveryProgress(stream=out, delay_s=3.0)
-    s = status()
-    s["events"][0]["resumed_at"] = None
+    repairing = [replace(EVENT, resumed_at=None)]
     for t, resumed in ((0.0, []), (1.0, [0]), (4.0, [0, 1]), (7.0, [0, 1, 2])):
         now[0] = t
-        s["resumed"] = resumed
+        s = status(events=repairing, resumed=resumed)
         watch(s, build_view(s))
     now[0] = 8.0
     done = status()  # resumed: the recovery is over

@@ -2,31 +2,34 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from peerckpt.launch.report import failure_rows, format_failures
+from peerckpt.messages.control import Pull, RecoveryEvent
+from peerckpt.states import RecoveryKind
+from tests.launch.observed import event
 
 EVENTS = [
-    {
-        "kind": "node",
-        "ranks": [2, 3],
-        "nodes": [1],
-        "reason": "agent gone",
-        "lost": {2: 1, 3: 1},
-        "detected_at": 10.02,
-        "resumed_at": 10.10,
-        "restore_step": 7,
-        "pulls": [{"rank": 2, "node": 2, "source": 0, "bytes": 1000, "seconds": 0.01}],
-    },
-    {
-        "kind": "rank",
-        "ranks": [0],
-        "nodes": [],
-        "reason": "process 9 exited",
-        "lost": {0: 0},
-        "detected_at": 20.0,
-        "resumed_at": 20.5,
-        "restore_step": 15,
-        "pulls": [],
-    },
+    event(
+        RecoveryKind.NODE,
+        ranks=[2, 3],
+        nodes=[1],
+        reason="agent gone",
+        lost={2: 1, 3: 1},
+        detected_at=10.02,
+        resumed_at=10.10,
+        restore_step=7,
+        pulls=[Pull(2, 2, 0, 1000, 0.01)],
+    ),
+    event(
+        RecoveryKind.RANK,
+        ranks=[0],
+        reason="process 9 exited",
+        lost={0: 0},
+        detected_at=20.0,
+        resumed_at=20.5,
+        restore_step=15,
+    ),
 ]
 CHAOS = [
     {"action": "kill rank=1 at=3", "kind": "kill_rank", "target": 1, "fired_at": 5.0},
@@ -55,14 +58,14 @@ def test_the_report_says_where_each_rank_got_its_state() -> None:
 def test_a_survivor_restarted_in_place_is_costed_in_the_recovery_of_its_fault() -> None:
     """The coordinator records a restart in place of a survivor in the recovery it could not
     leave; the report times that recovery to every rank stepping after the restart."""
-    node = {
-        **EVENTS[0],
-        "epoch": 2,
-        "from_epoch": 0,
-        "resumed_at": 50.3,
-        "restarted": {1: 50.0},
-        "replacements": {1: [0, 300], 2: [2, 200], 3: [2, 201]},
-    }
+    node = replace(
+        EVENTS[0],
+        epoch=2,
+        from_epoch=0,
+        resumed_at=50.3,
+        restarted={1: 50.0},
+        replacements={1: [0, 300], 2: [2, 200], 3: [2, 201]},
+    )
     [row] = failure_rows([node], CHAOS)
     assert row.restarted == {1: (0, 40.0)} and round(row.recovered_s, 3) == 40.3
     text = "\n".join(format_failures([node], CHAOS))
@@ -72,7 +75,8 @@ def test_a_survivor_restarted_in_place_is_costed_in_the_recovery_of_its_fault() 
 
 
 def test_a_lost_rank_restarted_in_place_says_so_with_its_node() -> None:
-    rank = {**EVENTS[1], "in_place": {"0": 2}, "replacements": {"0": [0, 400]}}  # as JSON
+    as_json = {**EVENTS[1].to_json(), "in_place": {"0": 2}, "replacements": {"0": [0, 400]}}
+    rank = RecoveryEvent.from_json(as_json)  # JSON's string keys read back as ranks
     [row] = failure_rows([rank], [])
     assert row.in_place == {0: (0, 2)}
     text = "\n".join(format_failures([rank], []))
@@ -81,8 +85,8 @@ def test_a_lost_rank_restarted_in_place_says_so_with_its_node() -> None:
 
 
 def test_a_failure_repaired_with_the_next_one_costs_until_that_repair_ended() -> None:
-    first = {**EVENTS[0], "epoch": 1, "from_epoch": 0, "resumed_at": None}
-    second = {**EVENTS[1], "epoch": 2, "from_epoch": 1, "detected_at": 10.5, "resumed_at": 11.0}
+    first = replace(EVENTS[0], epoch=1, from_epoch=0, resumed_at=None)
+    second = replace(EVENTS[1], epoch=2, from_epoch=1, detected_at=10.5, resumed_at=11.0)
     row, _ = failure_rows([first, second], CHAOS)
     assert row.superseded and round(row.recovered_s, 3) == 1.0
     text = "\n".join(format_failures([first, second], CHAOS))

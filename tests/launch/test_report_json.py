@@ -83,9 +83,10 @@ def test_a_recovery_event_and_a_flush_are_written_with_their_strings() -> None:
 
 
 def test_a_job_result_is_written_with_its_state_as_a_string_and_read_back() -> None:
-    result = JobResult("j", 0, JobOutcome.SUCCEEDED, "", [EVENT_JSON], [], 3.0, [FLUSH_JSON])
+    result = JobResult("j", 0, JobOutcome.SUCCEEDED, "", [EVENT], [], 3.0, [FLUSH])
     written = _through_json(result.to_json())
     assert written["state"] == "succeeded" and written["events"] == [EVENT_JSON]
+    assert written["flushes"] == [FLUSH_JSON]
     assert list(written) == [
         "job",
         "exit_code",

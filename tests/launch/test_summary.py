@@ -3,22 +3,26 @@ NOT PROTECTED when no snapshot was committed."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from peerckpt.launch.base import JobOutcome, JobResult
 from peerckpt.launch.report import format_report, format_summary, summarize
+from peerckpt.states import FlushState, RecoveryKind
+from tests.launch.observed import event, flush
 
-LOST = {"kind": "rank", "ranks": [1], "reason": "exited", "lost": {1: 0}, "detected_at": 5.0}
+LOST = event(RecoveryKind.RANK, ranks=[1], reason="exited", lost={1: 0}, detected_at=5.0)
 FLUSHES = [
-    {"step": 20, "state": "committed"},
-    {"step": 29, "state": "committed"},
-    {"step": 10, "state": "failed", "error": "disk full"},
+    flush(20, FlushState.COMMITTED),
+    flush(29, FlushState.COMMITTED),
+    flush(10, FlushState.FAILED, error="disk full"),
 ]
 
 
 def test_the_figures_of_a_job_with_faults_and_a_durable_tier() -> None:
     events = [
-        {**LOST, "resumed_at": 5.5},
-        {**LOST, "detected_at": 9.0, "resumed_at": None},  # never repaired
-        {"kind": "grow", "detected_at": 12.0, "resumed_at": 13.0},  # not a fault
+        replace(LOST, resumed_at=5.5),
+        replace(LOST, detected_at=9.0, resumed_at=None),  # never repaired
+        event(RecoveryKind.GROW, detected_at=12.0, resumed_at=13.0),  # not a fault
     ]
     summary = summarize(30, 29, 120, events, FLUSHES)
     assert summary == {
@@ -38,7 +42,7 @@ def test_the_figures_of_a_job_with_faults_and_a_durable_tier() -> None:
 
 
 def test_without_a_durable_tier_the_summary_says_nothing_of_one() -> None:
-    [line] = format_summary(summarize(1, 0, 2, [{**LOST, "resumed_at": 6.0}], []))
+    [line] = format_summary(summarize(1, 0, 2, [replace(LOST, resumed_at=6.0)], []))
     assert line == "protection: 1 snapshot committed, last committed step 0, 1 fault survived"
 
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from peerckpt.launch.metrics import registry
 from peerckpt.launch.view import RepairKind, build_view, recovery_kind, transfer_seconds
-from peerckpt.messages import encode
 from peerckpt.messages.control import Pull
-from tests.launch.observed import CHAOS, T0, status
+from peerckpt.states import EpochMode, RecoveryKind
+from tests.launch.observed import CHAOS, EVENT, T0, event, status
 
 
 def _samples(view) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -42,40 +44,27 @@ def test_the_view_places_every_rank_and_its_copies_and_costs_each_recovery() -> 
 
 
 def test_an_unfinished_recovery_is_under_way_and_not_counted() -> None:
-    s = status()
-    s["events"][0]["resumed_at"] = None
-    view = build_view(s, chaos=CHAOS)
+    view = build_view(status(events=[replace(EVENT, resumed_at=None)]), chaos=CHAOS)
     assert view.recovering and view.recoveries_total[RepairKind.RANK] == 0
     assert view.recoveries[0].restore_s is None and view.recoveries[0].total_s is None
 
 
 def test_recovery_kinds_and_transfer_over_resharding_rounds() -> None:
-    assert recovery_kind({"kind": "node", "mode": "same", "pulls": []}) is RepairKind.NODE
-    assert recovery_kind({"kind": "rank", "mode": "reshard", "pulls": []}) is RepairKind.RESHARD
-    assert recovery_kind({"kind": "grow", "pulls": []}) is RepairKind.RESHARD
-    assert recovery_kind({"kind": "cold_start", "pulls": []}) is RepairKind.STORAGE
-    assert recovery_kind({"kind": "node", "pulls": [{"source": -1}]}) is RepairKind.STORAGE
-    pulls = [
-        {"round": 0, "seconds": 0.1},
-        {"round": 0, "seconds": 0.3},
-        {"round": 1, "seconds": 0.2},
-    ]
+    assert recovery_kind(event(RecoveryKind.NODE, mode=EpochMode.SAME)) is RepairKind.NODE
+    assert recovery_kind(event(RecoveryKind.RANK, mode=EpochMode.RESHARD)) is RepairKind.RESHARD
+    assert recovery_kind(event(RecoveryKind.GROW)) is RepairKind.RESHARD
+    assert recovery_kind(event(RecoveryKind.COLD_START)) is RepairKind.STORAGE
+    from_storage = event(RecoveryKind.NODE, pulls=[Pull(0, 1, -1, 8, 0.1)])
+    assert recovery_kind(from_storage) is RepairKind.STORAGE
+    pulls = [Pull(0, 1, 0, 8, 0.1, round=0), Pull(1, 1, 0, 8, 0.3, 0), Pull(0, 1, 0, 8, 0.2, 1)]
     assert transfer_seconds(pulls) == 0.3 + 0.2 and transfer_seconds([]) is None
 
 
-def test_a_same_topology_pull_as_the_coordinator_encodes_it_has_no_round() -> None:
-    """A typed ``Pull`` outside resharding travels with ``round: None``: one round, 0."""
-    pulls = [encode(Pull(1, 2, 0, 1 << 20, 0.25)), encode(Pull(3, 2, 1, 1 << 20, 0.5))]
-    assert pulls[0]["round"] is None
+def test_a_same_topology_pull_has_no_round() -> None:
+    """A ``Pull`` outside resharding has ``round`` None: one round, 0."""
+    pulls = [Pull(1, 2, 0, 1 << 20, 0.25), Pull(3, 2, 1, 1 << 20, 0.5)]
+    assert pulls[0].round is None
     assert transfer_seconds(pulls) == 0.5
-
-
-def test_the_view_reads_the_same_from_json_keys() -> None:
-    import json
-
-    assert build_view(json.loads(json.dumps(status())), chaos=CHAOS) == build_view(
-        status(), chaos=CHAOS
-    )
 
 
 def test_metrics_parse_and_carry_the_view() -> None:
@@ -151,11 +140,9 @@ def test_a_lost_node_keeps_its_counters_but_holds_no_memory() -> None:
 
 
 def test_a_superseded_recovery_costs_until_the_repair_that_ended_it() -> None:
-    s = status()
-    first = {**s["events"][0], "resumed_at": None, "epoch": 1}
-    second = {**first, "from_epoch": 1, "epoch": 2, "detected_at": T0 + 11.0}
-    second["resumed_at"] = T0 + 11.5
-    view = build_view({**s, "events": [first, second]}, chaos=CHAOS)
+    first = replace(EVENT, resumed_at=None, epoch=1)
+    second = replace(first, from_epoch=1, epoch=2, detected_at=T0 + 11.0, resumed_at=T0 + 11.5)
+    view = build_view(status(events=[first, second]), chaos=CHAOS)
     old, new = view.recoveries
     assert old.superseded and old.resumed_at is None and new.resumed_at == T0 + 11.5
     assert round(old.total_s, 3) == round(T0 + 11.5 - CHAOS[0]["fired_at"], 3)
