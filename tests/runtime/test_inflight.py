@@ -82,15 +82,18 @@ def test_a_collective_that_fails_fails_its_waiter_with_its_error() -> None:
 
 
 @contextlib.contextmanager
-def _three_ranks(mode: str, pg_timeout_s: float) -> Iterator[list[subprocess.Popen[str]]]:
-    """The three ranks of ``tests/runtime/ddp_gloo.py`` on a store hosted here; every one is
-    killed on the way out (rank 2 stops itself, rank 1 waits for it forever)."""
+def three_ranks(
+    module: str, *args: str, env: dict[str, str] | None = None
+) -> Iterator[list[subprocess.Popen[str]]]:
+    """The three ranks of ``python -m module RANK STORE_ADDR *args`` on a store hosted here;
+    every one is killed on the way out (a rank may stop itself, another wait for it)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     addr = f"127.0.0.1:{store.port}"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.runtime.ddp_gloo", str(r), addr, mode, str(pg_timeout_s)],
+            [sys.executable, "-m", module, str(r), addr, *args],
             cwd=REPO,
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -104,6 +107,14 @@ def _three_ranks(mode: str, pg_timeout_s: float) -> Iterator[list[subprocess.Pop
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
             proc.communicate()
+
+
+def _three_ranks(
+    mode: str, pg_timeout_s: float
+) -> contextlib.AbstractContextManager[list[subprocess.Popen[str]]]:
+    """The three ranks of ``tests/runtime/ddp_gloo.py`` (rank 2 stops itself, rank 1 waits
+    for it forever)."""
+    return three_ranks("tests.runtime.ddp_gloo", mode, str(pg_timeout_s))
 
 
 def _result(proc: subprocess.Popen[str], wait_s: float) -> dict[str, Any]:
