@@ -172,7 +172,7 @@ def peerckpt_run(
         left = leftover_segments(name)
     if result.state is not JobOutcome.SUCCEEDED:
         raise SystemExit(f"the peerckpt job {result.state.value}: {result.reason}")
-    fired = [c for c in result.chaos if c.get("fired_at")]
+    fired = [c for c in result.chaos if c.fired_at]
     row: dict[str, Any] = {
         "window_s": window_s(out, steps),
         "digest": _digest(out),

@@ -11,6 +11,7 @@ public surface below, never its modules.
 
 - :class:`Chaos`: a chaos spec run beside one job (``peerckpt run --chaos``), and
   :class:`ActionKind`, what each of its actions does;
+- :class:`FiredAction`: what firing one action did, a report's ``chaos`` entry;
 - ``parse_chaos``: a spec's actions, checked; ``check_ray_campaign`` and ``generate_ray``: the
   rules of a seeded fault sequence on Ray (``peerckpt chaos --ray``).
 """
@@ -23,11 +24,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the names as the type checker sees them; loaded on use below
     from peerckpt.chaos.raysched import check_ray_campaign, generate_ray
     from peerckpt.chaos.session import Chaos
-    from peerckpt.chaos.spec import ActionKind, parse_chaos
+    from peerckpt.chaos.spec import ActionKind, FiredAction, parse_chaos
 
 __all__ = [
     "ActionKind",
     "Chaos",
+    "FiredAction",
     "check_ray_campaign",
     "generate_ray",
     "parse_chaos",
@@ -36,6 +38,7 @@ __all__ = [
 _LAZY = {
     "ActionKind": "peerckpt.chaos.spec",
     "Chaos": "peerckpt.chaos.session",
+    "FiredAction": "peerckpt.chaos.spec",
     "parse_chaos": "peerckpt.chaos.spec",
     "check_ray_campaign": "peerckpt.chaos.raysched",
     "generate_ray": "peerckpt.chaos.raysched",

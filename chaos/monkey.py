@@ -24,10 +24,11 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Protocol
 
 from peerckpt.chaos.points import ENDED, LOOP, read_json, released_path
-from peerckpt.chaos.spec import ActionKind, ChaosAction
+from peerckpt.chaos.spec import ActionKind, ChaosAction, FiredAction
 from peerckpt.errors import NotReshardable, PeerckptError
 from peerckpt.messages.control import JobStatus, Status
 from peerckpt.states import JobState
@@ -94,7 +95,7 @@ class ChaosMonkey:
         poll_s: float = 0.01,
     ) -> None:
         self.actions = sorted(actions, key=lambda a: a.at)  # stable: a step's keep their order
-        self.fired: list[dict[str, Any]] = []
+        self.fired: list[FiredAction] = []
         self.reached = -1  # the highest step the job was seen to reach
         self.total: int | None = None  # the script's ``ctx.steps(total)``, once a rank said
         self.refusal: str | None = None  # why an action can never fire, once known
@@ -104,7 +105,7 @@ class ChaosMonkey:
         self._stop = threading.Event()
         self._armed: dict[int, float] = {}  # action index → when its phase point was armed
         self._released: set[int] = set()
-        self._records: dict[int, dict[str, Any]] = {}  # action index → what firing it did
+        self._records: dict[int, FiredAction] = {}  # action index → what firing it did
         self._thread = threading.Thread(target=self._run, name="peerckpt-chaos", daemon=True)
 
     def start(self) -> None:
@@ -122,12 +123,12 @@ class ChaosMonkey:
         lines = []
         for index, action in enumerate(self.actions):
             record = self._records.get(index)
-            if record is not None and record.get("fired_at") is not None:
+            if record is not None and record.fired_at is not None:
                 continue
             if self.refusal is not None and action.at >= (self.total or 0):
                 why = f"its step is past the script's last, {(self.total or 0) - 1}"
             elif record is not None:
-                why = f"skipped: {record.get('skipped', '')}"
+                why = f"skipped: {record.skipped or ''}"
             elif index in self._armed:
                 why = (
                     f"its point was armed once step {action.at} came, but no process entered "
@@ -232,7 +233,7 @@ class ChaosMonkey:
                 pass
             self._released.add(step)
 
-    def _strike(self, index: int, action: ChaosAction, status: JobStatus) -> dict[str, Any] | None:
+    def _strike(self, index: int, action: ChaosAction, status: JobStatus) -> FiredAction | None:
         """Arm the action's phase point; once a process is struck there, fire and release it."""
         directory = self._target.chaos_dir
         assert directory is not None and action.during is not None
@@ -259,90 +260,94 @@ class ChaosMonkey:
         finally:
             with open(os.path.join(directory, f"done-{index}"), "w"):
                 pass
-        if record is not None:
-            record.update(during=action.during, struck=where)
-        return record
+        if record is None:
+            return None
+        return replace(record, during=action.during, struck=where)
 
     def _say(self, action: ChaosAction, status: JobStatus, where: str = "") -> None:
         log.warning("%s", _said(action, self.reached, status, where))
 
-    def _fire(self, action: ChaosAction, status: JobStatus) -> dict[str, Any] | None:
+    def _fire(self, action: ChaosAction, status: JobStatus) -> FiredAction | None:
         """Carry ``action`` out; its record (``fired_at`` None and ``skipped`` when its target
         is gone)."""
-        record = {
-            "action": action.text,
-            "kind": action.kind.value,
-            "target": action.target,
-            "step": self.reached,
-            "committed_step": status.committed_step,
-            "epoch": status.epoch,
-        }
+        record = FiredAction(
+            action=action.text,
+            kind=action.kind,
+            target=action.target,
+            step=self.reached,
+            committed_step=status.committed_step,
+            epoch=status.epoch,
+            fired_at=None,
+        )
         if action.kind.on_a_rank and action.kind is not ActionKind.CORRUPT_RANK:
             assignment = status.ranks.get(action.target)
             if assignment is None:
                 log.error("chaos: rank %d is not in the job; action skipped", action.target)
-                return {**record, "fired_at": None, "skipped": "no such rank"}
-            record["node"], record["pid"] = assignment[0], assignment[1]
+                return replace(record, skipped="no such rank")
+            record = replace(record, node=assignment[0], pid=assignment[1])
             self._say(action, status)
         elif action.kind.on_a_node:
             node = action.target
             if action.of_rank is not None:
                 node = status.ranks.get(action.of_rank, [-1])[0]
-            record["node"] = node
+            record = replace(record, node=node)
             if not status.nodes.get(node, False):
                 log.error("chaos: node %d is not alive; action skipped", node)
-                return {**record, "fired_at": None, "skipped": "no such live node"}
+                return replace(record, skipped="no such live node")
             self._say(action, status, f"node {node}, ")
         else:
             self._say(action, status)
-        record["fired_at"] = time.time()
-        return self._carry_out[action.kind](action, record)
+        return self._carry_out[action.kind](action, replace(record, fired_at=time.time()))
 
     # -- one per kind (``_carry_out``): the fault itself, and what it adds to the record ---
-    def _kill_rank(self, action: ChaosAction, record: dict[str, Any]) -> dict[str, Any]:
-        self._target.kill_pid(record["pid"])
+    def _kill_rank(self, action: ChaosAction, record: FiredAction) -> FiredAction:
+        assert record.pid is not None
+        self._target.kill_pid(record.pid)
         return record
 
-    def _hang_rank(self, action: ChaosAction, record: dict[str, Any]) -> dict[str, Any]:
-        self._target.hang_pid(record["pid"], action.duration)
+    def _hang_rank(self, action: ChaosAction, record: FiredAction) -> FiredAction:
+        assert record.pid is not None
+        self._target.hang_pid(record.pid, action.duration)
         return record
 
-    def _corrupt_rank(self, action: ChaosAction, record: dict[str, Any]) -> dict[str, Any]:
-        record["segments"] = self._target.corrupt_replicas(action.target)
+    def _corrupt_rank(self, action: ChaosAction, record: FiredAction) -> FiredAction:
+        return replace(record, segments=tuple(self._target.corrupt_replicas(action.target)))
+
+    def _kill_node(self, action: ChaosAction, record: FiredAction) -> FiredAction:
+        assert record.node is not None
+        self._target.kill_node(record.node)
         return record
 
-    def _kill_node(self, action: ChaosAction, record: dict[str, Any]) -> dict[str, Any]:
-        self._target.kill_node(record["node"])
+    def _kill_agent(self, action: ChaosAction, record: FiredAction) -> FiredAction:
+        assert record.node is not None
+        self._target.kill_agent(record.node)
         return record
 
-    def _kill_agent(self, action: ChaosAction, record: dict[str, Any]) -> dict[str, Any]:
-        self._target.kill_agent(record["node"])
+    def _partition_node(self, action: ChaosAction, record: FiredAction) -> FiredAction:
+        assert record.node is not None
+        self._target.net_fault(record.node, partition_s=action.duration)
         return record
 
-    def _partition_node(self, action: ChaosAction, record: dict[str, Any]) -> dict[str, Any]:
-        self._target.net_fault(record["node"], partition_s=action.duration)
+    def _slow_node(self, action: ChaosAction, record: FiredAction) -> FiredAction:
+        assert record.node is not None
+        self._target.net_fault(record.node, rate=action.rate * 1e6, slow_s=action.duration)
         return record
 
-    def _slow_node(self, action: ChaosAction, record: dict[str, Any]) -> dict[str, Any]:
-        self._target.net_fault(record["node"], rate=action.rate * 1e6, slow_s=action.duration)
-        return record
-
-    def _kill_coordinator(self, action: ChaosAction, record: dict[str, Any]) -> dict[str, Any]:
+    def _kill_coordinator(self, action: ChaosAction, record: FiredAction) -> FiredAction:
         self._target.kill_coordinator()
         return record
 
-    def _add_node(self, action: ChaosAction, record: dict[str, Any]) -> dict[str, Any]:
+    def _add_node(self, action: ChaosAction, record: FiredAction) -> FiredAction:
         try:
-            record["node"] = self._target.add_node()
+            return replace(record, node=self._target.add_node())
         except NotReshardable as exc:  # the job refuses to grow: it goes on as it was
             log.error("chaos: %s refused: %s", action.text, exc)
-            return {**record, "fired_at": None, "skipped": f"the job refused it: {exc}"}
-        return record
+            return replace(record, fired_at=None, skipped=f"the job refused it: {exc}")
 
     @property
     def _carry_out(
         self,
-    ) -> dict[ActionKind, Callable[[ChaosAction, dict[str, Any]], dict[str, Any]]]:
+    ) -> dict[ActionKind, Callable[[ChaosAction, FiredAction], FiredAction]]:
         return {
             ActionKind.KILL_RANK: self._kill_rank,
             ActionKind.HANG_RANK: self._hang_rank,

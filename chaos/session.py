@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
 from peerckpt.chaos.actions import FaultActions, Machines
 from peerckpt.chaos.monkey import ChaosMonkey, StatusSource
 from peerckpt.chaos.points import GATES
-from peerckpt.chaos.spec import check_targets, parse_chaos
+from peerckpt.chaos.spec import FiredAction, check_targets, parse_chaos
 
 
 class Chaos:
@@ -53,7 +52,7 @@ class Chaos:
             self._faults.wake_all()
 
     @property
-    def fired(self) -> list[dict[str, Any]]:
+    def fired(self) -> list[FiredAction]:
         """One record per action that fired (or was skipped), in order."""
         return self._monkey.fired if self._monkey is not None else []
 

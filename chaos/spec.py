@@ -31,7 +31,8 @@ exist is refused before the job starts (``check_targets``).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from peerckpt.errors import ConfigurationError
 
@@ -105,6 +106,73 @@ class ChaosAction:
     duration: float = 0.0  # for=: how long a hang, partition or slow-down lasts (0: forever)
     rate: float = 0.0  # rate=: MB/s for "slow"
     of_rank: int | None = None  # node=@R: the target is the node rank R runs on at the time
+
+
+@dataclass(frozen=True)
+class FiredAction:
+    """What firing one action did (``chaos/monkey.py``): the job as the monkey saw it then, the
+    process or node it struck, and when; ``fired_at`` None and ``skipped`` saying why where it
+    could not fire. A report's ``chaos`` entries are these, as ``to_json`` writes them: the
+    optional fields appear only where the action has them (``node`` and ``pid`` on a rank,
+    ``node`` on a node, ``segments`` for a corruption, ``during`` and ``struck`` for a phase)."""
+
+    action: str  # the clause as given (``ChaosAction.text``)
+    kind: ActionKind
+    target: int  # the rank or node; -1 for "add node"
+    step: int  # the step the job had reached
+    committed_step: int | None
+    epoch: int
+    fired_at: float | None  # time.time() when it fired; None: skipped
+    node: int | None = None  # the node struck (a rank's, a node action's, the one added)
+    pid: int | None = None  # the process struck (a rank action)
+    skipped: str | None = None  # why it did not fire
+    segments: tuple[str, ...] | None = None  # the replicas corrupted
+    during: str | None = None  # the phase it struck in (``during=PHASE``)
+    struck: dict[str, Any] = field(default_factory=dict)  # where the struck process was
+
+    def to_json(self) -> dict[str, Any]:
+        """The report's map: the kind as its string, the optional fields only where set."""
+        out: dict[str, Any] = {
+            "action": self.action,
+            "kind": self.kind.value,
+            "target": self.target,
+            "step": self.step,
+            "committed_step": self.committed_step,
+            "epoch": self.epoch,
+        }
+        if self.node is not None:
+            out["node"] = self.node
+        if self.pid is not None:
+            out["pid"] = self.pid
+        out["fired_at"] = self.fired_at
+        if self.skipped is not None:
+            out["skipped"] = self.skipped
+        if self.segments is not None:
+            out["segments"] = list(self.segments)
+        if self.during is not None:
+            out["during"] = self.during
+            out["struck"] = dict(self.struck)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FiredAction:
+        """A record read back from ``to_json``'s map (a Ray host's result, a report file)."""
+        segments = data.get("segments")
+        return cls(
+            action=data["action"],
+            kind=ActionKind(data["kind"]),
+            target=data["target"],
+            step=data["step"],
+            committed_step=data["committed_step"],
+            epoch=data["epoch"],
+            fired_at=data["fired_at"],
+            node=data.get("node"),
+            pid=data.get("pid"),
+            skipped=data.get("skipped"),
+            segments=tuple(segments) if segments is not None else None,
+            during=data.get("during"),
+            struck=dict(data.get("struck") or {}),
+        )
 
 
 def grammar() -> str:

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from peerckpt.chaos import FiredAction
 from peerckpt.errors import PeerckptError
 from peerckpt.launch.checks import check_spec
 from peerckpt.messages import encode
@@ -118,7 +119,7 @@ class JobResult:
     state: JobOutcome
     reason: str
     events: list[RecoveryEvent]  # every failure of the job, oldest first
-    chaos: list[dict[str, Any]]
+    chaos: list[FiredAction]  # what every chaos action that came due did, in order
     wall_s: float
     flushes: list[FlushRecord] = field(default_factory=list)  # durable checkpoints written
     digests: dict[str, list[str]] = field(default_factory=dict)  # "rank/step" → digests seen
@@ -130,12 +131,13 @@ class JobResult:
 
     def to_json(self) -> dict[str, Any]:
         """The report's JSON form (``peerckpt run --report``): every field, the state as
-        its string, the events and flushes as the maps they travel as."""
+        its string, the events, flushes and chaos records as the maps they travel as."""
         return {
             **self.__dict__,
             "state": self.state.value,
             "events": [e.to_json() for e in self.events],
             "flushes": [encode(f) for f in self.flushes],
+            "chaos": [c.to_json() for c in self.chaos],
         }
 
     @classmethod
@@ -147,6 +149,7 @@ class JobResult:
                 "state": JobOutcome(data["state"]),
                 "events": [RecoveryEvent.from_json(e) for e in data["events"]],
                 "flushes": [FlushRecord.from_json(f) for f in data.get("flushes", [])],
+                "chaos": [FiredAction.from_json(c) for c in data["chaos"]],
             }
         )
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import psutil
 
-from peerckpt.chaos import check_ray_campaign, generate_ray, parse_chaos
+from peerckpt.chaos import FiredAction, check_ray_campaign, generate_ray, parse_chaos
 from peerckpt.errors import ConfigurationError
 from peerckpt.launch.base import JobOutcome, JobResult, JobSpec
 from peerckpt.launch.local import LocalLauncher
@@ -282,7 +282,7 @@ def _fired(bar: Report, launcher: Any) -> Callable[[JobStatus, JobView], None]:
 
     def watch(status: JobStatus, view: JobView) -> None:
         fired = launcher.chaos.fired if launcher.chaos is not None else []
-        bar.update(sum(1 for c in fired if c.get("fired_at")))
+        bar.update(sum(1 for c in fired if c.fired_at))
 
     return watch
 
@@ -328,19 +328,19 @@ def compare(campaign: Campaign, reference: JobResult, run: JobResult) -> None:
     ]
     fired = run.chaos
     rows_by_fault = {id(c): r for r, c in _pair(run)}
-    by_text = {c["action"]: c for c in fired}
+    by_text = {c.action: c for c in fired}
     for i, clause in enumerate(campaign.faults):
         record = by_text.get(clause)
-        if record is None or record.get("fired_at") is None:
-            why = record.get("skipped", "") if record else "the job ended before its step"
+        if record is None or record.fired_at is None:
+            why = (record.skipped or "") if record else "the job ended before its step"
             campaign.rows.append(Row(clause, None, None, None, "", False, f"never fired: {why}"))
             continue
-        struck = record.get("step", record.get("committed_step")) or 0
+        struck = record.step or 0
         nxt = next(
             (
-                by_text[c].get("step", struck)
+                by_text[c].step
                 for c in campaign.faults[i + 1 :]
-                if c in by_text and by_text[c].get("fired_at") is not None
+                if c in by_text and by_text[c].fired_at is not None
             ),
             None,
         )
@@ -388,13 +388,13 @@ def difference(rank: int, step: int, seen: set[str], reference: JobResult, run: 
     return f"rank {rank} step {step}: its tensors differ"
 
 
-def _pair(run: JobResult) -> list[tuple[FailureRow, dict[str, Any]]]:
+def _pair(run: JobResult) -> list[tuple[FailureRow, FiredAction]]:
     """(failure row, the chaos record that caused it) for every injected failure."""
     rows = failure_rows(run.events, run.chaos)
     pairs = []
-    unmatched = [c for c in run.chaos if c.get("fired_at")]
+    unmatched = [c for c in run.chaos if c.fired_at]
     for row in rows:
-        cause = next((c for c in unmatched if c["action"] == row.cause), None)
+        cause = next((c for c in unmatched if c.action == row.cause), None)
         if cause is not None:
             unmatched.remove(cause)
             pairs.append((row, cause))

@@ -24,6 +24,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from peerckpt.chaos import FiredAction
 from peerckpt.errors import ConfigurationError
 from peerckpt.launch import metrics, statuspage
 from peerckpt.launch.httpserve import DEFAULT_LIMITS, BoundedHTTPServer, HttpLimits, host_allowed
@@ -54,7 +55,7 @@ class JobMonitor:
         self._flushes: list[FlushRecord] = []
 
     def observe(
-        self, status: JobStatus, events: list[RecoveryEvent], chaos: list[dict[str, Any]]
+        self, status: JobStatus, events: list[RecoveryEvent], chaos: list[FiredAction]
     ) -> JobView:
         """Take one ``Status`` reply; return the job's view now."""
         now = time.time()

@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from peerckpt.chaos import FiredAction
 from peerckpt.errors import ConfigurationError, PeerckptError
 from peerckpt.launch.base import JobOutcome, JobResult, JobSpec, Launcher
 from peerckpt.launch.checks import check_ray_address
@@ -416,7 +417,8 @@ class RayLauncher(Launcher):
         # The faults every host fired are in its own result (host 0's in ``report``).
         for host in self.hosts.values():
             if host.rank != 0:
-                fired += ((host.done or {}).get("result") or {}).get("chaos", [])
+                records = ((host.done or {}).get("result") or {}).get("chaos", [])
+                fired += [FiredAction.from_json(c) for c in records]
         report = self._host0["result"] if self._host0 is not None else None
         if report is not None:
             result = JobResult.from_json(report)
@@ -424,7 +426,7 @@ class RayLauncher(Launcher):
         else:
             code = int(self._host0["code"]) if self._host0 is not None else outcome.exit_code
             result = JobResult(self.job, code, outcome, reason, [], [], wall_s)
-        result.chaos = sorted(fired, key=lambda c: c.get("fired_at") or float("inf"))
+        result.chaos = sorted(fired, key=lambda c: c.fired_at or float("inf"))
         return result
 
     def _unfired(self) -> list[str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from peerckpt.chaos import ActionKind, FiredAction
 from peerckpt.launch.base import JobOutcome, JobResult
 from peerckpt.messages.control import FlushRecord, Pull, RecoveryEvent
 from peerckpt.reads import ERASURE, STORAGE
@@ -66,24 +67,28 @@ def superseded(events: list[RecoveryEvent], event: RecoveryEvent) -> bool:
     return event.resumed_at is None and any(e.from_epoch == event.epoch for e in events)
 
 
-def _matches(action: dict[str, Any], event: RecoveryEvent) -> bool:
-    if action["kind"] in ("kill_rank", "hang_rank"):
-        return event.kind is RecoveryKind.RANK and action["target"] in event.ranks
-    if action["kind"] == "add_node":
-        return event.kind is RecoveryKind.GROW and action.get("node") in event.nodes
-    if action["kind"] in ("corrupt_rank", "slow_node"):
+def _matches(action: FiredAction, event: RecoveryEvent) -> bool:
+    """Whether ``action`` fired before ``event`` was detected and lost what it lost."""
+    if action.fired_at is None or action.fired_at > event.detected_at:
+        return False
+    if action.kind in (ActionKind.KILL_RANK, ActionKind.HANG_RANK):
+        return event.kind is RecoveryKind.RANK and action.target in event.ranks
+    if action.kind is ActionKind.ADD_NODE:
+        return event.kind is RecoveryKind.GROW and action.node in event.nodes
+    if action.kind in (ActionKind.CORRUPT_RANK, ActionKind.SLOW_NODE):
         return False  # neither loses anything by itself
-    return event.kind is RecoveryKind.NODE and action.get("node", action["target"]) in event.nodes
+    node = action.target if action.node is None else action.node
+    return event.kind is RecoveryKind.NODE and node in event.nodes
 
 
-def causes(events: list[RecoveryEvent], chaos: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
+def causes(events: list[RecoveryEvent], chaos: list[FiredAction]) -> list[FiredAction | None]:
     """For every failure event, the chaos record of the action that caused it, or None: the
     first fired action not yet paired that lost the event's target before its detection."""
-    unmatched = [c for c in chaos if c.get("fired_at")]
-    found: list[dict[str, Any] | None] = []
+    unmatched = [c for c in chaos if c.fired_at]
+    found: list[FiredAction | None] = []
     for event in events:
         cause = next(
-            (c for c in unmatched if c["fired_at"] <= event.detected_at and _matches(c, event)),
+            (c for c in unmatched if _matches(c, event)),
             None,
         )
         if cause is not None:
@@ -92,15 +97,15 @@ def causes(events: list[RecoveryEvent], chaos: list[dict[str, Any]]) -> list[dic
     return found
 
 
-def failure_rows(events: list[RecoveryEvent], chaos: list[dict[str, Any]]) -> list[FailureRow]:
+def failure_rows(events: list[RecoveryEvent], chaos: list[FiredAction]) -> list[FailureRow]:
     """Pair every failure event with the chaos action that caused it, if any."""
     rows = []
     for index, (event, cause) in enumerate(zip(events, causes(events, chaos), strict=True)):
-        t0 = cause["fired_at"] if cause else event.detected_at
+        t0 = cause.fired_at if cause is not None and cause.fired_at else event.detected_at
         resumed = settled_at(events, index)
         replaced = event.replacements
         if cause is not None:
-            what = cause["action"]
+            what = cause.action
         elif event.kind is RecoveryKind.COLD_START:
             what = f"cold start: {event.reason}, {event.old_world} ranks then"
         else:
@@ -135,7 +140,7 @@ def failure_rows(events: list[RecoveryEvent], chaos: list[dict[str, Any]]) -> li
     return rows
 
 
-def format_failures(events: list[RecoveryEvent], chaos: list[dict[str, Any]]) -> list[str]:
+def format_failures(events: list[RecoveryEvent], chaos: list[FiredAction]) -> list[str]:
     """Human lines: per failure, detection, recovery and where every rank's state came from."""
     lines = []
     for row in failure_rows(events, chaos):

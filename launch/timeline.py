@@ -62,7 +62,7 @@ def timeline_data(report: JobResult) -> dict[str, Any]:
     samples = report.timeline
     events, chaos = report.events, report.chaos
     starts = [samples.get("started_at")] + [e.detected_at for e in events]
-    starts += [c["fired_at"] for c in chaos if c.get("fired_at")]
+    starts += [c.fired_at for c in chaos if c.fired_at]
     known = [t for t in starts if t is not None]
     t0 = samples.get("started_at") or (min(known) if known else 0.0)
 
@@ -96,14 +96,14 @@ def timeline_data(report: JobResult) -> dict[str, Any]:
     # failure event; they are faults of the run all the same.
     paired = {id(c) for c in causes(events, chaos) if c is not None}
     for c in chaos:
-        if c.get("fired_at") and id(c) not in paired:
+        if c.fired_at and id(c) not in paired:
             faults.append(
                 {
                     "number": len(faults) + 1,
-                    "cause": c["action"],
+                    "cause": c.action,
                     "kind": "no loss",
                     "injected": True,
-                    "fault_s": rel(c["fired_at"]),
+                    "fault_s": rel(c.fired_at),
                     "detected_s": None,
                     "resumed_s": None,
                     "detection_s": None,
@@ -127,7 +127,7 @@ def timeline_data(report: JobResult) -> dict[str, Any]:
         "committed": [[rel(t), s] for t, s in samples.get("commits", [])],
         "epochs": [[rel(t), e, w] for t, e, w in samples.get("epochs", [])],
         "faults": faults,
-        "skipped": [c["action"] for c in chaos if not c.get("fired_at")],
+        "skipped": [c.action for c in chaos if not c.fired_at],
         "flushes": [
             {
                 "step": f.step,

@@ -19,6 +19,7 @@ import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from peerckpt.chaos import FiredAction
 from peerckpt.launch.report import causes, settled_at, superseded
 from peerckpt.messages.control import FlushRecord, JobStatus, NodeStats, Pull, RecoveryEvent
 from peerckpt.reads import STORAGE
@@ -146,14 +147,14 @@ def transfer_seconds(pulls: list[Pull]) -> float | None:
     return sum(by_round.values()) if by_round else None
 
 
-def recovery_views(events: list[RecoveryEvent], chaos: list[dict[str, Any]]) -> list[RecoveryView]:
+def recovery_views(events: list[RecoveryEvent], chaos: list[FiredAction]) -> list[RecoveryView]:
     """Every failure event with its cause (a chaos record, if the launcher injected it) and
     the cost of its repair, by phase."""
     out = []
     for index, (event, cause) in enumerate(zip(events, causes(events, chaos), strict=True)):
         detected, resumed = event.detected_at, event.resumed_at
         settled = settled_at(events, index)
-        fault_at = float(cause["fired_at"]) if cause is not None else None
+        fault_at = cause.fired_at if cause is not None else None
         transfer = transfer_seconds(event.pulls)
         restore = None
         if resumed is not None:
@@ -169,9 +170,7 @@ def recovery_views(events: list[RecoveryEvent], chaos: list[dict[str, Any]]) -> 
         out.append(
             RecoveryView(
                 kind=recovery_kind(event),
-                cause=cause["action"]
-                if cause is not None
-                else f"{event.kind.value}: {event.reason}",
+                cause=cause.action if cause is not None else f"{event.kind.value}: {event.reason}",
                 epoch=event.epoch,
                 fault_at=fault_at,
                 detected_at=detected,
@@ -202,7 +201,7 @@ def durable_step(flushes: list[FlushRecord]) -> int | None:
 def build_view(
     status: JobStatus,
     events: list[RecoveryEvent] | None = None,
-    chaos: list[dict[str, Any]] | None = None,
+    chaos: list[FiredAction] | None = None,
     node_stats: dict[int, NodeStats] | None = None,
 ) -> JobView:
     """The view of ``status`` (a ``Status`` reply). ``events`` replaces its failure events

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from peerckpt.chaos import ActionKind, FiredAction
 from peerckpt.chaos.spec import parse_chaos
 from peerckpt.errors import ConfigurationError
 from peerckpt.launch.base import JobOutcome, JobResult
@@ -38,7 +39,7 @@ def test_the_sequence_depends_only_on_the_seed_and_parses() -> None:
 
 def _result(
     digests: dict[str, list[str]],
-    chaos: list[dict],
+    chaos: list[FiredAction],
     tensors: dict[str, dict[str, str]] | None = None,
 ) -> JobResult:
     return JobResult(
@@ -49,25 +50,10 @@ def _result(
 def test_a_snapshot_that_differs_from_the_reference_fails_its_row_and_names_the_tensor() -> None:
     reference = {f"{r}/{s}": [f"d{r}{s}"] for r in range(2) for s in range(20)}
     chaos = [
-        {
-            "action": "corrupt rank=0 at=5",
-            "kind": "corrupt_rank",
-            "target": 0,
-            "step": 5,
-            "committed_step": 4,
-            "fired_at": 1.0,
-        },
-        {
-            "action": "slow node=@1 at=10 rate=2",
-            "kind": "slow_node",
-            "target": -1,
-            "step": 10,
-            "committed_step": 9,
-            "fired_at": 2.0,
-            "node": 1,
-        },
+        FiredAction("corrupt rank=0 at=5", ActionKind.CORRUPT_RANK, 0, 5, 4, 0, 1.0),
+        FiredAction("slow node=@1 at=10 rate=2", ActionKind.SLOW_NODE, -1, 10, 9, 0, 2.0, node=1),
     ]
-    same = Campaign(1, [c["action"] for c in chaos], job_state="succeeded")
+    same = Campaign(1, [c.action for c in chaos], job_state="succeeded")
     compare(same, _result(reference, []), _result(dict(reference), chaos))
     assert same.ok and [r.bit_exact for r in same.rows] == [True, True]
     assert [r.step for r in same.rows] == [5, 10]
@@ -76,7 +62,7 @@ def test_a_snapshot_that_differs_from_the_reference_fails_its_row_and_names_the_
     bad["1/12"] = ["d112", "other"]  # step 12 trained again after the second fault, differently
     ref_tensors = {"1/12/d112": {"model.0.weight": "a1", "model.0.bias": "b1", "optim.x": "c"}}
     got_tensors = {"1/12/other": {"model.0.weight": "a1", "model.0.bias": "b2", "optim.x": "d"}}
-    broken = Campaign(1, [c["action"] for c in chaos], job_state="succeeded")
+    broken = Campaign(1, [c.action for c in chaos], job_state="succeeded")
     compare(broken, _result(reference, [], ref_tensors), _result(bad, chaos, got_tensors))
     assert [r.bit_exact for r in broken.rows] == [True, False]
     assert broken.differing == ["rank 1 step 12: tensor 'model.0.bias' differs (and 1 more)"]
@@ -89,17 +75,8 @@ def test_a_chaos_run_snapshotting_at_its_own_interval_is_compared_step_for_step(
     reference = {f"{r}/{s}": [f"d{r}{s}"] for r in range(2) for s in range(20)}
     steps = [0, 5, 10, 11, 12, 15, 19]
     run = {f"{r}/{s}": [f"d{r}{s}"] for r in range(2) for s in steps}
-    chaos = [
-        {
-            "action": "kill rank=1 at=12",
-            "kind": "kill_rank",
-            "target": 1,
-            "step": 12,
-            "committed_step": 10,
-            "fired_at": 1.0,
-        }
-    ]
-    campaign = Campaign(1, [chaos[0]["action"]], job_state="succeeded")
+    chaos = [FiredAction("kill rank=1 at=12", ActionKind.KILL_RANK, 1, 12, 10, 0, 1.0, 1, 101)]
+    campaign = Campaign(1, [chaos[0].action], job_state="succeeded")
     compare(campaign, _result(reference, []), _result(run, chaos))
     assert campaign.ok and campaign.steps_compared == 14 and campaign.differing == []
     [row] = campaign.rows

@@ -78,7 +78,7 @@ def test_an_action_fires_when_a_rank_reaches_its_step_though_nothing_was_committ
         assert _wait(lambda: target.killed == [101])
         assert _wait(lambda: (tmp_path / "released-15").exists())  # the held ranks go on
         [record] = monkey.fired
-        assert record["step"] == 15 and record["committed_step"] is None
+        assert record.step == 15 and record.committed_step is None
     finally:
         monkey.stop()
     assert monkey.unfired() == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from peerckpt.chaos import ActionKind, FiredAction
 from peerckpt.messages.control import FlushRecord, JobStatus, NodeStats, Pull, RecoveryEvent
 from peerckpt.states import EpochMode, FlushState, JobState, RecoveryKind
 
@@ -85,18 +86,16 @@ def status(**over: Any) -> JobStatus:
 
 
 CHAOS = [
-    {"action": "kill rank=2 at=30", "kind": "kill_rank", "target": 2, "fired_at": T0 + 10.0},
-    {
-        "action": "slow node=0 at=35 rate=2 for=2",
-        "kind": "slow_node",
-        "target": 0,
-        "fired_at": T0 + 11.0,
-    },
-    {
-        "action": "kill rank=1 at=999",
-        "kind": "kill_rank",
-        "target": 1,
-        "fired_at": None,
-        "skipped": "the job ended before its step",
-    },
+    FiredAction("kill rank=2 at=30", ActionKind.KILL_RANK, 2, 30, 29, 0, T0 + 10.0, 1, 102),
+    FiredAction("slow node=0 at=35 rate=2 for=2", ActionKind.SLOW_NODE, 0, 35, 34, 1, T0 + 11.0),
+    FiredAction(
+        "kill rank=1 at=999",
+        ActionKind.KILL_RANK,
+        1,
+        40,
+        39,
+        1,
+        None,
+        skipped="the job ended before its step",
+    ),
 ]

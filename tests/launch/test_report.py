@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from peerckpt.chaos import ActionKind, FiredAction
 from peerckpt.launch.report import failure_rows, format_failures
 from peerckpt.messages.control import Pull, RecoveryEvent
 from peerckpt.states import RecoveryKind
@@ -32,8 +33,8 @@ EVENTS = [
     ),
 ]
 CHAOS = [
-    {"action": "kill rank=1 at=3", "kind": "kill_rank", "target": 1, "fired_at": 5.0},
-    {"action": "kill node=1 at=8", "kind": "kill_node", "target": 1, "fired_at": 10.0},
+    FiredAction("kill rank=1 at=3", ActionKind.KILL_RANK, 1, 3, 2, 0, 5.0, node=0, pid=101),
+    FiredAction("kill node=1 at=8", ActionKind.KILL_NODE, 1, 8, 7, 0, 10.0, node=1),
 ]
 
 

@@ -145,5 +145,5 @@ def test_a_superseded_recovery_costs_until_the_repair_that_ended_it() -> None:
     view = build_view(status(events=[first, second]), chaos=CHAOS)
     old, new = view.recoveries
     assert old.superseded and old.resumed_at is None and new.resumed_at == T0 + 11.5
-    assert round(old.total_s, 3) == round(T0 + 11.5 - CHAOS[0]["fired_at"], 3)
+    assert round(old.total_s, 3) == round(T0 + 11.5 - (CHAOS[0].fired_at or 0.0), 3)
     assert view.recoveries_total[RepairKind.RANK] == 1  # counted once, by the repair that ended it
