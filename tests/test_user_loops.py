@@ -18,6 +18,7 @@ import re
 
 import pytest
 
+from peerckpt.chaos import FiredAction
 from peerckpt.launch.report import failure_rows
 from peerckpt.messages.control import RecoveryEvent
 from peerckpt.runtime.audit import PREFIX
@@ -58,7 +59,8 @@ def _recover_bit_exact(tmp_path, patterns: str) -> tuple[JobRun, JobRun]:
 
 def _assert_workers_died_with_their_rank(run: JobRun) -> None:
     events = [RecoveryEvent.from_json(e) for e in run.report["events"]]
-    rank_row = failure_rows(events, run.report["chaos"])[0]
+    fired = [FiredAction.from_json(c) for c in run.report["chaos"]]
+    rank_row = failure_rows(events, fired)[0]
     assert rank_row.detected_s is not None and rank_row.detected_s < 0.5, rank_row
     kill = run.report["chaos"][0]
     assert len(list((run.out / "workers").glob(f"{kill['pid']}-*"))) >= 2, "no loader workers"
