@@ -124,7 +124,8 @@ class RayHost:
         exit status and its ``JobResult`` fields, None where it wrote none; ``node_lost``:
         the launcher ended without a result because this node's raylet died, so the node is
         being removed and this actor outlives it only until its worker notices)."""
-        assert self.watch is not None
+        if self.watch is None:  # not started yet: the driver placed it and is starting it
+            return None
         if not self.watch.exited():
             return None
         done: dict[str, Any] = {"code": int(ExitCode.FAILED), "result": None}

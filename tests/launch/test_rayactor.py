@@ -152,3 +152,9 @@ def test_sealed_orders_open_only_for_their_actor_and_host() -> None:
     changed = dict(sealed, body=bytes([sealed["body"][0] ^ 1]) + sealed["body"][1:])
     with pytest.raises(AuthenticationError, match="changed on the way"):
         host._opener.open(changed, context("job", 1))
+
+
+def test_an_actor_polled_before_its_launcher_started_answers_not_ended() -> None:
+    """The driver places a host (an ``add node``) and polls every host from its watch loop
+    while that host's ``start`` still runs: the poll raised, and the job failed."""
+    assert RayHost().poll() is None
