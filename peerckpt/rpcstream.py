@@ -82,6 +82,26 @@ def _answer(item: Any, where: str) -> tuple[int, str, bytes, Any]:
     return seq, status, payload, proof
 
 
+class _Answering:
+    """What both streams do with an answer: resolve the future of the call it answers
+    (threading's or asyncio's), once its proof is checked against that call."""
+
+    _signer: Any
+    _metadata: Any
+    _where: str
+
+    def _settle(self, entry: tuple[str, Any], answer: tuple[int, str, bytes, Any]) -> None:
+        method, future = entry
+        seq, status, payload, proof = answer
+        try:
+            self._signer.check_reply(method, self._metadata, seq, payload, proof, self._where)
+        except errors.AuthenticationError as exc:
+            future.set_exception(exc)
+            return
+        if not future.done():
+            future.set_result((status, payload))
+
+
 def _reply(msg: Any, status: str, payload: bytes, where: str) -> Any:
     """The typed reply of an answer, or the handler's error raised again as its class."""
     if not status:
@@ -96,7 +116,7 @@ def _reply(msg: Any, status: str, payload: bytes, where: str) -> Any:
     raise errors.PeerckptError(f"coordinator call {method} failed: {status}: {detail}")
 
 
-class CallStream:
+class CallStream(_Answering):
     """Calls on one stream, from any thread of an agent (``grpc``'s blocking channel)."""
 
     def __init__(self, channel: grpc.Channel, signer: CallSigner, address: str) -> None:
@@ -145,20 +165,11 @@ class CallStream:
         error: errors.PeerckptError = errors.PeerUnavailable(f"{self._where} ended the stream")
         try:
             for item in self._call:
-                seq, status, payload, proof = _answer(item, self._where)
+                answer = _answer(item, self._where)
                 with self._lock:
-                    entry = self._waiting.pop(seq, None)
-                if entry is None:
-                    continue  # its caller gave up waiting
-                method, future = entry
-                try:
-                    self._signer.check_reply(
-                        method, self._metadata, seq, payload, proof, self._where
-                    )
-                except errors.AuthenticationError as exc:
-                    future.set_exception(exc)
-                    continue
-                future.set_result((status, payload))
+                    entry = self._waiting.pop(answer[0], None)
+                if entry is not None:  # else its caller gave up waiting
+                    self._settle(entry, answer)
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
             detail = exc.details() if hasattr(exc, "details") else ""
@@ -187,7 +198,7 @@ class CallStream:
         self._reader.join(5.0)
 
 
-class AsyncCallStream:
+class AsyncCallStream(_Answering):
     """``CallStream`` for asyncio code (many simulated agents in one process)."""
 
     def __init__(self, channel: grpc.aio.Channel, signer: CallSigner, address: str) -> None:
@@ -231,21 +242,11 @@ class AsyncCallStream:
     async def _read(self) -> None:
         error: errors.PeerckptError = errors.PeerUnavailable(f"{self._where} ended the stream")
         try:
-            while (answer := await self._call.read()) is not grpc.aio.EOF:
-                seq, status, payload, proof = _answer(answer, self._where)
-                entry = self._waiting.pop(seq, None)
-                if entry is None:
-                    continue  # its caller gave up waiting
-                method, future = entry
-                try:
-                    self._signer.check_reply(
-                        method, self._metadata, seq, payload, proof, self._where
-                    )
-                except errors.AuthenticationError as exc:
-                    future.set_exception(exc)
-                    continue
-                if not future.done():
-                    future.set_result((status, payload))
+            while (item := await self._call.read()) is not grpc.aio.EOF:
+                answer = _answer(item, self._where)
+                entry = self._waiting.pop(answer[0], None)
+                if entry is not None:  # else its caller gave up waiting
+                    self._settle(entry, answer)
         except grpc.RpcError as exc:
             error = errors.PeerUnavailable(f"{self._where} ended the stream of calls: {exc!r}")
         except errors.PeerckptError as exc:
