@@ -21,17 +21,15 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from peerckpt.coding import Coding, parity_matrix, piece_ranges, stripe_of_piece
-from peerckpt.errors import PeerckptError, PeerUnavailable, StaleEpoch
 from peerckpt.faults import NO_FAULTS, FaultHooks
 from peerckpt.manifest import SnapshotManifest
 from peerckpt.messages.data import Ack, ParityPiece, Ready
 from peerckpt.replication.parity import send_ranges
-from peerckpt.replication.replicator import ReplicationJob
+from peerckpt.replication.replicator import ReplicationJob, send_with_retries
 from peerckpt.replication.transfer import IO_TIMEOUT_S, Cancelled
 from peerckpt.wire import Connection, connect_tcp
 
@@ -196,37 +194,15 @@ class _PieceSender:
             self._owner._done(coded, self.node, self._send_with_retries(coded.job, piece))
 
     def _send_with_retries(self, job: ReplicationJob, piece: Piece) -> BaseException | None:
-        deadline = time.monotonic() + self._owner.retry_s
-        backoff, attempt = 0.05, 0
-        while True:
-            attempt += 1
-            try:
-                self._send(job, piece)
-                return None
-            except (Cancelled, StaleEpoch) as exc:
-                self._close()
-                return exc
-            except (PeerckptError, OSError) as exc:
-                self._close()
-                log.warning(
-                    "piece %d of rank %d step %d to node %d failed (attempt %d): %s",
-                    piece.piece,
-                    job.slot.rank,
-                    job.manifest.step,
-                    self.node,
-                    attempt,
-                    exc,
-                )
-                unreachable = isinstance(exc, (PeerUnavailable, OSError))
-                if (
-                    job.epoch != self._owner._epoch()
-                    or (not unreachable and attempt >= 2)
-                    or time.monotonic() + backoff > deadline
-                ):
-                    return exc
-                if unreachable and self.cancel.wait(backoff):
-                    return Cancelled("transfer cancelled by an epoch change")
-                backoff = min(2 * backoff, 0.5)
+        return send_with_retries(
+            lambda: self._send(job, piece),
+            f"piece {piece.piece} of rank {job.slot.rank} step {job.manifest.step} "
+            f"to node {self.node}",
+            lambda: job.epoch != self._owner._epoch(),
+            self._owner.retry_s,
+            self.cancel,
+            self._close,
+        )
 
     def _send(self, job: ReplicationJob, piece: Piece) -> None:
         if self._conn is None or self._conn.closed:

@@ -155,36 +155,14 @@ class BuddySender:
             self._done(job, self.node, self._send_with_retries(job))
 
     def _send_with_retries(self, job: ReplicationJob) -> BaseException | None:
-        deadline = time.monotonic() + self._retry_s
-        backoff = 0.05
-        for attempt in itertools.count(1):
-            try:
-                self._send(job)
-                return None
-            except (Cancelled, StaleEpoch) as exc:
-                self._close()
-                return exc  # the epoch ended: nothing to retry
-            except (PeerckptError, OSError) as exc:
-                self._close()
-                log.warning(
-                    "replicating rank %d step %d to node %d failed (attempt %d): %s",
-                    job.slot.rank,
-                    job.manifest.step,
-                    self.node,
-                    attempt,
-                    exc,
-                )
-                unreachable = isinstance(exc, (PeerUnavailable, OSError))
-                if (
-                    job.epoch != self._current_epoch()
-                    or (not unreachable and attempt >= 2)
-                    or time.monotonic() + backoff > deadline
-                ):
-                    return exc
-                if unreachable and self.cancel.wait(backoff):
-                    return Cancelled("transfer cancelled by an epoch change")
-                backoff = min(2 * backoff, 0.5)
-        raise AssertionError("unreachable")
+        return send_with_retries(
+            lambda: self._send(job),
+            f"replicating rank {job.slot.rank} step {job.manifest.step} to node {self.node}",
+            lambda: job.epoch != self._current_epoch(),
+            self._retry_s,
+            self.cancel,
+            self._close,
+        )
 
     def _send(self, job: ReplicationJob) -> None:
         if self._conn is None or self._conn.closed:
@@ -212,3 +190,40 @@ class BuddySender:
     def _midway(self, job: ReplicationJob) -> Callable[[], object]:
         where = {"rank": job.slot.rank, "node": self._local_node, "step": job.manifest.step}
         return functools.partial(self._faults.strike, "replication", **where)
+
+
+def send_with_retries(
+    send: Callable[[], None],
+    what: str,
+    epoch_ended: Callable[[], bool],
+    retry_s: float,
+    cancel: threading.Event,
+    close: Callable[[], None],
+) -> BaseException | None:
+    """``send()`` until it succeeds (None) or the error that ends trying: the epoch ended
+    (or the transfer was cancelled), a refusal twice, or an unreachable peer past ``retry_s``
+    (retried with backoff, 50 ms doubling to 0.5 s). ``close`` drops the connection after
+    each failure; every failed attempt is logged as ``what`` failed."""
+    deadline = time.monotonic() + retry_s
+    backoff = 0.05
+    for attempt in itertools.count(1):
+        try:
+            send()
+            return None
+        except (Cancelled, StaleEpoch) as exc:
+            close()
+            return exc  # the epoch ended: nothing to retry
+        except (PeerckptError, OSError) as exc:
+            close()
+            log.warning("%s failed (attempt %d): %s", what, attempt, exc)
+            unreachable = isinstance(exc, (PeerUnavailable, OSError))
+            if (
+                epoch_ended()
+                or (not unreachable and attempt >= 2)
+                or time.monotonic() + backoff > deadline
+            ):
+                return exc
+            if unreachable and cancel.wait(backoff):
+                return Cancelled("transfer cancelled by an epoch change")
+            backoff = min(2 * backoff, 0.5)
+    raise AssertionError("unreachable")
