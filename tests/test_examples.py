@@ -42,7 +42,10 @@ def test_every_flag_of_peerckpt_run_in_the_example_exists(name: str) -> None:
 
 # -- the script a user starts from, and the README's snippet, run as written -------------------
 
-LOSS_LINE = re.compile(r"^step (\d+): loss (\S+), lr (\S+)$", re.MULTILINE)
+# The ranks' prints and the job's log lines share one pipe, and print writes its text and
+# its newline separately: another process's log line can follow a loss line before its
+# newline, so the line's end is the lr's own format, not the end of the line.
+LOSS_LINE = re.compile(r"^step (\d+): loss (\d+\.\d{4}), lr (\d\.\d\de[+-]\d\d)", re.MULTILINE)
 # A small dataset (4 batches a data epoch per rank on 2 ranks), so that restores land both
 # inside a data epoch and at its end; a snapshot after every step, so they do.
 EXAMPLE_ARGS = ["--steps", "30", "--rows", "256", "--batch", "32", "--log-every", "1"]
