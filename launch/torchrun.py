@@ -32,13 +32,13 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
 from peerckpt.errors import PeerckptError
 from peerckpt.launch.addr import node_address
 from peerckpt.launch.processes import ProcessSet, coordinator_argv
-from peerckpt.messages import encode
 from peerckpt.messages.control import AllocateNode, JobStatus, Status, Stop
 from peerckpt.names import new_run_id
 from peerckpt.pidwatch import ProcessWatch
@@ -47,6 +47,9 @@ from peerckpt.rpcauth import open_address, sign_address
 from peerckpt.service import service_process, stop_on_signals
 from peerckpt.shm import sweep
 from peerckpt.states import JobState
+
+from .base import JobOutcome, JobResult
+from .monitor import JobMonitor
 
 log = logging.getLogger("peerckpt.torchrun")
 STORE_TIMEOUT_S = 300.0  # how long a host waits for the coordinator's address
@@ -104,6 +107,8 @@ class HostSupervisor:
         self.node: int | None = None
         self.rpc: RpcClient | None = None
         self.status: JobStatus | None = None  # the coordinator's last answer (its host only)
+        self.monitor = JobMonitor()  # the report's timeline and summary (its host only)
+        self.started = time.monotonic()
 
     def start(self) -> None:
         store_host, _, store_port = self.args.store.rpartition(":")
@@ -168,6 +173,8 @@ class HostSupervisor:
             self.status = self.rpc.call(Status(), timeout=5.0)
         except PeerckptError as exc:
             log.debug("coordinator status: %s", exc)
+            return
+        self.monitor.observe(self.status, self.status.events, [])
 
     def stop(self) -> None:
         """Stop the agent and the coordinator, remove the host's memory and files."""
@@ -201,19 +208,31 @@ class HostSupervisor:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def _write_report(self) -> None:
+        """The job's report, in the form ``peerckpt run --report`` writes (``JobResult``), so
+        that ``peerckpt timeline`` draws it: no chaos (torchrun injects none) and no digests."""
         path = os.environ.get("PEERCKPT_REPORT")
         if not path or self.coordinator is None or self.status is None:
             return
         s = self.status
-        report: dict[str, Any] = {
-            "job": self.job,
-            "state": s.state.value,
-            "reason": s.reason,
-            "events": [e.to_json() for e in s.events],
-            "flushes": [encode(f) for f in s.flushes],
-        }
+        if s.state.ended:
+            outcome, reason = JobOutcome.of(s.state), s.reason
+        else:
+            outcome = JobOutcome.FAILED
+            reason = f"torchrun exited while the job was {s.state.value}"
+        result = JobResult(
+            self.job,
+            outcome.exit_code,
+            outcome,
+            reason,
+            list(s.events),
+            [],
+            round(time.monotonic() - self.started, 3),
+            list(s.flushes),
+            timeline=self.monitor.timeline(),
+            summary=self.monitor.summary(),
+        )
         with open(path, "w") as f:
-            json.dump(report, f, indent=2, default=str)
+            json.dump(result.to_json(), f, indent=2, default=str)
 
     def _write(self, name: str, content: dict[str, Any]) -> None:
         """Write a file the workers read, atomically (they never see half of it)."""

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from peerckpt.launch.timeline import load_report, timeline_data
+
 from .conftest import JOBS, JobRun, assert_same_digests, job_name, read_jsonl
 from .torchrun_hosts import TorchrunJob, runtime_dirs
 
@@ -53,6 +55,12 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_restores_from_its_hosts_me
     assert event["resumed_at"] is not None
     run = JobRun(0, report, tmp_path, log)
     assert_same_digests(run, reference_run)
+    # the report is a job report like `peerckpt run --report`'s: `peerckpt timeline` draws it
+    result = load_report(str(job.report_path))
+    assert result.summary["faults_survived"] == 1 and result.summary["protected"], result.summary
+    drawn = timeline_data(result)
+    assert [f["kind"] for f in drawn["faults"]] == ["rank"], drawn["faults"]
+    assert drawn["ranks"], "no step was sampled for the timeline"
 
 
 @pytest.mark.slow
