@@ -27,10 +27,13 @@ test-all: $(STAMP)
 # reachable: `make gpu-wheels` downloads, for the GPU image's Python 3.12, the dependencies
 # that image lacks (it has CUDA's torch, CuPy, grpcio, msgpack, numpy, ...) into .whl/
 # (ignored by git; carried to the device). There, `make test-gpu` installs them and this
-# package into /tmp/site, runs tests/gpu (NCCL ranks sharing the GPU) and bench/gpu.py
-# --nccl (bench/results/gpu-nccl.json): about 6 minutes on one H100.
+# package, editable as in .venv, into that image's Python (a machine that starts bare each
+# time), runs tests/gpu (NCCL ranks sharing the GPU) and bench/gpu.py --nccl
+# (bench/results/gpu-nccl.json): about 6 minutes on one H100. Not a --target folder on
+# PYTHONPATH: the tests and benches start `python -m peerckpt.launch` from this folder, whose
+# peerckpt/ then shadows the installed package and lacks peerckpt.runtime & co. (mapped from
+# runtime/, ...), which only the editable install's finder resolves from here.
 GPU_PY ?= python3
-GPU_SITE := /tmp/site
 
 gpu-wheels:
 	mkdir -p .whl
@@ -41,9 +44,9 @@ gpu-wheels:
 
 test-gpu:
 	$(GPU_PY) -m pip install --quiet --no-index --no-deps --no-build-isolation --no-compile \
-	  --target $(GPU_SITE) .whl/*.whl .
-	PYTHONPATH=$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PY) -m pytest tests/gpu -q -p no:cacheprovider
-	PYTHONPATH=$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PY) bench/gpu.py --nccl --runs 2 --steps 30
+	  .whl/*.whl -e .
+	PYTHONUNBUFFERED=1 $(GPU_PY) -m pytest tests/gpu -q -p no:cacheprovider
+	PYTHONUNBUFFERED=1 $(GPU_PY) bench/gpu.py --nccl --runs 2 --steps 30
 
 # The [bench] extra (torchft) after torch and the package: it must not pick its own torch.
 $(BENCH_STAMP): $(STAMP) pyproject.toml
