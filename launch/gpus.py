@@ -17,15 +17,18 @@ import glob
 import os
 
 
-def visible_gpus(environ: dict[str, str] | None = None) -> int:
+def visible_gpus(environ: dict[str, str] | None = None, root: str = "/") -> int:
     """How many NVIDIA GPUs this machine's processes see: ``CUDA_VISIBLE_DEVICES`` when set,
-    else the devices the driver lists (0 without a driver). No CUDA initialisation."""
+    else the devices the driver lists in /proc (0 without a driver), else its GPU device
+    files ``/dev/nvidia0``, … (a sandbox such as gVisor proxies the device files but may
+    show no /proc/driver/nvidia). No CUDA initialisation."""
     env = os.environ if environ is None else environ
     listed = env.get("CUDA_VISIBLE_DEVICES")
     if listed is not None:
         entries = [e for e in listed.split(",") if e.strip()]
         return 0 if not entries or entries[0].strip() == "-1" else len(entries)
-    return len(glob.glob("/proc/driver/nvidia/gpus/*"))
+    driver = glob.glob(os.path.join(root, "proc/driver/nvidia/gpus/*"))
+    return len(driver) or len(glob.glob(os.path.join(root, "dev/nvidia[0-9]*")))
 
 
 def sharing_env(job: str, node: int, seq: int) -> dict[str, str]:

@@ -27,6 +27,18 @@ def test_the_gpus_seen_come_from_cuda_visible_devices_first() -> None:
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == 0
 
 
+def test_without_cuda_visible_devices_the_driver_counts_them(tmp_path: Path) -> None:
+    assert visible_gpus({}, root=str(tmp_path)) == 0
+    for name in ("nvidiactl", "nvidia-uvm", "nvidia0", "nvidia1"):
+        (tmp_path / "dev").mkdir(exist_ok=True)
+        (tmp_path / "dev" / name).touch()
+    assert visible_gpus({}, root=str(tmp_path)) == 2  # no /proc/driver/nvidia (gVisor)
+    gpus = tmp_path / "proc" / "driver" / "nvidia" / "gpus"
+    (gpus / "0000:04:00.0").mkdir(parents=True)
+    assert visible_gpus({}, root=str(tmp_path)) == 1  # the driver's own list first
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,1,2"}, root=str(tmp_path)) == 3
+
+
 def test_processes_sharing_a_gpu_are_each_an_nccl_host_of_their_own(tmp_path: Path) -> None:
     script, record = tmp_path / "proc.py", tmp_path / "record.jsonl"
     script.write_text(RECORD)
