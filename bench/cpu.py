@@ -57,7 +57,7 @@ class _Pusher(Sender):
         self._done.clear()
         with self.slot.lock:
             job = ReplicationJob.start(0, self.slot, manifest, [1])
-        self.sender.submit(job)
+        self.sender.put(job)
         if not self._done.wait(300):
             raise SystemExit("replication did not finish in 300 s")
         if self._error is not None:

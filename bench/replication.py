@@ -173,7 +173,7 @@ class Sender:
         start = time.perf_counter()
         with self.slot.lock:
             job = ReplicationJob.start(0, self.slot, manifest, [1])
-        self.sender.submit(job)
+        self.sender.put(job)
         if not self._done.wait(300):
             raise SystemExit("replication did not finish in 300 s")
         end = time.perf_counter()

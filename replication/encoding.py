@@ -19,7 +19,6 @@ cannot be reached is retried for ``retry_s``, then reported, as replicas are
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,9 +28,8 @@ from peerckpt.faults import NO_FAULTS, FaultHooks
 from peerckpt.manifest import SnapshotManifest
 from peerckpt.messages.data import Ack, ParityPiece, Ready
 from peerckpt.replication.parity import send_ranges
-from peerckpt.replication.replicator import ReplicationJob, send_with_retries
-from peerckpt.replication.transfer import IO_TIMEOUT_S, Cancelled
-from peerckpt.wire import Connection, connect_tcp
+from peerckpt.replication.replicator import NodeSender, ReplicationJob
+from peerckpt.replication.transfer import Cancelled
 
 log = logging.getLogger("peerckpt.encoding")
 
@@ -132,7 +130,7 @@ class Encoding:
         with self._lock:
             senders = list(self._senders.values())
         for sender in senders:
-            sender.cancel.set()
+            sender.cancel_inflight()
 
     def stop(self) -> None:
         with self._lock:
@@ -154,66 +152,35 @@ class Encoding:
         self._sent(coded.job, node, error)
 
 
-class _PieceSender:
+class _PieceSender(NodeSender[tuple[CodedJob, Piece]]):
     """One destination node's queue of pieces, sent by one thread over one connection."""
 
     def __init__(self, owner: Encoding, node: int, address: str) -> None:
         self._owner = owner
-        self.node, self.address = node, address
-        self._queue: queue.Queue[tuple[CodedJob, Piece] | None] = queue.Queue()
-        self._conn: Connection | None = None
-        self.cancel = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name=f"peerckpt-encode-n{node}", daemon=True
-        )
-        self._thread.start()
+        super().__init__(node, address, owner._secret, owner._job, owner._faults, "peerckpt-encode")
 
-    def put(self, item: tuple[CodedJob, Piece]) -> None:
-        self._queue.put(item)
-
-    def stop(self) -> None:
-        self._queue.put(None)
-        self.cancel.set()
-        self._thread.join(timeout=5.0)
-        self._close()
-
-    def _close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            coded, piece = item
-            self.cancel.clear()
-            if coded.job.epoch != self._owner._epoch() or coded.job.failed:
-                continue
-            self._owner._done(coded, self.node, self._send_with_retries(coded.job, piece))
-
-    def _send_with_retries(self, job: ReplicationJob, piece: Piece) -> BaseException | None:
-        return send_with_retries(
-            lambda: self._send(job, piece),
+    def _what(self, item: tuple[CodedJob, Piece]) -> str:
+        job, piece = item[0].job, item[1]
+        return (
             f"piece {piece.piece} of rank {job.slot.rank} step {job.manifest.step} "
-            f"to node {self.node}",
-            lambda: job.epoch != self._owner._epoch(),
-            self._owner.retry_s,
-            self.cancel,
-            self._close,
+            f"to node {self.node}"
         )
 
-    def _send(self, job: ReplicationJob, piece: Piece) -> None:
-        if self._conn is None or self._conn.closed:
-            self._conn = connect_tcp(
-                self.address,
-                self._owner._secret,
-                self._owner._job,
-                io_timeout=IO_TIMEOUT_S,
-                net=self._owner._faults.net,
-            )
-        conn = self._conn
+    def _stale(self, item: tuple[CodedJob, Piece]) -> bool:
+        return self._epoch_ended(item) or item[0].job.failed
+
+    def _epoch_ended(self, item: tuple[CodedJob, Piece]) -> bool:
+        return item[0].job.epoch != self._owner._epoch()
+
+    def _retry_s(self) -> float:
+        return self._owner.retry_s
+
+    def _finish(self, item: tuple[CodedJob, Piece], error: BaseException | None) -> None:
+        self._owner._done(item[0], self.node, error)
+
+    def _send(self, item: tuple[CodedJob, Piece]) -> None:
+        job, piece = item[0].job, item[1]
+        conn = self._connection()
         with job.slot.lock:
             if not job.is_current():
                 raise Cancelled("slot was rewritten before it could be sent")

@@ -114,7 +114,7 @@ class Mirroring:
             self._replicated(job)
             return
         for buddy in job.buddies:
-            self._sender(buddy, members.node_addrs[buddy]).submit(job)
+            self._sender(buddy, members.node_addrs[buddy]).put(job)
 
     def replicate_whole(self, members: Membership, rank: int, step: int) -> None:
         """The coordinator found ``rank``'s data-parallel chunks unequal to its twins' (or too

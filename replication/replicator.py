@@ -11,6 +11,7 @@ ended epoch are dropped, and an epoch change cancels the transfer in flight.
 
 from __future__ import annotations
 
+import abc
 import functools
 import itertools
 import logging
@@ -19,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from peerckpt.errors import PeerckptError, PeerUnavailable, StaleEpoch
 from peerckpt.faults import NO_FAULTS, FaultHooks
@@ -29,6 +31,7 @@ from peerckpt.replication.transfer import IO_TIMEOUT_S, Cancelled, push
 from peerckpt.wire import Connection, connect_tcp
 
 log = logging.getLogger("peerckpt.replicator")
+T = TypeVar("T")
 
 
 @dataclass
@@ -91,7 +94,95 @@ class ReplicationJob:
         return [c.crc for c in self.checksummed().chunks if c.crc is not None]
 
 
-class BuddySender:
+class NodeSender(abc.ABC, Generic[T]):
+    """One destination node's queue, sent in order by one thread over one reused,
+    authenticated connection, each item through ``send_with_retries``. ``put`` items;
+    ``cancel_inflight`` abandons the transfer in flight (its epoch ended), later items still
+    go; ``stop`` always (it joins the thread and closes the connection). A subclass says how
+    an item is sent, named in the log, found stale, and what is done with its outcome."""
+
+    def __init__(
+        self, node: int, address: str, secret: bytes, job: str, faults: FaultHooks, name: str
+    ) -> None:
+        self.node, self.address = node, address
+        self._secret, self._job, self._faults = secret, job, faults
+        self._queue: queue.Queue[T | None] = queue.Queue()
+        self._conn: Connection | None = None
+        self.cancel = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-n{node}", daemon=True)
+        self._thread.start()
+
+    def put(self, item: T) -> None:
+        self._queue.put(item)
+
+    def cancel_inflight(self) -> None:
+        """Abandon the transfer in flight (its epoch ended); later items still go."""
+        self.cancel.set()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self.cancel.set()
+        self._thread.join(timeout=5.0)
+        self._close()
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _connection(self) -> Connection:
+        """The connection to the node, opened again after a failure closed it."""
+        if self._conn is None or self._conn.closed:
+            self._conn = connect_tcp(
+                self.address, self._secret, self._job, io_timeout=IO_TIMEOUT_S, net=self._faults.net
+            )
+        return self._conn
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            # Clear before the staleness check: a cancel that arrives after it is kept.
+            self.cancel.clear()
+            if self._stale(item):
+                continue
+            error = send_with_retries(
+                functools.partial(self._send, item),
+                self._what(item),
+                functools.partial(self._epoch_ended, item),
+                self._retry_s(),
+                self.cancel,
+                self._close,
+            )
+            self._finish(item, error)
+
+    @abc.abstractmethod
+    def _send(self, item: T) -> None:
+        """Send ``item`` once (``self._connection()``); raise to fail the attempt."""
+
+    @abc.abstractmethod
+    def _what(self, item: T) -> str:
+        """What sending ``item`` is called in the log."""
+
+    @abc.abstractmethod
+    def _stale(self, item: T) -> bool:
+        """Whether ``item`` is dropped unsent (its epoch ended, its job failed)."""
+
+    @abc.abstractmethod
+    def _epoch_ended(self, item: T) -> bool:
+        """Whether ``item``'s epoch ended (its retries stop)."""
+
+    @abc.abstractmethod
+    def _retry_s(self) -> float:
+        """How long an unreachable node is retried."""
+
+    @abc.abstractmethod
+    def _finish(self, item: T, error: BaseException | None) -> None:
+        """Take ``item``'s outcome: None, or the error that ended its sending."""
+
+
+class BuddySender(NodeSender[ReplicationJob]):
     """Pushes snapshots to one buddy node over one reused connection."""
 
     def __init__(
@@ -107,73 +198,35 @@ class BuddySender:
         local_node: int = -1,
         faults: FaultHooks = NO_FAULTS,
     ) -> None:
-        self._faults = faults
-        self._retry_s = retry_s
+        self._retry = retry_s
         self._local_node = local_node
         self._committed_step = committed_step
-        self.node = node
-        self.address = address
-        self._secret = secret
-        self._job = job
         self._current_epoch = current_epoch
         self._done = done
-        self._queue: queue.Queue[ReplicationJob | None] = queue.Queue()
-        self._conn: Connection | None = None
-        self.cancel = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name=f"peerckpt-send-n{node}", daemon=True
-        )
-        self._thread.start()
+        super().__init__(node, address, secret, job, faults, "peerckpt-send")
 
-    def submit(self, job: ReplicationJob) -> None:
-        self._queue.put(job)
+    def _what(self, job: ReplicationJob) -> str:
+        return f"replicating rank {job.slot.rank} step {job.manifest.step} to node {self.node}"
 
-    def cancel_inflight(self) -> None:
-        """Abandon the transfer in flight (its epoch ended); later jobs still run."""
-        self.cancel.set()
+    def _stale(self, job: ReplicationJob) -> bool:
+        return self._epoch_ended(job)
 
-    def stop(self) -> None:
-        self._queue.put(None)
-        self.cancel.set()
-        self._thread.join(timeout=5.0)
-        self._close()
+    def _epoch_ended(self, job: ReplicationJob) -> bool:
+        return job.epoch != self._current_epoch()
 
-    def _close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+    def _retry_s(self) -> float:
+        return self._retry
 
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            # Clear before the epoch check: a cancel that arrives after it is kept.
-            self.cancel.clear()
-            if job.epoch != self._current_epoch():
-                continue
-            self._done(job, self.node, self._send_with_retries(job))
-
-    def _send_with_retries(self, job: ReplicationJob) -> BaseException | None:
-        return send_with_retries(
-            lambda: self._send(job),
-            f"replicating rank {job.slot.rank} step {job.manifest.step} to node {self.node}",
-            lambda: job.epoch != self._current_epoch(),
-            self._retry_s,
-            self.cancel,
-            self._close,
-        )
+    def _finish(self, job: ReplicationJob, error: BaseException | None) -> None:
+        self._done(job, self.node, error)
 
     def _send(self, job: ReplicationJob) -> None:
-        if self._conn is None or self._conn.closed:
-            self._conn = connect_tcp(
-                self.address, self._secret, self._job, io_timeout=IO_TIMEOUT_S, net=self._faults.net
-            )
+        conn = self._connection()
         with job.slot.lock:
             if not job.is_current():
                 raise Cancelled("slot was rewritten before it could be sent")
             push(
-                self._conn,
+                conn,
                 job.epoch,
                 job.slot.gen,
                 job.slot.rank,

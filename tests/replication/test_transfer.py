@@ -221,7 +221,7 @@ def _replicate(peers, job, replication: ReplicationJob) -> BaseException | None:
         lambda _job, _node, error: (done.append(error), finished.set()),
     )
     try:
-        sender.submit(replication)
+        sender.put(replication)
         assert finished.wait(30)
     finally:
         sender.stop()
