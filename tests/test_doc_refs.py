@@ -143,3 +143,30 @@ def test_a_reference_to_nothing_is_found(tmp_path: Path) -> None:
         " (no test_not_a_test in tests/test_jobs.py)",
         "planted.md:3: gone.md",
     ]
+
+
+EXTRA = re.compile(r"install ['\"]?peerckpt\[([a-z0-9_-]+)\]")
+
+
+def test_every_extra_named_to_the_user_is_declared() -> None:
+    """``pip install 'peerckpt[X]'`` in a document, a message or a docstring names an extra
+    that pyproject.toml declares (a message that sends the user to a missing extra fails)."""
+    import tomllib
+
+    declared = set(
+        tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    )
+    named: dict[str, set[str]] = {}
+    for path in REPO.rglob("*"):
+        rel = path.relative_to(REPO)
+        if (
+            rel.parts[0] in SKIP_DIRS
+            or rel.parts[0] == "tests"
+            or path.suffix not in (".py", ".md")
+        ):
+            continue
+        for extra in EXTRA.findall(path.read_text(errors="replace")):
+            named.setdefault(extra, set()).add(str(rel))
+    assert named, "no extra is named anywhere: the pattern is wrong"
+    missing = {extra: sorted(where) for extra, where in named.items() if extra not in declared}
+    assert not missing, f"extras named but not declared in pyproject.toml: {missing}"
