@@ -26,7 +26,8 @@ test-all: $(STAMP)
 # The GPU checks, on a machine with a CUDA device (CI has none). Prepare here, where PyPI is
 # reachable: `make gpu-wheels` downloads, for the GPU image's Python 3.12, the dependencies
 # that image lacks (it has CUDA's torch, CuPy, grpcio, msgpack, numpy, ...) into .whl/
-# (ignored by git; carried to the device). There, `make test-gpu` installs them and this
+# (ignored by git; carried to the device). There, `make test-gpu` (bench/gpu_check.sh, which
+# runs without make too) installs them and this
 # package, editable as in .venv, into that image's Python (a machine that starts bare each
 # time), runs tests/gpu (NCCL ranks sharing the GPU) and bench/gpu.py --nccl
 # (bench/results/gpu-nccl.json): about 6 minutes on one H100. Not a --target folder on
@@ -43,10 +44,7 @@ gpu-wheels:
 	  crc32c setproctitle cryptography cffi pycparser torchdata==0.11.0
 
 test-gpu:
-	$(GPU_PY) -m pip install --quiet --no-index --no-deps --no-build-isolation --no-compile \
-	  .whl/*.whl -e .
-	PYTHONUNBUFFERED=1 $(GPU_PY) -m pytest tests/gpu -q -p no:cacheprovider
-	PYTHONUNBUFFERED=1 $(GPU_PY) bench/gpu.py --nccl --runs 2 --steps 30
+	GPU_PY=$(GPU_PY) bash bench/gpu_check.sh
 
 # The [bench] extra (torchft) after torch and the package: it must not pick its own torch.
 $(BENCH_STAMP): $(STAMP) pyproject.toml
