@@ -81,6 +81,10 @@ _ONLY_IN: dict[str, tuple[frozenset[str], str]] = {
         "running as you want in reserve",
     ),
     **{flag: (frozenset({HOSTS}), _FOR_HOSTS) for flag in _HOST_FLAGS.split(", ")},
+    "--nnodes": (  # as torchrun's --nnodes 1 on one machine
+        frozenset({HOSTS}),
+        f"{_FOR_HOSTS}, whose nodes are --nodes N (default 1)",
+    ),
 }
 _IN_MODE = {LOCAL: "without --rdzv-endpoint", HOSTS: "with --rdzv-endpoint", RAY: "with --ray"}
 

@@ -393,6 +393,115 @@ def _percent(p: Fraction) -> str:
     return f"{units // 10**4}.{units % 10**4:04d}%"
 
 
+# torchrun's flags that ``peerckpt run`` does not have → (takes a value, why none is needed
+# or what to give instead); refused by ``_TorchrunOnly``.
+_RDZV = (
+    "peerckpt runs its own rendezvous; a job on this machine needs no rendezvous flags "
+    "(peerckpt run --nodes 1 --nproc-per-node N train.py), on several hosts give every host "
+    "--rdzv-endpoint HOST:PORT (host 0's coordinator), --nnodes and --node-rank"
+)
+_OUTPUT = (
+    "not needed: every process's output comes out of this command, each log line naming its "
+    "rank (peerckpt[rank=N …]); redirect the command's output to keep it in a file"
+)
+_TORCHRUN_ONLY: dict[tuple[str, ...], tuple[bool, str]] = {
+    ("--standalone",): (False, f"not needed: {_RDZV}"),
+    ("--rdzv-backend",): (True, f"not needed: {_RDZV}"),
+    ("--rdzv-conf",): (True, f"not needed: {_RDZV}"),
+    ("--rdzv-id",): (True, "not needed: peerckpt names the job; give --job NAME to choose it"),
+    ("--master-addr",): (True, f"not needed: {_RDZV}"),
+    ("--master-port",): (True, f"not needed: {_RDZV}"),
+    ("--local-addr",): (True, "give --node-addr ADDR (the address this host's agent binds)"),
+    ("--monitor-interval",): (
+        True,
+        "not needed: a node is declared lost after --heartbeat-timeout SECONDS without a heartbeat",
+    ),
+    ("--start-method",): (True, "not needed: peerckpt starts every rank as a process of its own"),
+    ("-m", "--module"): (
+        False,
+        "peerckpt run starts a script by its path: give the module's file (e.g. pkg/train.py)",
+    ),
+    ("--no-python",): (False, "peerckpt run starts a Python script: give its path"),
+    ("--run-path",): (False, "not needed: peerckpt run starts the script by its path"),
+    ("--log-dir",): (True, _OUTPUT),
+    ("-r", "--redirects"): (True, _OUTPUT),
+    ("-t", "--tee"): (True, _OUTPUT),
+    ("--local-ranks-filter",): (True, _OUTPUT),
+    ("--duplicate-stdout-filters",): (True, _OUTPUT),
+    ("--duplicate-stderr-filters",): (True, _OUTPUT),
+    **{
+        (flag,): (value, "peerckpt run has no such setting; leave it out")
+        for flag, value in (
+            ("--role", True),
+            ("--event-log-handler", True),
+            ("--logs-specs", True),
+            ("--numa-binding", True),
+            ("--signals-to-handle", True),
+            ("--shutdown-timeout", True),
+            ("--virtual-local-rank", False),
+        )
+    },
+}
+
+
+class _TorchrunOnly(argparse.Action):
+    """A torchrun flag given to ``peerckpt run``: refused as every flag is (one line, the
+    fix, status 2), not with argparse's "unrecognized arguments"; not listed in ``--help``."""
+
+    def __init__(self, option_strings: list[str], dest: str, why: str, value: bool) -> None:
+        super().__init__(
+            option_strings,
+            argparse.SUPPRESS,
+            nargs="?" if value else 0,
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+        )
+        self.why = why
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        parser.exit(2, f"peerckpt: {option_string} (a torchrun flag): {self.why}\n")
+
+
+def _torchrun_flags(run: argparse.ArgumentParser) -> None:
+    for flags, (value, why) in _TORCHRUN_ONLY.items():
+        run.add_argument(*flags, action=_TorchrunOnly, why=why, value=value)
+
+
+def _underscore_spellings(parser: argparse.ArgumentParser) -> None:
+    """Accept ``--nproc_per_node`` for ``--nproc-per-node``, and so for every multi-word
+    flag, as torchrun does: the same flag (same dest), not listed again in ``--help``."""
+    for action in list(parser._actions):
+        for option in action.option_strings:
+            alias = "--" + option[2:].replace("-", "_")
+            if option.startswith("--") and alias not in parser._option_string_actions:
+                parser._option_string_actions[alias] = action
+
+
+def _count(flag: str) -> Any:
+    """The type of an ``int`` flag that torchrun also takes in other forms (``--nnodes
+    1:4``, ``--nproc-per-node gpu``): those are named with what peerckpt takes instead."""
+    instead = {
+        "--nnodes": "torchrun's MIN:MAX range is not taken: give the hosts the job starts "
+        "with as --nnodes N, and --min-nodes MIN to let it shrink to MIN when no spare is left",
+        "--nproc-per-node": "torchrun's gpu/cpu/auto are not taken: give the number of ranks "
+        "per node",
+    }[flag]
+
+    def parse(text: str) -> int:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; {instead}") from None
+
+    return parse
+
+
 _DESCRIPTION = """\
 Peer-replicated, in-memory checkpointing for PyTorch training: a lost rank or node is
 recovered from the memory of healthy peers, and training goes on from the last committed
@@ -436,7 +545,9 @@ def main(argv: list[str] | None = None) -> int:
         help="simulated nodes, the failure domains (default 1; under --ray: Ray nodes with "
         "ranks; on several hosts give --nnodes instead)",
     )
-    run.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node (≥ 1)")
+    run.add_argument(
+        "--nproc-per-node", type=_count("--nproc-per-node"), default=1, help="ranks per node (≥ 1)"
+    )
     run.add_argument(
         "--spares",
         type=int,
@@ -571,7 +682,9 @@ def main(argv: list[str] | None = None) -> int:
         "run the same command on every host (as with torchrun): host 0 runs the coordinator at "
         "--rdzv-endpoint; the secret comes from PEERCKPT_SECRET or --secret-file",
     )
-    hosts.add_argument("--nnodes", type=int, default=None, help="hosts that hold the job's ranks")
+    hosts.add_argument(
+        "--nnodes", type=_count("--nnodes"), default=None, help="hosts that hold the job's ranks"
+    )
     hosts.add_argument(
         "--node-rank",
         type=int,
@@ -605,6 +718,7 @@ def main(argv: list[str] | None = None) -> int:
         help="run on the Ray cluster at ADDRESS (auto: RAY_ADDRESS): one host per Ray node, "
         "--nodes of them with ranks, --spares spare nodes (docs/ray.md)",
     )
+    _torchrun_flags(run)
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     join = sub.add_parser(
@@ -773,6 +887,7 @@ def main(argv: list[str] | None = None) -> int:
             help="log records as text (default) or one JSON object per line, in every process "
             "of the job",
         )
+        _underscore_spellings(p)  # as torchrun: --nproc_per_node is --nproc-per-node
     args = parser.parse_args(argv)
     if args.log_format is not None:
         os.environ[logs.ENV] = args.log_format  # the job's processes inherit it
