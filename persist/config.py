@@ -45,6 +45,9 @@ class PersistConfig:
         if self.keep is not None and self.keep < 1:
             raise ValueError(f"keep must be at least 1, got {self.keep}")
         check_mode(self.mode)
+        from peerckpt.persist.location import check_shared  # fsspec: imported when used
+
+        check_shared(self.url)  # StorageUnusable: memory:// is one process's, not the job's
 
     @classmethod
     def from_settings(

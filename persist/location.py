@@ -13,6 +13,11 @@ both fail the job at once with ``StorageUnusable``, naming the URL and the fix.
   cold start) names a bad scheme the same way.
 - ``check_writable``: the scheme, then the root made as a flush makes it and a probe file
   written there and removed. It never removes anything but its own probe.
+- ``check_shared``: not a store that lives inside one process (``memory://``): the probe
+  passes there, then every flush failed ("6 chunk(s) were not written"), since each agent
+  wrote into its own process's memory. ``PersistConfig`` calls it, so ``--persist`` and
+  ``resilient(persist=…)`` refuse it before anything starts; readers (``inspect``, tests)
+  may still open one.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from typing import Any
 import fsspec
 import fsspec.utils
 from fsspec.implementations.local import LocalFileSystem
-from fsspec.registry import known_implementations
+from fsspec.implementations.memory import MemoryFileSystem
+from fsspec.registry import known_implementations, registry
 
 from peerckpt.errors import StorageUnusable
 from peerckpt.persist import localfs
@@ -52,6 +58,25 @@ def check_scheme(url: str) -> None:
             ) from None
 
 
+def check_shared(url: str) -> None:
+    """StorageUnusable if ``url`` (any link of a chained URL) is fsspec's in-memory
+    filesystem, or one built on it: it lives inside one process, so the agents that write a
+    checkpoint's shares, and a later run that would restore it, never see each other's."""
+    for part in url.split("::"):
+        protocol = fsspec.utils.get_protocol(part)
+        loaded = registry.get(protocol)  # a class registered or imported already; none imported
+        if protocol in MemoryFileSystem.protocol or (
+            isinstance(loaded, type) and issubclass(loaded, MemoryFileSystem)
+        ):
+            raise StorageUnusable(
+                f"storage URL {url!r} is fsspec's in-memory filesystem ({protocol}://), which "
+                "lives inside one process: every node's agent would write its share of a "
+                "checkpoint into its own memory, so no checkpoint would be complete and no "
+                "later run could read one; give --persist (or persist=) a path or file://… on "
+                "storage every node can reach, or a shared store such as s3://…"
+            )
+
+
 def _install_hint(protocol: str) -> str:
     """``pip install PACKAGE`` for the backend fsspec names for ``protocol``."""
     known = known_implementations.get(protocol)
@@ -63,8 +88,10 @@ def _install_hint(protocol: str) -> str:
 def check_writable(url: str, mode: int = DEFAULT_MODE, **storage_options: Any) -> None:
     """StorageUnusable, naming ``url``, the cause and the fix, unless its scheme works, its
     root can be made (with ``mode``'s directory bits, as a flush makes it) and a file can be
-    written there. Leaves the root made, and nothing else."""
+    written there, by every node's agent (``check_shared``). Leaves the root made, and
+    nothing else."""
     check_scheme(url)
+    check_shared(url)
     try:
         fs, root = fsspec.core.url_to_fs(url, **storage_options)
     except Exception as exc:  # a backend rejects its options or the URL in its own way

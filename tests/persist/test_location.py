@@ -4,14 +4,20 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+from fsspec.registry import _registry as registry_target
 from fsspec.registry import known_implementations, register_implementation
 
 from peerckpt.errors import CheckpointError, StorageUnusable
+from peerckpt.launch.base import JobSpec
 from peerckpt.launch.cli import main
+from peerckpt.persist.config import PersistConfig
 from peerckpt.persist.durable import DurableStore
-from peerckpt.persist.location import check_scheme, check_writable
+from peerckpt.persist.location import check_scheme, check_shared, check_writable
+from peerckpt.runtime.api import resilient
 
 from .test_durable import _write
 
@@ -93,3 +99,48 @@ def test_export_of_what_is_not_there_fails_and_writes_no_file(tmp_path, capsys) 
     assert main(["export", str(tmp_path / "empty"), "--out", str(out)]) != 0
     assert "no committed checkpoint" in capsys.readouterr().err
     assert not out.exists()
+
+
+class _SharedNothing(MemoryFileSystem):
+    """A backend built on fsspec's memory filesystem, under a scheme of its own."""
+
+    protocol = ("ptmemsub",)
+
+
+@pytest.mark.parametrize(
+    "url", ["memory://ckpt", "memory://x/ckpt", "simplecache::memory://x/ckpt", "ptmemsub://x"]
+)
+def test_a_store_inside_one_process_is_refused_before_any_job_uses_it(url: str) -> None:
+    # The probe passed there, then every flush failed ('6 chunk(s) were not written'): each
+    # agent wrote into its own process's memory, which no other process or later run sees.
+    register_implementation("ptmemsub", _SharedNothing, clobber=True)
+    try:
+        checks: list[Callable[[str], object]] = [
+            check_shared,
+            check_writable,
+            lambda u: PersistConfig.from_settings(u, None, None, None),  # --persist, persist=
+            lambda u: JobSpec(script=__file__, persist={"url": u, "every": 1}).check(),
+        ]
+        for check in checks:
+            with pytest.raises(StorageUnusable) as exc:
+                check(url)
+            message = str(exc.value)
+            assert f"storage URL {url!r} is fsspec's in-memory filesystem" in message
+            assert "lives inside one process" in message and "file://" in message
+    finally:
+        known_implementations.pop("ptmemsub", None)
+        registry_target.pop("ptmemsub", None)
+    DurableStore(f"memory://peerckpt-location-{os.getpid()}/ckpt")  # readers may open one
+    check_shared("file:///tmp/x")
+    check_shared("s3://bucket/x")
+
+
+def test_memory_persist_is_refused_by_the_command_line_and_the_decorator(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('the script must not run')\n")
+    assert main(["run", "--persist", "memory://ckpt", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("peerckpt: storage URL 'memory://ckpt' is fsspec's in-memory")
+    assert list(tmp_path.iterdir()) == [script]
+    with pytest.raises(StorageUnusable, match="lives inside one process"):
+        resilient(persist="memory://ckpt")
