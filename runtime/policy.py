@@ -90,9 +90,10 @@ class Interval:
         text = (
             f"snapshot every {self.every} step(s) ({self.rule}): a snapshot costs "
             f"{self.snapshot_cost_s * 1e3:.0f} ms against a {self.step_s * 1e3:.0f} ms step, "
-            f"expected overhead {self.expected_overhead:.1%} (budget {self.overhead:.0%}), "
-            f"expected work lost per failure {self.expected_lost_s:.2f} s, at most "
-            f"{self.every * self.step_s:.2f} s (max_lost {self.max_lost_s:g} s)"
+            f"expected overhead {self.expected_overhead:.1%} (budget {self.overhead * 100:g}%), "
+            f"expected work lost per failure {self.expected_lost_s:.2f} s ({self.every}/2 + 1 "
+            f"steps), {self.every} step(s) between snapshots {self.every * self.step_s:.2f} s "
+            f"(max_lost {self.max_lost_s:g} s)"
         )
         if self.young_daly_every is not None:
             text += f"; Young/Daly interval {self.young_daly_every} step(s)"
@@ -101,7 +102,21 @@ class Interval:
                 f"; the budget alone would snapshot every {self.budget_every} step(s): raise "
                 "resilient(max_lost=…) to lose more work per failure for less overhead"
             )
+        elif self.expected_overhead > self.overhead * (1 + 1e-9):
+            text += f"; above the budget: {self._over_budget()}"
         return text
+
+    def _over_budget(self) -> str:
+        """Why an interval not bounded by max_lost overruns the budget: the cap, or the
+        rounding to a power of two (by design: at most √2 over, ``_power_of_two``)."""
+        if self.budget_every >= MAX_EVERY:
+            return f"no interval of up to {MAX_EVERY} steps keeps within it"
+        unrounded = self.young_daly_every if self.rule == "young-daly" else self.budget_every
+        return (
+            f"{unrounded} step(s) rounded to the nearest power of two, {self.every}, a cadence "
+            "that measurement noise does not change from run to run (at most √2 over); "
+            f"resilient(every={self.budget_every}) keeps within it"
+        )
 
 
 def choose_interval(

@@ -234,3 +234,35 @@ def test_a_cost_the_wall_clock_shows_clear_of_its_noise_is_not_left_to_the_work(
     for cycle, extra in zip(CYCLES, (0.035, -0.025, 0.030, -0.020, 0.005), strict=True):
         noisy.record(cycle[1], 0.020 + extra)
     assert noisy.costs().wall_low_s == 0.0
+
+
+def test_a_line_over_its_budget_says_why() -> None:
+    # An acceptance run logged "expected overhead 5.6% (budget 5%)" and nothing more: the
+    # budget's 19 steps rounded to the nearest power of two, 16 (by design, at most √2 over).
+    over = choose_interval(0.232, 0.251, 0.05, max_lost_s=1e9)
+    assert (over.budget_every, over.every, over.rule) == (19, 16, "budget")
+    assert over.expected_overhead > 0.05
+    line = over.describe()
+    assert "expected overhead 5.8% (budget 5%); " not in line  # the why follows at the end
+    assert line.endswith(
+        "; above the budget: 19 step(s) rounded to the nearest power of two, 16, a cadence "
+        "that measurement noise does not change from run to run (at most √2 over); "
+        "resilient(every=19) keeps within it"
+    )
+    young_daly = choose_interval(0.232, 0.251, 0.05, mtbf_s=60.0, max_lost_s=1e9)
+    assert "above the budget: 21 step(s) rounded" in young_daly.describe()
+    capped = choose_interval(1e6, 0.1, 0.05, max_lost_s=1e9)
+    assert f"no interval of up to {MAX_EVERY} steps keeps within it" in capped.describe()
+    within = choose_interval(0.011, 0.2, 0.05, max_lost_s=1e9)  # 2 steps: 2.8 %
+    assert within.expected_overhead <= 0.05 and "above the budget" not in within.describe()
+    bounded = choose_interval(0.781, 0.360, 0.05, max_lost_s=5.0)  # max_lost says it already
+    assert "above the budget" not in bounded.describe()
+
+
+def test_a_line_reads_the_budget_and_the_work_lost_as_they_are() -> None:
+    line = choose_interval(0.0105, 0.2, 0.025, max_lost_s=5.0).describe()
+    assert "(budget 2.5%)" in line  # it read "(budget 2%)"
+    every_step = choose_interval(0.01, 0.2, 0.05, max_lost_s=5.0)
+    assert every_step.every == 1 and every_step.expected_lost_s == pytest.approx(0.3)
+    # it read "expected work lost per failure 0.30 s, at most 0.20 s"
+    assert "0.30 s (1/2 + 1 steps), 1 step(s) between snapshots 0.20 s" in every_step.describe()
