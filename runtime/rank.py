@@ -516,6 +516,16 @@ def _looks_like_comm_error(exc: BaseException) -> bool:
     )
 
 
+_CALLBACK = "Got the following error when running the callback: "  # torch's Future.then
+
+
 def _short(exc: BaseException) -> str:
+    """One line for the log: the error's first line, without the trace torch appends to an
+    error that crossed C++ ("At: …/inflight.py(64): _unwrap" from a future's callback,
+    "Exception raised from … (most recent call first)" from c10) or its callback wrappers;
+    the whole text is logged at debug level."""
     text = f"{type(exc).__name__}: {exc}"
-    return text if len(text) < 160 else text[:157] + "..."
+    first = next((line for line in text.splitlines() if line.strip()), text).replace(_CALLBACK, "")
+    if first != text:
+        log.debug("%s, in full: %s", first, text)
+    return first if len(first) < 160 else first[:157] + "..."
