@@ -461,7 +461,9 @@ class LocalLauncher(Launcher):
             if hosts_ranks or not status.nodes.get(self._spare_node, False):
                 # A spare node that now runs ranks is a failure domain of the job: new spares
                 # go to a fresh one, so that losing it does not take the reserve with it.
-                node = self.rpc.call(AllocateNode()).node
+                # spares only: never refused, also by a job that cannot reshard (its world
+                # keeps its size)
+                node = self.rpc.call(AllocateNode(spares_only=True)).node
                 agent = self.procs.start_agent(node, self.address, ["--spare-node"])
                 self.procs.await_ready(
                     agent.agent,

@@ -235,7 +235,9 @@ class Coordinator:
 
     def allocate_node(self, msg: AllocateNode) -> NodeAllocated:
         with self._lock:
-            refused = unreshardable.join_refusal(self.settings)
+            # A node of spares only keeps the world's size: never refused. Should it register
+            # with ranks to add after all, ``maybe_grow`` still refuses them.
+            refused = None if msg.spares_only else unreshardable.join_refusal(self.settings)
             if refused is not None:
                 raise NotReshardable(refused)
             return NodeAllocated(self.registry.allocate_node())

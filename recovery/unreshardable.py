@@ -14,7 +14,8 @@ every rank another rank's data position, so from then on the world does not chan
   refused_joins``, which ``peerckpt join`` reads and exits on.
 
 Replacing a lost rank with a spare or a restarted process keeps the world's size and is
-never refused. Pure functions of the settings: no I/O, no state of their own.
+never refused; so is a node that holds spares only (``AllocateNode(spares_only=True)``:
+``--keep-spares`` opening a fresh spare node). Pure functions of the settings: no I/O, no state of their own.
 """
 
 from __future__ import annotations

@@ -169,7 +169,11 @@ class NodeAllocated(Message):
 @message("AllocateNode")
 @dataclass(frozen=True)
 class AllocateNode(Request[NodeAllocated]):
-    """A free node index for a node about to join (``peerckpt join``, chaos ``add node``)."""
+    """A free node index for a node about to join (``peerckpt join``, chaos ``add node``).
+    ``spares_only``: the node will hold spares only (``--keep-spares`` opening a fresh spare
+    node); the world keeps its size, so a job that cannot reshard does not refuse it."""
+
+    spares_only: bool = False
 
 
 @message("SparesStarting")

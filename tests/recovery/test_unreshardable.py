@@ -12,9 +12,11 @@ from peerckpt.manifest import ChunkRecord
 from peerckpt.messages.control import (
     AllocateNode,
     ProcJoined,
+    ProcLost,
     ProcReport,
     RegisterAgent,
     Replicated,
+    SparesStarting,
     Status,
     Unreshardable,
 )
@@ -86,3 +88,36 @@ def test_a_job_that_can_reshard_lets_a_node_join_and_counts_its_commits() -> Non
     status = c.status(Status())
     assert status.commits == 2 and status.refused_joins == {}
     assert status.epoch == 1 and [e.kind for e in status.events] == [RecoveryKind.GROW]
+
+
+def test_a_node_of_spares_only_is_never_refused_and_its_spares_replace_lost_ranks() -> None:
+    """``--keep-spares`` opens a fresh spare node (``AllocateNode(spares_only=True)``) in a
+    job that cannot reshard: the world keeps its size, so it is not a grow. A spare there takes
+    a lost rank; a plain ``AllocateNode`` (a grow) is still refused."""
+    c = _job()
+    c.cannot_reshard(Unreshardable(0, 0, 0, [LOADER]))
+    c.spares_starting(SparesStarting(1))
+    node = c.allocate_node(AllocateNode(spares_only=True)).node
+    assert node == 2
+    c.register_agent(RegisterAgent(node, "127.0.0.1:1002", spare_node=True))
+    c.proc_joined(ProcJoined(node, ProcReport(300, ProcRole.SPARE, None)))
+    _commit(c, 0)
+    c.proc_lost(ProcLost(1, 103, "killed"))  # rank 3
+    status = c.status(Status())
+    assert c.life.state is JobState.RUNNING and status.refused_joins == {}
+    assert status.world_size == 4 and status.epoch == 1 and tuple(status.ranks[3]) == (node, 300)
+    with pytest.raises(NotReshardable, match="cannot grow"):
+        c.allocate_node(AllocateNode())
+
+
+def test_a_node_of_spares_only_that_brings_ranks_after_all_is_not_added() -> None:
+    """The refusal of a grow holds at the join too: an index asked as spares only does not let
+    a node with ranks in."""
+    c = _job()
+    c.cannot_reshard(Unreshardable(0, 0, 0, [LOADER]))
+    node = c.allocate_node(AllocateNode(spares_only=True)).node
+    c.register_agent(RegisterAgent(node, "127.0.0.1:1002", joining=1))
+    c.proc_joined(ProcJoined(node, ProcReport(300, ProcRole.JOINER, None)))
+    status = c.status(Status())
+    assert status.epoch == 0 and status.world_size == 4
+    assert "cannot grow" in status.refused_joins[node]
