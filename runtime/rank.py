@@ -525,7 +525,11 @@ def _short(exc: BaseException) -> str:
     "Exception raised from … (most recent call first)" from c10) or its callback wrappers;
     the whole text is logged at debug level."""
     text = f"{type(exc).__name__}: {exc}"
-    first = next((line for line in text.splitlines() if line.strip()), text).replace(_CALLBACK, "")
-    if first != text:
-        log.debug("%s, in full: %s", first, text)
-    return first if len(first) < 160 else first[:157] + "..."
+    first = next((line for line in str(exc).splitlines() if line.strip()), "")
+    inner = first
+    while inner.startswith(_CALLBACK):  # the error raised in the callback names its type
+        inner = inner[len(_CALLBACK) :]
+    line = inner if inner != first else f"{type(exc).__name__}: {first}".rstrip(": ")
+    if line != text.rstrip(": "):  # a trace or a wrapper was left out
+        log.debug("%s, in full: %s", line, text)
+    return line if len(line) < 160 else line[:157] + "..."

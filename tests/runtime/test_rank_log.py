@@ -30,7 +30,7 @@ def test_an_error_through_a_futures_callback_is_logged_as_its_first_line(caplog)
     exc = _released_collective_error()
     with caplog.at_level(logging.DEBUG, logger="peerckpt.rank"):
         line = _short(exc)
-    assert line == "RuntimeError: MembershipChanged: epoch 0 was aborted"
+    assert line == "MembershipChanged: epoch 0 was aborted"
     [full] = [r for r in caplog.records if r.levelno == logging.DEBUG]
     assert "At:" in full.getMessage() and "inflight.py" in full.getMessage()
 
@@ -47,5 +47,11 @@ def test_a_c10_trace_is_cut_and_a_one_line_error_is_left_as_it_is(caplog) -> Non
             "closed by peer [127.0.0.1]:5555"
         )
         assert _short(ValueError("plain")) == "ValueError: plain"
+        assert _short(TimeoutError()) == "TimeoutError"
+        wrapped = "Got the following error when running the callback: RuntimeError: [pair.cc"
+        assert _short(RuntimeError(f"{wrapped}:537] Read error\n\nAt:\n  x.py(1): f")) == (
+            "RuntimeError: [pair.cc:537] Read error"  # the type named once
+        )
         assert len(_short(ValueError("x" * 500))) == 160
-    assert ["Exception raised from" in r.getMessage() for r in caplog.records] == [True]
+    full = [r.getMessage() for r in caplog.records]
+    assert len(full) == 2 and "Exception raised from" in full[0] and "At:" in full[1]
