@@ -18,7 +18,10 @@ fix: an optimizer that steps but is not tracked; an LR scheduler or GradScaler o
 that is not tracked; a data loader or sampler with ``state_dict`` that no tracked object
 holds; parameters of modules that ran but belong to no tracked object; a DDP whose module is
 not tracked (its buckets cannot be restored); tensors the loop carries from one step into
-the next without tracking them (``runtime/carried.py``: a batch fetched ahead). Loaders,
+the next without tracking them (``runtime/carried.py``: a batch fetched ahead); random draws in
+data-loader workers that a restore cannot reproduce (``runtime/loaders.py``: a plain
+``DataLoader`` iterating with workers, a tracked ``StatefulDataLoader`` over an
+``IterableDataset`` or whose iterator was made before ``ctx.track``). Loaders,
 schedulers and scalers are found with one walk of the garbage collector's objects, which is
 why the audit runs once per process.
 
@@ -39,12 +42,14 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader, Sampler
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from peerckpt.runtime.capture import param_fqns
 from peerckpt.runtime.carried import CarriedWatch
 from peerckpt.runtime.ddp import DdpLayouts
 from peerckpt.runtime.inflight import release_on_abort
 from peerckpt.runtime.layouts import FlatShard, Shard, local_of
+from peerckpt.runtime.loaders import notes
 
 log = logging.getLogger("peerckpt.rank")
 
@@ -149,6 +154,7 @@ def findings(
         id(o) for o in tracked.values() if isinstance(o, torch.optim.Optimizer)
     }
     reachable = _reachable(tracked)
+    iterators: list[object] = []  # of plain DataLoaders with workers
     kinds: dict[type, str] = {}  # one classification per type: the heap is large
     for obj in heap:
         kind = type(obj)  # never isinstance: some objects warn when their __class__ is read
@@ -157,7 +163,9 @@ def findings(
             what = kinds[kind] = _classify(kind)
         if not what or id(obj) in ids:
             continue
-        if what == "scheduler":
+        if what == "workers":
+            iterators.append(obj)
+        elif what == "scheduler":
             sched = cast(torch.optim.lr_scheduler.LRScheduler, obj)
             if id(getattr(sched, "optimizer", None)) in in_use:
                 out.append(
@@ -178,6 +186,7 @@ def findings(
                 "(nor held by a tracked object): after a restore it starts its data epoch "
                 "again; track it, e.g. ctx.track(..., data=loader)"
             )
+    out += notes(tracked, iterators)
     out += _param_findings(tracked, ran, unseen_ddps)
     return out
 
@@ -189,6 +198,8 @@ def _classify(kind: type) -> str:
         return "scaler"
     if issubclass(kind, (DataLoader, Sampler)):
         return "loader"
+    if issubclass(kind, _MultiProcessingDataLoaderIter):
+        return "workers"
     return ""
 
 

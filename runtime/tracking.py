@@ -38,7 +38,7 @@ from peerckpt.messages.local import (
     UnreshardableState,
     WantChunks,
 )
-from peerckpt.runtime import capture, twins
+from peerckpt.runtime import capture, loaders, twins
 from peerckpt.runtime.audit import FirstStepWatch, warn_untracked
 from peerckpt.runtime.live import LiveState
 from peerckpt.runtime.policy import Probe, RankReport, SnapshotPolicy
@@ -148,6 +148,7 @@ class EpochTracking:
         if self._watch is None:
             self._start_watch()
         self.tracked.update(state)
+        loaders.install(state)  # loader workers' RNG states travel in the loader's state
         for obj in state.values():
             if isinstance(obj, torch.optim.Optimizer):
                 self._hooks.append(obj.register_step_pre_hook(self._before_optimizer_step))

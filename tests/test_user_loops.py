@@ -3,8 +3,9 @@
 
 The job is ``tests/jobs/user_loop.py``: a plain script with a decorated train function, whose
 flags pick the habits of ordinary training scripts — the model tracked before it is wrapped in
-DDP, torchdata's StatefulDataLoader with worker processes, GradScaler, two optimizers, an LR
-schedule, gradient accumulation under ``no_sync``, BatchNorm, user state. Each case kills a
+DDP, torchdata's StatefulDataLoader with worker processes (augmentation and masking drawn in
+them), GradScaler, two optimizers, an LR schedule, gradient accumulation under ``no_sync``,
+BatchNorm, user state. Each case kills a
 rank and later a whole node under ``peerckpt run --nodes 2 --nproc-per-node 2`` and compares
 every digest any rank recorded (steps trained again included) and the final state with a
 fault-free run. With loader workers it also checks that the killed rank was acted on at once
@@ -34,7 +35,7 @@ def _recover_bit_exact(tmp_path, patterns: str) -> tuple[JobRun, JobRun]:
     """Kill rank 1, later node 1; every step bit-exact. With loader workers (``all``,
     ``stateful-loader``), also: the rank's death is acted on at once although its workers hold
     its socket, and no worker outlives its rank (the killed rank's, nor the lost node's)."""
-    workers = patterns in ("all", "stateful-loader")
+    workers = patterns in ("all", "stateful-loader", "worker-random")
     reference, run = run_with_reference(
         tmp_path,
         ["--steps", str(STEPS), "--patterns", patterns] + (["--record-workers"] if workers else []),
@@ -90,7 +91,7 @@ def test_what_a_script_uses_but_does_not_track_is_named_once_at_the_first_snapsh
         script_args=["--steps", "6", "--patterns", "all", "--leave-out", "sched,data"],
     )
     assert run.returncode == 0, run.log[-4000:]
-    for named in ("LR scheduler LambdaLR of optimizer AdamW", "a StatefulDataLoader over a Tensor"):
+    for named in ("LR scheduler LambdaLR of optimizer AdamW", "a StatefulDataLoader over a Augm"):
         lines = [line for line in run.log.splitlines() if PREFIX + named in line]
         ranks = sorted(re.search(r"rank=(\d) epoch=0 step=0\]", line)[1] for line in lines)
         assert ranks == ["0", "1", "2", "3"], lines

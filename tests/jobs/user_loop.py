@@ -10,6 +10,8 @@ Patterns (each a habit of ordinary training scripts; ``all`` is every one at onc
 - ``ddp-tracked``: ``ctx.track(model=ddp)`` (the default when none of the three is given);
 - ``stateful-loader``: torchdata's ``StatefulDataLoader`` over a ``DistributedSampler`` with
   2 worker processes, tracked as ``data``;
+- ``worker-random``: that loader's workers draw random numbers (torch, ``random``, numpy): a
+  noise augmentation in the dataset's ``__getitem__`` and MLM-style masking in ``collate_fn``;
 - ``resumable-sampler``: batches drawn by ``peerckpt.ResumableSampler``, tracked as ``sampler``;
 - ``scaler``: ``torch.amp.GradScaler`` (tracked), its scale growing during the run;
 - ``two-optimizers``: AdamW on the body and SGD with momentum on the head;
@@ -39,14 +41,16 @@ import argparse
 import hashlib
 import json
 import os
+import random
 import time
 from contextlib import nullcontext
 
+import numpy as np
 import psutil
 import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DistributedSampler, TensorDataset
+from torch.utils.data import Dataset, DistributedSampler, TensorDataset, default_collate
 
 import peerckpt
 
@@ -55,6 +59,7 @@ PATTERNS = (
     "module-tracked",
     "ddp-tracked",
     "stateful-loader",
+    "worker-random",
     "resumable-sampler",
     "scaler",
     "two-optimizers",
@@ -92,6 +97,27 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.body(x))
+
+
+class Augmented(Dataset):
+    """Rows with noise drawn in the loader's worker process (torch, random and numpy)."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.data[i]
+        shift = random.random() + float(np.random.rand())
+        return x + 0.1 * torch.randn(x.shape) + 0.01 * shift, y
+
+
+def masked_collate(items: list) -> list:
+    """default_collate, then a random 15 % of the features zeroed (MLM-style masking)."""
+    x, y = default_collate(items)
+    return [x.masked_fill(torch.rand(x.shape) < 0.15, 0.0), y]
 
 
 class RunningStats:
@@ -202,14 +228,16 @@ def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
         tracked["stats"] = stats
     data = dataset()
     loader = sampler = None
-    if "stateful-loader" in use:
+    if "stateful-loader" in use or "worker-random" in use:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
+        random_draws = "worker-random" in use
         loader = StatefulDataLoader(
-            data,
+            Augmented(data) if random_draws else data,
             batch_size=BATCH,
             sampler=DistributedSampler(data, ctx.world_size, ctx.rank, shuffle=True, seed=3),
             num_workers=2,
+            collate_fn=masked_collate if random_draws else None,
             worker_init_fn=_record_worker if args.record_workers else None,
         )
         tracked["data"] = loader
