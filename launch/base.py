@@ -95,7 +95,7 @@ class JobOutcome(enum.Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STOPPED = "stopped"  # the coordinator was told to stop the job
-    INTERRUPTED = "interrupted"  # the launcher was stopped by a signal (Ctrl-C)
+    INTERRUPTED = "interrupted"  # the launcher was stopped by a signal (Ctrl-C, SIGTERM)
 
     @classmethod
     def of(cls, state: JobState) -> JobOutcome:
@@ -104,7 +104,8 @@ class JobOutcome(enum.Enum):
 
     @property
     def exit_code(self) -> int:
-        """The launcher's exit status for this outcome."""
+        """The launcher's exit status for this outcome (``INTERRUPTED``: Ctrl-C's; another
+        signal's is ``stopped_by``'s)."""
         if self is JobOutcome.SUCCEEDED:
             return int(ExitCode.OK)
         return int(ExitCode.INTERRUPTED if self is JobOutcome.INTERRUPTED else ExitCode.FAILED)
@@ -154,6 +155,20 @@ class JobResult:
         )
 
 
+def stopped_by(signum: int | None) -> tuple[int, str]:
+    """The exit status and the reason of a launcher stopped by signal ``signum``: 128 + the
+    signal's number, as shells and torchrun report it (Ctrl-C, SIGINT: 130; SIGTERM: 143).
+    ``None``: a stop asked without a signal of its own (a Ray host's, told by its driver),
+    reported as Ctrl-C."""
+    if signum is None or signum == signal.SIGINT:
+        return int(ExitCode.INTERRUPTED), "stopped by a signal (Ctrl-C)"
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    return 128 + signum, f"stopped by {name}"
+
+
 def chaos_verdict(state: JobOutcome, reason: str, unfired: list[str]) -> tuple[JobOutcome, str]:
     """A chaos run that did not fire every action tested less than it was asked to: it fails,
     with a line per action that never fired (logged here), even when the job succeeded."""
@@ -175,6 +190,7 @@ class Launcher(abc.ABC):
     rpc: RpcClient | None  # the coordinator's client, once started
     _fault_dir: str | None  # where the chaos monkey's fault files go, if it needs one
     _interrupted: threading.Event  # a signal asked the launcher to stop
+    _signal: int | None = None  # the first signal that did (``stopped_by``)
 
     def run(self) -> JobResult:
         """Start the job, watch it until it ends, stop everything; return how it ended.
@@ -192,7 +208,7 @@ class Launcher(abc.ABC):
         outcome, reason = JobOutcome.FAILED, ""
         previous = (
             {
-                sig: signal.signal(sig, lambda s, f: self._on_signal())
+                sig: signal.signal(sig, lambda s, f: self._on_signal(s))
                 for sig in (signal.SIGINT, signal.SIGTERM)
             }
             if threading.current_thread() is threading.main_thread()
@@ -250,8 +266,10 @@ class Launcher(abc.ABC):
         """A line per chaos action that never fired."""
         return self.chaos.unfired() if self.chaos is not None else []
 
-    def _on_signal(self) -> None:
-        """SIGINT or SIGTERM: stop the job."""
+    def _on_signal(self, signum: int) -> None:
+        """SIGINT or SIGTERM: stop the job (the first one is the one reported)."""
+        if self._signal is None:
+            self._signal = signum
         self._interrupted.set()
 
     @abc.abstractmethod

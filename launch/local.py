@@ -11,12 +11,15 @@ socket of the job. Its exit status is the job's.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import glob
 import json
 import logging
 import os
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import threading
@@ -24,11 +27,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from peerckpt.errors import PeerckptError, PeerUnavailable
+from peerckpt.errors import ConfigurationError, PeerckptError, PeerUnavailable
 from peerckpt.faults import ENV as FAULTS_ENV
-from peerckpt.launch.base import JobOutcome, JobResult, JobSpec, Launcher
+from peerckpt.launch.base import JobOutcome, JobResult, JobSpec, Launcher, stopped_by
 from peerckpt.launch.gpus import visible_gpus
-from peerckpt.launch.jobfile import JobClaim
+from peerckpt.launch.jobfile import JobClaim, user_dir
 from peerckpt.launch.monitor import JobMonitor, MonitorServer
 from peerckpt.launch.processes import Proc, ProcessSet, coordinator_argv
 from peerckpt.launch.progress import RecoveryProgress
@@ -75,7 +78,9 @@ class LocalLauncher(Launcher):
         self._claim = JobClaim(self.job) if claim else None
         self.run_id = new_run_id()
         self._secret = secret if secret is not None else secrets.token_bytes(32)
+        sweep_stale_runs()  # what launchers killed with SIGKILL left behind
         self.rundir = tempfile.mkdtemp(prefix=f"peerckpt-{self.job}-")
+        self._rundir_lock: int | None = _hold_rundir(self.rundir, self.job, self.run_id)
         self.procs = ProcessSet(
             self.job, self._secret, [spec.script, *spec.args], self.rundir, spec.env, self.run_id
         )
@@ -254,11 +259,13 @@ class LocalLauncher(Launcher):
         self._recovery_progress.close()
 
     def _result(self, outcome: JobOutcome, reason: str, wall_s: float) -> JobResult:
+        code = outcome.exit_code
         if self._interrupted.is_set():
-            outcome, reason = JobOutcome.INTERRUPTED, "stopped by a signal (Ctrl-C)"
+            outcome = JobOutcome.INTERRUPTED
+            code, reason = stopped_by(self._signal)  # SIGTERM: 143, "stopped by SIGTERM"
         return JobResult(
             self.job,
-            outcome.exit_code,
+            code,
             outcome,
             reason,
             self._events,
@@ -320,11 +327,11 @@ class LocalLauncher(Launcher):
                     return JobOutcome.FAILED, problem, []
         return JobOutcome.INTERRUPTED, "stopped by a signal", self._all_events(events)
 
-    def _on_signal(self) -> None:
+    def _on_signal(self, signum: int) -> None:
         """Ctrl-C or SIGTERM: stop the job; a second one while the last flush runs: at once."""
         if self._interrupted.is_set():
             self._hurry.set()
-        self._interrupted.set()
+        super()._on_signal(signum)
 
     def _flush_before_stop(self) -> None:
         """Told to stop by a signal: make the last committed step durable before anything
@@ -334,7 +341,7 @@ class LocalLauncher(Launcher):
         assert self.rpc is not None
         self.procs.pause()
         try:
-            self.rpc.call(Stop("stopped by a signal", flush=True), timeout=5.0)
+            self.rpc.call(Stop(stopped_by(self._signal)[1], flush=True), timeout=5.0)
             deadline, told = time.monotonic() + STOP_FLUSH_S, False
             while not self._hurry.wait(0.1):
                 status = self.rpc.call(Status(), timeout=5.0)
@@ -410,7 +417,11 @@ class LocalLauncher(Launcher):
 
     def kill_coordinator(self) -> None:
         """SIGKILL the coordinator; the launcher restarts it (``_restart_coordinator``)."""
-        assert self.coordinator is not None
+        assert self.coordinator is not None and self.rpc is not None
+        # What it knows dies with it: keep its failures first (the watch loop polls only
+        # every 50 ms, and not while it waits for a new spare node's agent).
+        with contextlib.suppress(PeerckptError):
+            self._all_events(self.rpc.call(Status(), timeout=2.0).events)
         with contextlib.suppress(ProcessLookupError):
             self.coordinator.send_signal(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -523,8 +534,79 @@ class LocalLauncher(Launcher):
         if removed:
             log.info("removed %d shared-memory file(s) left by killed processes", len(removed))
         shutil.rmtree(self.rundir, ignore_errors=True)
+        if self._rundir_lock is not None:
+            os.close(self._rundir_lock)  # after the removal: no sweep takes it for stale
+            self._rundir_lock = None
         if self._claim is not None:
             self._claim.release()
+
+
+# In a run directory: flock-ed by its launcher while it runs; "<job> <run id>".
+RUNDIR_LOCK = "launcher.lock"
+
+
+def _hold_rundir(rundir: str, job: str, run_id: str) -> int:
+    """Lock ``rundir`` as this launcher's for as long as it runs (the descriptor is closed
+    when the process dies, however it dies). The lock file gets its name once locked, so
+    that a sweep never sees it unlocked in a live run directory."""
+    tmp = os.path.join(rundir, f".{RUNDIR_LOCK}")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, f"{job} {run_id}\n".encode())
+    os.rename(tmp, os.path.join(rundir, RUNDIR_LOCK))
+    return fd
+
+
+def sweep_stale_runs() -> list[str]:
+    """Remove what launchers of this user killed with SIGKILL left: their run directories
+    (``$TMPDIR/peerckpt-<job>-*`` whose lock no live launcher holds), the shared-memory files
+    of those runs, and job files whose claim no launcher holds (``launch/jobfile.py``: a
+    stale one is taken over by the next launcher of its name; here by any). The agents of such
+    a run stop its processes and remove their own memory (``replication/agent.py``). Returns
+    the run directories removed."""
+    removed = []
+    uid = os.getuid()
+    for rundir in glob.glob(os.path.join(tempfile.gettempdir(), "peerckpt-*-*")):
+        path = os.path.join(rundir, RUNDIR_LOCK)
+        try:
+            st = os.lstat(rundir)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue  # not a run directory of this version, or removed meanwhile
+        try:
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or os.fstat(fd).st_uid != uid:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its launcher runs
+            job, _, run = os.read(fd, 256).decode(errors="replace").strip().partition(" ")
+            with contextlib.suppress(PeerckptError, ValueError):
+                sweep(job, run)
+            shutil.rmtree(rundir, ignore_errors=True)
+            removed.append(rundir)
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("removed %d run director(ies) left by killed launchers", len(removed))
+    _sweep_stale_claims()
+    return removed
+
+
+def _sweep_stale_claims() -> None:
+    """Job files (and claims) whose launcher is gone: taken, then released, as the next
+    launcher of that name would."""
+    try:
+        directory = user_dir()
+    except (FileNotFoundError, ConfigurationError):
+        return
+    for lock in glob.glob(os.path.join(directory, "*.lock")):
+        name = os.path.basename(lock)[: -len(".lock")]
+        try:
+            claim = JobClaim(name)
+        except (ConfigurationError, OSError):
+            continue  # running, or not a name of ours
+        claim.release()
 
 
 def _chaos(spec: str) -> Chaos | None:

@@ -45,7 +45,7 @@ from typing import Any
 
 from peerckpt.chaos import FiredAction
 from peerckpt.errors import ConfigurationError, PeerckptError
-from peerckpt.launch.base import JobOutcome, JobResult, JobSpec, Launcher
+from peerckpt.launch.base import JobOutcome, JobResult, JobSpec, Launcher, stopped_by
 from peerckpt.launch.checks import check_ray_address
 from peerckpt.launch.rayactor import RayHost
 from peerckpt.launch.rayenv import forwarded
@@ -287,7 +287,7 @@ class RayLauncher(Launcher):
                 if problem:
                     return JobOutcome.FAILED, problem
                 self._replenish()
-        return JobOutcome.INTERRUPTED, "stopped by a signal (Ctrl-C)"
+        return JobOutcome.INTERRUPTED, stopped_by(self._signal)[1]
 
     def _check_hosts(self) -> None:
         """Note hosts whose Ray node (and so actor) is gone: lost hosts, for the coordinator
@@ -425,6 +425,8 @@ class RayLauncher(Launcher):
             fired += result.chaos
         else:
             code = int(self._host0["code"]) if self._host0 is not None else outcome.exit_code
+            if self._host0 is None and outcome is JobOutcome.INTERRUPTED:
+                code = stopped_by(self._signal)[0]  # SIGTERM: 143
             result = JobResult(self.job, code, outcome, reason, [], [], wall_s)
         result.chaos = sorted(fired, key=lambda c: c.fired_at or float("inf"))
         return result

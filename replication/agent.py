@@ -29,6 +29,9 @@ import argparse
 import json
 import logging
 import os
+import signal
+import socket
+import struct
 import sys
 import threading
 import time
@@ -96,6 +99,7 @@ from peerckpt.replication.transport import TransportMode
 from peerckpt.replication.writer import Flusher
 from peerckpt.rpc import is_stream_closed
 from peerckpt.service import service_process, stop_on_signals
+from peerckpt.shm import sweep
 from peerckpt.states import JobState, ProcRole, SlotKind
 from peerckpt.storegate import Relays
 from peerckpt.succession import succession
@@ -135,6 +139,10 @@ class Agent:
         self.job, self.node, self._secret = job, node, secret
         self.spare_node = spare_node
         self.arena = Arena(job, node, run)  # run: the run id in the segments' names
+        self.run = run
+        # The launcher died (SIGKILL): nobody else will stop this node's processes or remove
+        # its files, so ``close`` does (``_end_orphans``).
+        self.launcher_gone = False
         self.store = SlotStore(self.arena)
         self.stopping = threading.Event()
         self._ending = threading.Event()  # the job ended: process exits are expected now
@@ -240,16 +248,23 @@ class Agent:
             self._threads.append(thread)
 
     def wait(self) -> None:
+        """Until the agent stops, or its launcher (its parent; or torchrun) is gone: a pidfd
+        of the parent says so at once, ``getppid`` where there are none."""
         parent = os.getppid()
-        while not self.stopping.wait(0.2):
-            if os.getppid() != parent or (self.launcher is not None and self.launcher.exited()):
-                log.warning("launcher is gone; agent of node %d stops", self.node)
-                self.stopping.set()
+        with ProcessWatch(parent) as launcher:
+            while not self.stopping.is_set():
+                gone = launcher.exited(wait_s=0.2) or os.getppid() != parent
+                if gone or (self.launcher is not None and self.launcher.exited()):
+                    log.warning("launcher is gone; agent of node %d stops", self.node)
+                    self.launcher_gone = True
+                    self.stopping.set()
 
     def close(self) -> None:
         """Stop everything this agent started and remove its arena, whatever state it is in."""
         self.stopping.set()
         self._ending.set()
+        if self.launcher_gone:
+            self._end_orphans()
         try:
             if self._watch_call is not None:
                 self._watch_call.cancel()
@@ -268,6 +283,16 @@ class Agent:
                 self.launcher.close()
         finally:
             self.arena.destroy()
+            if self.launcher_gone and self.run is not None:
+                sweep(self.job, self.run, self.node)  # whatever a killed rank left of this node
+
+    def _end_orphans(self) -> None:
+        """The launcher is gone: SIGKILL this node's rank and spare processes (with their
+        process groups: their DataLoader workers) instead of telling them to stop, which
+        would take seconds of interpreter shutdown while they still train and hold memory.
+        Nothing of the job is theirs to clean up: the memory is this agent's."""
+        for link in self.control.links():
+            _kill_group(link)
 
     def _member_hosts(self) -> frozenset[str]:
         """The hosts of the job's agents now: their connections are admitted first."""
@@ -561,6 +586,25 @@ class Agent:
 def _proc_report(link: ProcLink) -> ProcReport:
     h = link.hello
     return ProcReport(link.pid, link.role, link.rank, h.replicas, h.persist, h.erasure)
+
+
+def _kill_group(link: ProcLink) -> None:
+    """SIGKILL the process at the other end of ``link`` (its Unix socket's peer credentials
+    must name the pid it said hello with), and its process group where it leads one (a process
+    the launcher started in a session of its own)."""
+    try:
+        creds = link.conn.sock.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
+        )
+        if struct.unpack("3i", creds)[0] != link.pid:
+            return
+        if os.getpgid(link.pid) == link.pid:
+            os.killpg(link.pid, signal.SIGKILL)
+        else:
+            os.kill(link.pid, signal.SIGKILL)
+    except OSError:  # gone already
+        return
+    log.warning("%r killed: its launcher is gone", link)
 
 
 def main(argv: list[str] | None = None) -> int:
