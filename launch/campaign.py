@@ -33,7 +33,7 @@ from peerckpt.errors import ConfigurationError
 from peerckpt.launch.base import JobOutcome, JobResult, JobSpec
 from peerckpt.launch.local import LocalLauncher
 from peerckpt.launch.progress import Report
-from peerckpt.launch.report import FailureRow, failure_rows
+from peerckpt.launch.report import FailureRow, causes, failure_rows
 from peerckpt.launch.view import JobView
 from peerckpt.messages.control import JobStatus
 from peerckpt.outfiles import private_dir, write_private
@@ -389,16 +389,11 @@ def difference(rank: int, step: int, seen: set[str], reference: JobResult, run: 
 
 
 def _pair(run: JobResult) -> list[tuple[FailureRow, FiredAction]]:
-    """(failure row, the chaos record that caused it) for every injected failure."""
+    """(failure row, the chaos record that caused it) for every injected failure: the pairs
+    ``report.causes`` made, not a second match by the clause's text."""
     rows = failure_rows(run.events, run.chaos)
-    pairs = []
-    unmatched = [c for c in run.chaos if c.fired_at]
-    for row in rows:
-        cause = next((c for c in unmatched if c.action == row.cause), None)
-        if cause is not None:
-            unmatched.remove(cause)
-            pairs.append((row, cause))
-    return pairs
+    found = causes(run.events, run.chaos)
+    return [(row, cause) for row, cause in zip(rows, found, strict=True) if cause is not None]
 
 
 def format_table(campaign: Campaign) -> str:

@@ -412,8 +412,9 @@ class LocalLauncher(Launcher):
         return found
 
     def _all_events(self, events: list[RecoveryEvent]) -> list[RecoveryEvent]:
-        """The failures of the whole job: a restarted coordinator knows only its own."""
-        return [*self._earlier_events, *events]
+        """The failures of the whole job: a restarted coordinator knows only its own, and the
+        monitor keeps every one any status showed (``JobMonitor.remember``)."""
+        return self.monitor.remember([*self._earlier_events, *events])
 
     def kill_coordinator(self) -> None:
         """SIGKILL the coordinator; the launcher restarts it (``_restart_coordinator``)."""
@@ -442,8 +443,15 @@ class LocalLauncher(Launcher):
 
     def _restart_if_exited(self, events: list[RecoveryEvent]) -> None:
         """Restart the coordinator if it exited while the launcher waits on something else
-        (``events``: the failures it had reported, kept for the report)."""
-        if self.coordinator is None or self.coordinator.poll() is None:
+        (``events``: the failures it had reported, kept for the report). While it runs, its
+        status is observed as the watch loop would: a failure meanwhile is kept even if the
+        coordinator dies before the watch loop polls again."""
+        if self.coordinator is None:
+            return
+        if self.coordinator.poll() is None:
+            if self.rpc is not None:
+                with contextlib.suppress(PeerckptError):
+                    self._observe(self.rpc.call(Status(), timeout=1.0))
             return
         if self._restarts >= MAX_COORDINATOR_RESTARTS:
             raise PeerckptError("the coordinator exited unexpectedly")

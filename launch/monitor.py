@@ -3,9 +3,11 @@ serves it (``peerckpt run --metrics-port PORT``).
 
 ``JobMonitor`` is fed every ``Status`` the launcher polls (with the failure events of the
 whole job and the chaos records); it keeps the newest view, the last report of every node
-(a restarted coordinator forgets lost nodes), the steps committed over the job (the
-end-of-run summary), and the samples a timeline picture is drawn from: each rank's newest
-replicated step, the committed step and the epoch over wall-clock time. ``MonitorServer`` serves ``/metrics`` (Prometheus text), ``/status`` (an HTML page that
+(a restarted coordinator forgets lost nodes), every failure event any coordinator of the job
+reported (``remember``: a restarted coordinator knows only its own, and the launcher hands
+over whatever events it saw, from any status it got, however stale), the steps committed over
+the job (the end-of-run summary), and the samples a timeline picture is drawn from: each
+rank's newest replicated step, the committed step and the epoch over wall-clock time. ``MonitorServer`` serves ``/metrics`` (Prometheus text), ``/status`` (an HTML page that
 reloads itself) and ``/status.json``, on loopback unless told otherwise, on a server that
 strangers cannot starve (``launch/httpserve.py``).
 
@@ -51,7 +53,9 @@ class JobMonitor:
         self._full_logged = False
         # Steps committed: a restarted coordinator counts from 0 again, the job does not.
         self._commits_before = self._commits_now = 0
-        self._events: list[RecoveryEvent] = []
+        # Every failure of the job, by its identity, in the order first seen; each the newest
+        # version reported (an event is replaced as its recovery goes on, never mutated).
+        self._events: dict[tuple[str, int, float], RecoveryEvent] = {}
         self._flushes: list[FlushRecord] = []
 
     def observe(
@@ -65,11 +69,32 @@ class JobMonitor:
             if commits < self._commits_now:
                 self._commits_before += self._commits_now
             self._commits_now = commits
-            self._events, self._flushes = events, list(status.flushes)
+            events = self._remember(events)
+            self._flushes = list(status.flushes)
             view = build_view(status, events, chaos, dict(self._node_stats))
             self._view = view
             self._sample(now, status, view)
             return view
+
+    def remember(self, events: list[RecoveryEvent]) -> list[RecoveryEvent]:
+        """Keep ``events`` (newer versions replace older ones of the same failure); return
+        every failure of the job seen so far, oldest first. Nothing is ever dropped: a list
+        from a coordinator that was since restarted, or from a stale status, only adds."""
+        with self._lock:
+            return self._remember(events)
+
+    def events(self) -> list[RecoveryEvent]:
+        """Every failure of the job seen so far, oldest first."""
+        with self._lock:
+            return list(self._events.values())
+
+    def _remember(self, events: list[RecoveryEvent]) -> list[RecoveryEvent]:
+        for event in events:
+            key = (event.kind.value, event.from_epoch, event.detected_at)
+            old = self._events.get(key)
+            if old is None or _progress(event) >= _progress(old):
+                self._events[key] = event
+        return list(self._events.values())
 
     def _sample(self, now: float, status: JobStatus, view: JobView) -> None:
         if view.committed_step is not None and (
@@ -100,7 +125,7 @@ class JobMonitor:
                 self._commits_before + self._commits_now,
                 view.committed_step if view is not None else None,
                 sum(s.snapshots for s in self._node_stats.values()),
-                self._events,
+                list(self._events.values()),
                 self._flushes,
             )
 
@@ -113,6 +138,19 @@ class JobMonitor:
                 "commits": list(self._commits),
                 "epochs": list(self._epochs),
             }
+
+
+def _progress(event: RecoveryEvent) -> tuple[bool, int, int, int]:
+    """How far ``event``'s recovery had got when reported, so that a stale copy of a failure
+    (from a status polled before the newest one) never replaces a newer one: resumed or not,
+    the epoch it opened (a survivor restarted in place opens another), its restarts in place,
+    then its restores (which such a restart starts again from none)."""
+    return (
+        event.resumed_at is not None,
+        -1 if event.epoch is None else event.epoch,
+        len(event.restarted) + len(event.in_place),
+        len(event.pulls),
+    )
 
 
 class MonitorServer:

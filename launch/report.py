@@ -3,8 +3,11 @@
 Failure events come from the coordinator (``detected_at``, ``resumed_at``, the lost ranks and
 where they were, the restore step and every rank's restore source); chaos records come from
 the launcher's chaos monkey (``fired_at``). A failure is attributed to the chaos action whose
-target it lost and that fired before it was detected; failures nobody injected are reported
-with the coordinator's reason and timed from their detection.
+target it lost and that fired before it was detected, in the epoch it ended or an earlier
+one: of several, the one that fired last. A fault that lost nothing (a partition shorter than
+the heartbeat timeout, a hang that ended in time) stays unpaired and cannot take a later
+failure of its target; failures nobody injected are reported with the coordinator's reason
+and timed from their detection.
 
 Every failure's cost runs to every rank stepping again, whatever that took: a survivor that
 could not leave the aborted epoch and was restarted in place is part of the same recovery
@@ -68,10 +71,15 @@ def superseded(events: list[RecoveryEvent], event: RecoveryEvent) -> bool:
 
 
 def _matches(action: FiredAction, event: RecoveryEvent) -> bool:
-    """Whether ``action`` fired before ``event`` was detected and lost what it lost."""
+    """Whether ``action`` fired before ``event`` was detected, in the epoch ``event`` ended
+    or an earlier one, and lost what it lost."""
     if action.fired_at is None or action.fired_at > event.detected_at:
         return False
+    if action.epoch > event.from_epoch:
+        return False  # fired in a newer epoch than the one this failure ended
     if action.kind in (ActionKind.KILL_RANK, ActionKind.HANG_RANK):
+        if action.node is not None and event.lost.get(action.target, action.node) != action.node:
+            return False  # the rank it struck was on another node than the one lost
         return event.kind is RecoveryKind.RANK and action.target in event.ranks
     if action.kind is ActionKind.ADD_NODE:
         return event.kind is RecoveryKind.GROW and action.node in event.nodes
@@ -82,15 +90,16 @@ def _matches(action: FiredAction, event: RecoveryEvent) -> bool:
 
 
 def causes(events: list[RecoveryEvent], chaos: list[FiredAction]) -> list[FiredAction | None]:
-    """For every failure event, the chaos record of the action that caused it, or None: the
-    first fired action not yet paired that lost the event's target before its detection."""
+    """For every failure event, the chaos record of the action that caused it, or None: of
+    the fired actions not yet paired that lost the event's target before its detection, the
+    one that fired last. Not the first: an earlier fault on the same target that lost nothing
+    (a partition of node 3 that healed in time) would take the failure of a later one (the
+    kill of node 3's agent), and that one's row would say nothing was lost."""
     unmatched = [c for c in chaos if c.fired_at]
     found: list[FiredAction | None] = []
     for event in events:
-        cause = next(
-            (c for c in unmatched if _matches(c, event)),
-            None,
-        )
+        candidates = [c for c in unmatched if _matches(c, event)]
+        cause = max(candidates, key=lambda c: c.fired_at or 0.0, default=None)
         if cause is not None:
             unmatched.remove(cause)
         found.append(cause)

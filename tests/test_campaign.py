@@ -22,6 +22,7 @@ from peerckpt.launch.campaign import TAIL_STEPS, Campaign, compare, generate, pl
 from peerckpt.launch.timeline import load_report, timeline_data
 
 from .conftest import JOBS, REPO, job_name
+from .launch.campaign_run import complete, recorded
 
 
 def test_the_sequence_depends_only_on_the_seed_and_parses() -> None:
@@ -81,6 +82,28 @@ def test_a_chaos_run_snapshotting_at_its_own_interval_is_compared_step_for_step(
     assert campaign.ok and campaign.steps_compared == 14 and campaign.differing == []
     [row] = campaign.rows
     assert row.bit_exact and row.step == 12
+
+
+def test_every_fault_that_caused_a_recovery_gets_its_own_recoverys_row() -> None:
+    """The real campaign of ``tests/launch/campaign_run.py`` (seed 1, 6 faults, under CPU
+    load): its table gave the agent kill's recovery (5.5 s after the partition) to the
+    partition of the same node, which had lost nothing, and said that the agent kill lost
+    nothing. With the recovery its report had lost back, each kill has its own row."""
+    _, chaos = recorded()
+    steps = [0, 1, 11, 21, 30, 48, 60]
+    digests = {f"{r}/{s}": [f"d{r}{s}"] for r in range(3) for s in steps}
+    run = JobResult("j", 0, JobOutcome.SUCCEEDED, "", complete(), chaos, 1.0, [], dict(digests))
+    campaign = Campaign(1, [c.action for c in chaos], job_state="succeeded")
+    compare(campaign, _result(digests, []), run)
+    rows = {r.fault: r for r in campaign.rows}
+    for fault in ("kill rank=0 at=5", "kill rank=1 at=15", "kill agent node=@0 at=55"):
+        row = rows[fault]
+        assert row.detected_s is not None and row.detected_s < 0.1, (fault, row)
+        assert row.recovered_s is not None and row.note == "", (fault, row)
+    assert rows["kill rank=1 at=15"].pulled == "r1 370,981 B n2→n3"
+    assert rows["kill agent node=@0 at=55"].pulled == "r0 370,988 B n2→n4, r1 370,988 B n2→n4"
+    for fault in ("kill coordinator at=25", "partition node=@1 at=35 for=5.0"):
+        assert rows[fault].detected_s is None and rows[fault].note == "no rank was lost"
 
 
 def _campaign(

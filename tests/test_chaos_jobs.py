@@ -3,7 +3,7 @@
 The job is ``tests/jobs/ddp_job.py`` (2 nodes × 2 ranks unless said). Each test compares every
 digest any rank recorded — steps trained again after a restore included — and the final state
 with a fault-free run of the same job; the leak check of ``conftest.py`` then asserts that no
-process, socket or shared-memory file is left. Four of them run in ``make test``; the rest
+process, socket or shared-memory file is left. Five of them run in ``make test``; the rest
 (marked slow) in ``make test-all``.
 """
 
@@ -188,6 +188,32 @@ def test_a_coordinator_killed_just_after_an_agent_comes_back_and_the_job_goes_on
     assert all(c.get("fired_at") for c in run.report["chaos"]), run.report["chaos"]
     assert "rebuilding from the agents" in run.log
     assert "did not come back" not in run.log and "could not register" not in run.log
+    assert_same_digests(run, reference_run)
+
+
+def test_the_report_keeps_a_recovery_seen_only_by_a_coordinator_killed_since(
+    tmp_path, reference_run
+) -> None:
+    # The acceptance campaign's case: rank 1 dies and its spare takes it, so the launcher
+    # (--keep-spares) starts a fresh spare node and waits for its agent; the coordinator is
+    # killed three steps into the new epoch, before the launcher's watch loop polled the
+    # recovery again. The restarted coordinator knows nothing of it, and the report lost it.
+    # Then rank 2 dies: the report has both, each paired with its kill.
+    run = run_job(
+        tmp_path,
+        script_args=["--steps", "30", "--sleep", "0.05"],
+        spares=1,
+        chaos="kill rank=1 at=8; kill coordinator at=11; kill rank=2 at=18",
+        extra=["--keep-spares"],
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    assert "restarting it (restart 1)" in run.log
+    events = run.report["events"]
+    assert [e["ranks"] for e in events] == [[1], [2]], events
+    assert all(e["kind"] == "rank" and e["resumed_at"] is not None for e in events), events
+    assert run.report["summary"]["faults"] == 2
+    chaos = {c["action"]: c["fired_at"] for c in run.report["chaos"]}
+    assert events[0]["resumed_at"] < chaos["kill coordinator at=11"] < events[1]["detected_at"]
     assert_same_digests(run, reference_run)
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from peerckpt.chaos import ActionKind, FiredAction
-from peerckpt.launch.report import failure_rows, format_failures
+from peerckpt.launch.report import causes, failure_rows, format_failures
 from peerckpt.messages.control import Pull, RecoveryEvent
 from peerckpt.states import RecoveryKind
+from tests.launch.campaign_run import complete, recorded
 from tests.launch.observed import event
 
 EVENTS = [
@@ -93,3 +94,41 @@ def test_a_failure_repaired_with_the_next_one_costs_until_that_repair_ended() ->
     text = "\n".join(format_failures([first, second], CHAOS))
     assert "repaired together with the next failure, which struck before this recovery " in text
     assert "ended: every rank stepping again 1000 ms after the kill" in text
+
+
+def test_a_fault_that_lost_nothing_does_not_take_a_later_failure_of_its_node() -> None:
+    """The real campaign's report: ``partition node=@1 at=35 for=5.0`` cut node 3 for 5 s and
+    lost nothing; 5.5 s later ``kill agent node=@0 at=55`` lost node 3. The failure is the
+    agent kill's, detected 6 ms after it, not the partition's 5.5 s after that."""
+    events, chaos = recorded()
+    first, node = failure_rows(events, chaos)
+    assert first.cause == "kill rank=0 at=5"
+    assert node.cause == "kill agent node=@0 at=55"
+    assert node.detected_s is not None and node.detected_s < 0.01
+    assert node.recovered_s is not None and round(node.recovered_s, 3) == 0.08
+    assert [c.action for c in causes(events, chaos) if c] == [
+        "kill rank=0 at=5",
+        "kill agent node=@0 at=55",
+    ]
+
+
+def test_every_failure_of_the_run_is_paired_with_its_own_fault() -> None:
+    _, chaos = recorded()
+    rows = failure_rows(complete(), chaos)
+    assert [r.cause for r in rows] == [
+        "kill rank=0 at=5",
+        "kill rank=1 at=15",
+        "kill agent node=@0 at=55",
+    ]
+    assert all(r.detected_s is not None and 0 <= r.detected_s < 0.1 for r in rows)
+
+
+def test_a_kill_of_a_rank_is_not_paired_with_a_later_loss_of_that_rank_elsewhere() -> None:
+    """A rank's kill on node 1 did not cause a loss of that rank on node 3 (its spare's), nor
+    a failure that ended an epoch older than the one it struck in."""
+    kill = FiredAction("kill rank=1 at=3", ActionKind.KILL_RANK, 1, 3, 2, 1, 5.0, node=1, pid=9)
+    elsewhere = event(ranks=[1], lost={1: 3}, detected_at=6.0, from_epoch=1)
+    older = event(ranks=[1], lost={1: 1}, detected_at=6.0, from_epoch=0)
+    assert causes([elsewhere], [kill]) == [None]
+    assert causes([older], [kill]) == [None]
+    assert causes([replace(elsewhere, lost={1: 1})], [kill]) == [kill]
