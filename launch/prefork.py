@@ -231,6 +231,9 @@ def become(argv: list[str], env: dict[str, str], cwd: str) -> int:
     if numpy is not None:
         numpy.random.seed()
     try:
+        # What `import peerckpt` does in a fresh process, which this fork's is not: the
+        # server imported peerckpt before the spare's environment was set (runtime/standby.py)
+        importlib.import_module("peerckpt.runtime.standby").on_import()
         runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as exc:

@@ -24,6 +24,9 @@ in their own folder, ``launch/`` (``peerckpt.launch``). docs/architecture.md dra
 ``tests/test_layers.py`` keeps them.
 """
 
+import os as _os
+from collections.abc import Mapping as _Mapping
+
 from peerckpt.errors import (
     AuthenticationError,
     CheckpointError,
@@ -87,3 +90,22 @@ def __getattr__(name: str) -> object:
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'peerckpt' has no attribute {name!r}")
+
+
+def _in_a_jobs_training_process(env: _Mapping[str, str]) -> bool:
+    """Whether this process is a training process of a peerckpt job: started by a launcher
+    (``PEERCKPT_ROLE``), or a torchrun worker of a job (torchrun's run id and the job's
+    secret, which the agents and supervisors never have in their environment)."""
+    if "PEERCKPT_ROLE" in env:
+        return True
+    secret = "PEERCKPT_SECRET" in env or "PEERCKPT_SECRET_FILE" in env
+    return "TORCHELASTIC_RUN_ID" in env and secret
+
+
+if _in_a_jobs_training_process(_os.environ):
+    # A script's own dist.init_process_group() at its top level (nanoGPT's train.py) does
+    # nothing from here on, and a spare waits here for the rank it takes, so that the script's
+    # top level reads that rank's RANK, LOCAL_RANK and WORLD_SIZE (runtime/standby.py).
+    import importlib as _importlib
+
+    _importlib.import_module("peerckpt.runtime.standby").on_import()

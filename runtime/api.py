@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from peerckpt.errors import PeerUnavailable
-from peerckpt.runtime import children
+from peerckpt.runtime import children, standby
 from peerckpt.runtime.config import DEFAULTS, ResilientConfig
 from peerckpt.runtime.env import LaunchEnv, configure_logging
 from peerckpt.runtime.rank import RankRuntime
@@ -159,21 +159,30 @@ def resilient(
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             configure_logging()
-            if under_torchrun():
-                join_host()  # this host's agent, started by its first worker
-            env = LaunchEnv.from_environ()
-            try:
-                runtime = RankRuntime(env, config)
-            except PeerUnavailable as exc:
-                if env.role is ProcRole.RANK:
-                    raise
-                # A spare or joining process whose node agent is gone (the job ended, or the
-                # node was lost) has nothing to stand by for.
-                logging.getLogger("peerckpt.rank").info("%s exits: %s", env.role.value, exc)
-                raise SystemExit(0) from None
-            children.install(runtime.channel.conn.sock)  # DataLoader workers die with us
+            runtime = standby.take(config)  # a spare that waited for its rank at the import
+            if runtime is None:
+                runtime = _start(config)
             return runtime.run(func, args, kwargs)
 
         return wrapper  # type: ignore[return-value]
 
     return decorate(fn) if fn is not None else decorate
+
+
+def _start(config: ResilientConfig) -> RankRuntime:
+    """This process's runtime, created at the function's call (a rank of the first epoch;
+    under torchrun, any worker)."""
+    if under_torchrun():
+        join_host()  # this host's agent, started by its first worker
+    env = LaunchEnv.from_environ()
+    try:
+        runtime = RankRuntime(env, config)
+    except PeerUnavailable as exc:
+        if env.role is ProcRole.RANK:
+            raise
+        # A spare or joining process whose node agent is gone (the job ended, or the node
+        # was lost) has nothing to stand by for.
+        logging.getLogger("peerckpt.rank").info("%s exits: %s", env.role.value, exc)
+        raise SystemExit(0) from None
+    children.install(runtime.channel.conn.sock)  # DataLoader workers die with us
+    return runtime

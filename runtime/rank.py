@@ -311,6 +311,33 @@ class RankRuntime:
         (x * 2).sum().backward()
         log.info("spare warmed up in %.2f s", time.perf_counter() - started)
 
+    def configure(self, config: ResilientConfig) -> None:
+        """Take the decorator's settings in a process that waited for its rank with the
+        defaults (``runtime/standby.py``), before the function is run: the snapshot policy,
+        the process groups' timeout and backend, dedup; and, as a process created at the
+        function's call, the random states the script's top level left (``_initial_rng``)."""
+        with self._cond:
+            assert self.state is RankState.SPARE, self.state
+            self.config = config
+            self.policy = config.snapshot_policy(self.env.snapshot_every)
+            self.pg = ProcessGroupLifecycle(self.env.job, config.pg_timeout_s, config.backend)
+            self.engine.dedup = config.dedup
+            self._initial_rng = capture.capture_rng()
+        userpg.rescan()  # the script's module ran on since the runtime was created
+        userpg.install(self.pg.backend)
+
+    def await_assignment(self) -> Assignment:
+        """Wait for this spare's first assignment and return it, left for ``run`` to take
+        (a later epoch's, if one came meanwhile, is the one ``run`` joins). JobEnded if
+        the job ended first."""
+        with self._cond:
+            while True:
+                if self._shutdown is not None:
+                    raise JobEnded()
+                if self._latest_epoch in self._assignments:
+                    return self._assignments[self._latest_epoch]
+                self._cond.wait()
+
     def _next_assignment(self) -> Assignment:
         with self._cond:
             while True:

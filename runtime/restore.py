@@ -210,6 +210,21 @@ def _object(meta: dict[str, Any], name: str, step: int) -> tuple[str, Any]:
     return kind, tree
 
 
+def _wrapping_hint(missing: list[str], unexpected: list[str]) -> str:
+    """What a mismatch that is only DDP's ``module.`` prefix means, else nothing."""
+    if {f"module.{k}" for k in missing} == set(unexpected):
+        was, now = "wrapped in DistributedDataParallel", "is not"
+    elif {f"module.{k}" for k in unexpected} == set(missing):
+        was, now = "not wrapped in DistributedDataParallel", "is"
+    else:
+        return ""
+    return (
+        f" (the snapshot's module was {was}, this one {now}: wrap it, or not, in every "
+        "process alike; a script that decides from WORLD_SIZE or RANK finds them set for "
+        "the rank each process runs as)"
+    )
+
+
 def _restore_module(
     name: str,
     obj: torch.nn.Module,
@@ -225,6 +240,7 @@ def _restore_module(
         raise StateMismatch(
             f"tracked module {name!r} does not match the snapshot of step {step}: missing "
             f"{missing[:5]}, unexpected {unexpected[:5]}; build it the same way in every epoch"
+            + _wrapping_hint(missing, unexpected)
         )
     extras = {}
     for key, value in target.items():

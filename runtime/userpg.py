@@ -5,7 +5,8 @@ Every torchrun script calls ``init_process_group`` (and, at its end,
 ``destroy_process_group``). Under peerckpt the runtime forms each epoch's default group
 itself (``runtime/pg.py``), and the script's call raised torch's "trying to initialize the
 default process group twice!" with no hint. Once installed (``install``, when ``@resilient``
-decorates), the two names in ``torch.distributed`` are these functions, and so is every name a
+decorates, and already at ``import peerckpt`` in a job's training process), the two names in
+``torch.distributed`` are these functions, and so is every name a
 module of the script bound to torch's own functions before (``from torch.distributed import
 init_process_group`` at the top of a file, as the PyTorch DDP tutorial does):
 
@@ -128,12 +129,32 @@ def install(backend: Callable[[], str]) -> None:
     ``backend``: the backend peerckpt forms groups with."""
     global _backend
     _backend = backend
+    _rebind(remember=True)
+
+
+def install_early() -> None:
+    """At ``import peerckpt`` in a training process of a job (``peerckpt/__init__.py``):
+    a script that calls ``init_process_group`` at its top level, before the decorated
+    function runs (nanoGPT's ``train.py``), finds these functions already. Modules are not
+    remembered as looked at: the script's own module is only partly run here, and the
+    names it binds later are rebound when the function is entered."""
+    _rebind(remember=False)
+
+
+def rescan() -> None:
+    """Look at every module again at the next ``install``: a process that installed these
+    while the script's own module was still running (``runtime/standby.py``)."""
+    _scanned.clear()
+
+
+def _rebind(remember: bool) -> None:
     dist.init_process_group = init_process_group
     dist.destroy_process_group = destroy_process_group
     for name, module in list(sys.modules.items()):
         if name in _scanned or module is None or name.split(".")[0] in ("torch", "peerckpt"):
             continue
-        _scanned.add(name)
+        if remember:
+            _scanned.add(name)
         namespace = getattr(module, "__dict__", None)
         if not isinstance(namespace, dict):
             continue

@@ -1,6 +1,9 @@
 """A script adapted from a public tutorial the way users adapt one recovers bit for bit: it
 keeps ``init_process_group``/``destroy_process_group``, is seeded once at program start and
-draws a random dataset in its setup (``tests/jobs/tutorial_job.py``)."""
+draws a random dataset in its setup (``tests/jobs/tutorial_job.py``). A script shaped like
+nanoGPT's ``train.py`` does all that at its top level, reading its rank from the environment
+there (``tests/jobs/nanogpt_job.py``): a spare or a process restarted in place runs that top
+level with the rank it takes (``runtime/standby.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import JOBS, JobRun, assert_same_digests, job_name, run_job, run_with_reference
+from .conftest import (
+    JOBS,
+    JobRun,
+    assert_same_digests,
+    job_name,
+    read_jsonl,
+    run_job,
+    run_with_reference,
+)
 from .torchrun_hosts import TorchrunJob, runtime_dirs
 
 ARGS = ["--steps", "30"]
@@ -30,6 +41,48 @@ def test_a_tutorial_script_recovers_bit_exact_from_a_rank_then_a_node(tmp_path) 
     assert_same_digests(run, reference)
     assert "dist.init_process_group() in the script: peerckpt already formed" in run.log
     assert "dist.destroy_process_group() in the script" in run.log
+
+
+def _assert_top_level_read_the_rank_trained(run: JobRun) -> None:
+    """Every process's top level read the RANK it then trained as (a spare's, a restarted
+    process's: the rank it took, not none)."""
+    seen = 0
+    for path in run.out.glob("rank*.jsonl"):
+        rank = int(path.stem[4:])
+        for entry in read_jsonl(path):
+            assert entry["top_rank"] == rank, (path.name, entry)
+            seen += 1
+    assert seen, "no step was recorded"
+
+
+def test_a_nanogpt_shaped_script_recovers_bit_exact_through_spares(tmp_path) -> None:
+    reference, run = run_with_reference(
+        tmp_path,
+        ARGS,
+        script="nanogpt_job.py",
+        spares=3,
+        chaos="kill rank=1 at=10; kill node=1 at=20",
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    rank_loss, node_loss = run.report["events"]
+    assert rank_loss["ranks"] == [1] and node_loss["ranks"] == [2, 3]
+    assert_same_digests(run, reference)
+    _assert_top_level_read_the_rank_trained(run)
+    assert "spare takes rank 1 of 4 (epoch 1)" in run.log, run.log[-4000:]
+    # its top-level init_process_group ran before any function: it did nothing, and said so
+    assert "Traceback" not in run.log, run.log[run.log.index("Traceback") :][:3000]
+
+
+@pytest.mark.slow
+def test_a_nanogpt_shaped_script_recovers_bit_exact_through_restarts_in_place(tmp_path) -> None:
+    reference, run = run_with_reference(
+        tmp_path, ARGS, script="nanogpt_job.py", chaos="kill rank=1 at=10; kill rank=2 at=20"
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    assert [e["ranks"] for e in run.report["events"]] == [[1], [2]]
+    assert_same_digests(run, reference)
+    _assert_top_level_read_the_rank_trained(run)
+    assert "restart in place" in run.log
 
 
 @pytest.mark.slow

@@ -177,3 +177,12 @@ def test_restoring_into_a_different_model_is_a_clear_error() -> None:
         restore_from_slot({"model": nn.Linear(8, 4)}, slot, chunks)
     with pytest.raises(StateMismatch, match="does not have"):
         restore_from_slot({"other": nn.Linear(8, 4)}, slot, chunks)
+
+
+def test_a_module_wrapped_in_ddp_in_one_process_only_is_named_as_such() -> None:
+    keys = ["0.weight", "0.bias"]
+    hint = restore._wrapping_hint(keys, [f"module.{k}" for k in keys])
+    assert "snapshot's module was wrapped in DistributedDataParallel, this one is not" in hint
+    hint = restore._wrapping_hint([f"module.{k}" for k in keys], keys)
+    assert "was not wrapped in DistributedDataParallel, this one is" in hint
+    assert restore._wrapping_hint(["a"], ["b"]) == ""  # another mismatch: no such claim
