@@ -17,8 +17,9 @@ run differ from a fault-free one and logs one warning per finding, naming the ob
 fix: an optimizer that steps but is not tracked; an LR scheduler or GradScaler of the loop
 that is not tracked; a data loader or sampler with ``state_dict`` that no tracked object
 holds; parameters of modules that ran but belong to no tracked object; a DDP whose module is
-not tracked (its buckets cannot be restored); tensors the loop carries from one step into
-the next without tracking them (``runtime/carried.py``: a batch fetched ahead); random draws in
+not tracked (its buckets cannot be restored); modules whose parameters or buffers no
+tracked object holds and that the step wrote in place (an EMA copy of the model); tensors the
+loop carries from one step into the next without tracking them (``runtime/carried.py``: a batch fetched ahead); random draws in
 data-loader workers that a restore cannot reproduce (``runtime/loaders.py``: a plain
 ``DataLoader`` iterating with workers, a tracked ``StatefulDataLoader`` over an
 ``IterableDataset`` or whose iterator was made before ``ctx.track``). Loaders,
@@ -69,6 +70,8 @@ class FirstStepWatch:
         self._ran: dict[int, torch.nn.Module] = {}
         self._stepped: dict[int, torch.optim.Optimizer] = {}
         self._carried: CarriedWatch | None = None
+        self._versions: Versions = {}
+        self._modules: list[torch.nn.Module] = []
         self._handles = [
             register_module_forward_pre_hook(self._on_forward),
             register_optimizer_step_post_hook(self._on_step),
@@ -87,19 +90,23 @@ class FirstStepWatch:
 
     def loop_started(self) -> None:
         """The loop over ``ctx.steps`` begins (called from its generator): when auditing,
-        note what its frame holds that the step may carry to the next."""
+        note what its frame holds that the step may carry to the next, and the versions of
+        the tensors of every module no tracked object covers (an EMA copy of the model)."""
         if self.audit:
             self._carried = CarriedWatch.at_loop_start(self.tracked)
+            self._versions, self._modules = module_versions(self.tracked, gc.get_objects())
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._carried = None  # it holds the loop's frame
+        self._versions, self._modules = {}, []  # and these, the user's modules
 
     def finish(self) -> list[str]:
         """Stop watching; when auditing, log each new finding once and return them all."""
         carried, self._carried = self._carried, None
+        versions, modules = self._versions, self._modules
         self.remove()
         if not self.audit:
             return []
@@ -112,6 +119,7 @@ class FirstStepWatch:
         )
         if carried is not None:
             found += carried.finish()
+        found += changed_modules(versions, set(self._ran), modules)
         for text in found:
             if text not in _WARNED:
                 _WARNED.add(text)
@@ -251,6 +259,99 @@ def _param_findings(
         "tracked object: they are built again, not restored, after a failure; track the model "
         "they belong to, e.g. ctx.track(model=model)"
     ]
+
+
+def _covered(tracked: dict[str, Any]) -> set[int]:
+    """Storage addresses of every tensor a tracked object holds (modules, optimizers' states
+    included, tensors, shards)."""
+    out: set[int] = set()
+    for obj in tracked.values():
+        tensors: list[torch.Tensor] = []
+        if isinstance(obj, torch.nn.Module):
+            tensors = [*obj.parameters(), *obj.buffers()]
+        elif isinstance(obj, (torch.Tensor, Shard)):
+            tensors = [local_of(obj)]
+        elif isinstance(obj, FlatShard):
+            tensors = [obj.local]
+        for t in tensors:
+            out.add(local_of(t).untyped_storage().data_ptr())
+    return out
+
+
+Versions = dict[int, tuple[torch.nn.Module, list[tuple[torch.Tensor, int]]]]
+
+
+def module_versions(
+    tracked: dict[str, Any], heap: Iterable[object]
+) -> tuple[Versions, list[torch.nn.Module]]:
+    """For each module of ``heap`` with tensors of its own (parameters, buffers) that no
+    tracked object holds: those tensors and their versions (in-place writes count up); and
+    every module of ``heap`` (what may hold them)."""
+    covered = _covered(tracked)
+    out: Versions = {}
+    modules: list[torch.nn.Module] = []
+    kinds: dict[type, bool] = {}  # never isinstance: some objects warn when it is asked
+    for obj in heap:
+        kind = type(obj)
+        wanted = kinds.get(kind)
+        if wanted is None:
+            wanted = kinds[kind] = issubclass(kind, torch.nn.Module) and not issubclass(
+                kind, DistributedDataParallel
+            )
+        if not wanted:
+            continue
+        obj = cast(torch.nn.Module, obj)
+        modules.append(obj)
+        own = [
+            t
+            for t in [*obj._parameters.values(), *obj._buffers.values()]
+            if isinstance(t, torch.Tensor)
+            and local_of(t).untyped_storage().data_ptr() not in covered
+        ]
+        if own:
+            out[id(obj)] = (obj, [(t, t._version) for t in own])
+    return out, modules
+
+
+def changed_modules(
+    versions: Versions,
+    ran: set[int],
+    modules: list[torch.nn.Module],
+) -> list[str]:
+    """Modules whose untracked tensors were written in the step (an EMA copy updated in
+    place, the running statistics of a model that is not tracked), less those that ran with
+    trainable parameters (``_param_findings`` names them)."""
+
+    def trainable(module: torch.nn.Module) -> bool:
+        return any(p is not None and p.requires_grad for p in module._parameters.values())
+
+    changed = {
+        key
+        for key, (module, tensors) in versions.items()
+        if not (key in ran and trainable(module)) and any(t._version != v for t, v in tensors)
+    }
+    if not changed:
+        return []
+    # Named by the outermost modules that hold them (the EMA copy, not its every layer).
+    holders = {id(m): m for m in modules if any(id(sub) in changed for sub in m.modules())}
+    inner = {id(sub) for m in holders.values() for sub in m.modules() if sub is not m}
+    roots = [m for key, m in holders.items() if key not in inner]
+    shown = ", ".join(_holder_name(m) for m in roots[:3])
+    more = f" and {len(roots) - 3} more" if len(roots) > 3 else ""
+    return [
+        f"{shown}{more} changed in the step but belong(s) to no tracked object (an EMA or "
+        "averaged copy of the model?): after a restore they are what the code before the loop "
+        "made, not what the step left; track the module they belong to, e.g. ctx.track(..., "
+        "ema=ema_model)"
+    ]
+
+
+def _holder_name(module: torch.nn.Module) -> str:
+    tensors = [*module.parameters(), *module.buffers()]
+    return (
+        f"a {type(module).__name__} ({len(tensors)} tensor(s), "
+        f"{sum(t.numel() for t in tensors):,} values)"
+    )
 
 
 def _optim_name(optim: torch.optim.Optimizer, names: dict[int, str]) -> str:

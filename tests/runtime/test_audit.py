@@ -150,3 +150,63 @@ def test_the_hooks_are_gone_after_the_first_snapshot() -> None:
     parts["model"](torch.randn(2, 4)).sum().backward()
     parts["head_optim"].step()
     assert watch._ran == {} and watch._stepped == {}
+
+
+def _ema_step(parts: dict[str, Any], ema: nn.Module, tracked: dict[str, Any]) -> list[str]:
+    """One step of a loop that keeps an exponential moving average of the model in ``ema``
+    (updated in place after the optimizer step, as timm's ModelEmaV2 does)."""
+    gc.collect()
+    watch = FirstStepWatch(tracked, audit=True)
+    try:
+        watch.loop_started()
+        x = next(iter(parts["data"]))[0]
+        parts["model"](x).sum().backward()
+        parts["optim"].step()
+        with torch.no_grad():
+            for e, p in zip(ema.parameters(), parts["model"].parameters(), strict=True):
+                e.mul_(0.9).add_(p, alpha=0.1)
+    finally:
+        found = watch.finish()
+    return found
+
+
+def test_an_ema_copy_written_in_the_step_but_not_tracked_is_named() -> None:
+    import copy
+
+    parts = _parts()
+    ema = copy.deepcopy(parts["model"])
+    tracked = {k: parts[k] for k in ("model", "optim", "head_optim", "data")}
+    [finding] = [f for f in _ema_step(parts, ema, tracked) if "changed in the step" in f]
+    assert "a Sequential (4 tensor(s), 58 values)" in finding and "ctx.track(..., ema=" in finding
+    # tracked, it is restored: nothing to say
+    assert not [f for f in _ema_step(parts, ema, {**tracked, "ema": ema}) if "changed" in f]
+
+
+def test_a_module_kept_but_not_written_in_the_step_is_not_named() -> None:
+    import copy
+
+    parts = _parts()
+    frozen = copy.deepcopy(parts["model"])  # a reference copy, read but never written
+    tracked = {k: parts[k] for k in ("model", "optim", "head_optim", "data")}
+    gc.collect()
+    watch = FirstStepWatch(tracked, audit=True)
+    watch.loop_started()
+    x = next(iter(parts["data"]))[0]
+    (parts["model"](x) - frozen(x).detach()).pow(2).sum().backward()
+    parts["optim"].step()
+    assert not [f for f in watch.finish() if "changed in the step" in f]
+
+
+def test_running_statistics_of_an_untracked_frozen_model_are_named() -> None:
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).requires_grad_(False)
+    parts = _parts()
+    tracked = {k: parts[k] for k in ("model", "optim", "head_optim", "data")}
+    gc.collect()
+    watch = FirstStepWatch(tracked, audit=True)
+    watch.loop_started()
+    x = next(iter(parts["data"]))[0]
+    (parts["model"](x).sum() + teacher(x).sum()).backward()  # train mode: BN's stats move
+    parts["optim"].step()
+    [finding] = [f for f in watch.finish() if "changed in the step" in f]
+    assert "a Sequential (7 tensor(s), 37 values)" in finding  # the teacher, named whole
