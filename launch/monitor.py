@@ -57,6 +57,7 @@ class JobMonitor:
         # version reported (an event is replaced as its recovery goes on, never mutated).
         self._events: dict[tuple[str, int, float], RecoveryEvent] = {}
         self._flushes: list[FlushRecord] = []
+        self._inexact: list[str] = []  # the ranks' audit findings (``JobStatus.inexact``)
 
     def observe(
         self, status: JobStatus, events: list[RecoveryEvent], chaos: list[FiredAction]
@@ -71,6 +72,8 @@ class JobMonitor:
             self._commits_now = commits
             events = self._remember(events)
             self._flushes = list(status.flushes)
+            # a restarted coordinator knows only what the ranks said since: keep every line
+            self._inexact += [line for line in status.inexact if line not in self._inexact]
             view = build_view(status, events, chaos, dict(self._node_stats))
             self._view = view
             self._sample(now, status, view)
@@ -127,6 +130,7 @@ class JobMonitor:
                 sum(s.snapshots for s in self._node_stats.values()),
                 list(self._events.values()),
                 self._flushes,
+                list(self._inexact),
             )
 
     def timeline(self) -> dict[str, Any]:

@@ -228,11 +228,14 @@ def summarize(
     rank_snapshots: int,
     events: list[RecoveryEvent],
     flushes: list[FlushRecord],
+    inexact: list[str] | None = None,
 ) -> dict[str, Any]:
     """The end-of-run summary's figures (the JSON report's ``summary``): ``commits`` steps
     committed over the job, the last committed step, the snapshots the ranks took (one per
-    rank and step, as the agents counted them), the last durable step, and the faults the
-    job survived (failures whose recovery ended: every rank stepping again)."""
+    rank and step, as the agents counted them), the last durable step, the faults the job
+    survived (failures whose recovery ended: every rank stepping again), and what the ranks'
+    audits found a restore cannot reproduce (``inexact``: the ``not exact after a restore``
+    warnings)."""
     faults = [
         i
         for i, e in enumerate(events)
@@ -248,6 +251,7 @@ def summarize(
         "durable_step": max(durable) if durable else None,
         "faults": len(faults),
         "faults_survived": sum(settled_at(events, i) is not None for i in faults),
+        "inexact": list(inexact or []),
     }
 
 
@@ -282,7 +286,16 @@ def format_summary(summary: dict[str, Any], state: JobOutcome = JobOutcome.SUCCE
         if survived != faults
         else f"{faults} fault{'s' if faults != 1 else ''} survived"
     )
-    return ["protection: " + ", ".join(parts)]
+    lines = ["protection: " + ", ".join(parts)]
+    inexact = summary.get("inexact") or []
+    if inexact:
+        restored = "its restores were" if faults else "a restore would be"
+        lines.append(
+            f"NOT EXACT: {restored} not bit for bit: the loop uses {len(inexact)} thing(s) "
+            "a restore cannot reproduce (the 'not exact after a restore' warnings above); "
+            f"the first: {inexact[0]}"
+        )
+    return lines
 
 
 def format_report(result: JobResult) -> str:

@@ -53,6 +53,7 @@ from peerckpt.messages.control import (
     Flushed,
     Heartbeat,
     HeartbeatReply,
+    Inexact,
     JobStatus,
     NodeAllocated,
     Ok,
@@ -91,6 +92,7 @@ from peerckpt.recovery.registry import AgentInfo, Registry
 from peerckpt.states import EpochMode, JobState, ProcRole, RecoveryKind
 
 log = logging.getLogger("peerckpt.coordinator")
+MAX_INEXACT = 32  # audit findings kept for the report (each line once; a job has a few)
 
 
 class Coordinator:
@@ -183,6 +185,7 @@ class Coordinator:
         )
         self._digests_seen: set[tuple[int, int, str]] = set()
         self.commits = 0  # steps committed since this coordinator started (``Status``)
+        self.inexact_found: list[str] = []  # the ranks' audit findings (``Inexact``)
 
     # -- registration ---------------------------------------------------------------------
     def register_agent(self, msg: RegisterAgent) -> AgentConfig:
@@ -248,6 +251,15 @@ class Coordinator:
             refused = unreshardable.record(self.settings, msg.objects)
             if refused is not None:
                 self.life.fail(refused)
+            return Ok()
+
+    def inexact(self, msg: Inexact) -> Ok:
+        """A rank's audit found what a restore cannot reproduce: kept, each line once, for
+        the job's report (``JobStatus.inexact``)."""
+        with self._lock:
+            for line in msg.findings:
+                if line not in self.inexact_found and len(self.inexact_found) < MAX_INEXACT:
+                    self.inexact_found.append(line)
             return Ok()
 
     def spares_starting(self, msg: SparesStarting) -> Ok:
@@ -691,6 +703,7 @@ class Coordinator:
                 Resumed: self.resumed_rank,
                 Done: self.rank_done,
                 Unreshardable: self.cannot_reshard,
+                Inexact: self.inexact,
                 RankFailed: self.rank_failed,
                 ReplicationFailed: self.replication_failed,
                 Wants: self.wants,

@@ -33,6 +33,7 @@ def observed(c: Coordinator) -> dict[str, Any]:
         "node_addrs": c.registry.node_addrs(),
         "commits": c.commits,
         "refused_joins": dict(c.epochs.refused_joins),
+        "inexact": list(c.inexact_found),
     }
 
 

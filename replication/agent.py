@@ -51,6 +51,7 @@ from peerckpt.messages.control import (
     Flush,
     Heartbeat,
     HeldCopy,
+    Inexact,
     ProcJoined,
     ProcLost,
     ProcReport,
@@ -69,6 +70,7 @@ from peerckpt.messages.local import (
     Abort,
     AllocSlot,
     Granted,
+    InexactState,
     RankDone,
     RankError,
     RankResumed,
@@ -221,6 +223,7 @@ class Agent:
                 RankDone: self._on_done,
                 RankError: self._on_rank_error,
                 UnreshardableState: self._on_unreshardable,
+                InexactState: self._on_inexact,
                 WantChunks: self._on_wants,
                 ReleaseStaging: self._on_release,
             },
@@ -480,6 +483,12 @@ class Agent:
         report = Unreshardable(self.node, msg.epoch, msg.rank, msg.objects)
         # Replayed to a restarted coordinator, which would otherwise let the world change.
         self.coordinator.remember(("Unreshardable", msg.rank), report)
+        self.coordinator.report(report)
+
+    def _on_inexact(self, msg: InexactState, link: ProcLink) -> None:
+        report = Inexact(self.node, msg.epoch, msg.rank, msg.findings)
+        # Replayed to a restarted coordinator: the job's report still says it.
+        self.coordinator.remember(("Inexact", msg.rank), report)
         self.coordinator.report(report)
 
     def _on_rank_error(self, msg: RankError, link: ProcLink) -> None:

@@ -33,6 +33,7 @@ from peerckpt.faults import NO_FAULTS, FaultHooks
 from peerckpt.manifest import META_KEY, ChunkRecord
 from peerckpt.messages.local import (
     Arrived,
+    InexactState,
     RankResumed,
     ReleaseStaging,
     UnreshardableState,
@@ -330,7 +331,9 @@ class EpochTracking:
             policy.record(step, time.perf_counter() - began)
             if step == start and watch is not None:
                 self._audit.pending = self._audit.pending and not watch.audit
-                watch.finish()  # the first step is done: the hooks go, the audit speaks
+                found = watch.finish()  # the first step is done: the hooks go, the audit speaks
+                if found:  # the job's report says so too
+                    self.channel.notify(InexactState(a.epoch, a.rank, found))
             if self.engine.committed_step is not None and self.engine.committed_step >= start:
                 self.pg.release_retired()  # this epoch committed: the old groups are idle
         if self.faults.active:

@@ -84,7 +84,8 @@ def test_what_a_script_uses_but_does_not_track_is_named_once_at_the_first_snapsh
     tmp_path,
 ) -> None:
     """The script forgets to track its LR scheduler and its StatefulDataLoader: every rank says
-    so once, at its first snapshot (step 0), naming each and the fix."""
+    so once, at its first snapshot (step 0), naming each and the fix; the job's summary says
+    it again at the end, and its report lists both."""
     run = run_job(
         tmp_path,
         script="user_loop.py",
@@ -97,3 +98,6 @@ def test_what_a_script_uses_but_does_not_track_is_named_once_at_the_first_snapsh
         assert ranks == ["0", "1", "2", "3"], lines
         assert all("ctx.track(..., " in line for line in lines)
     assert run.log.count(PREFIX) == 8  # nothing else
+    inexact = run.report["summary"]["inexact"]
+    assert len(inexact) == 2 and any("LR scheduler LambdaLR" in line for line in inexact)
+    assert "NOT EXACT: a restore would be not bit for bit: the loop uses 2 thing(s)" in run.log

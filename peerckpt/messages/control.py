@@ -15,6 +15,7 @@ Sequences (one agent; every call carries the agent's ``node``)::
     agent ── ReplicatedMany ────────▶                  (several at once, ready together)
     agent ── Resumed / Done / RankFailed / Wants ▶     (relayed for its ranks)
     agent ── Unreshardable ─────────▶                  (rank 0's, relayed)
+    agent ── Inexact ───────────────▶                  (a rank's audit findings, relayed)
     agent ── ReplicationFailed / Flushed ▶
 
 Pure data: no I/O here.
@@ -306,6 +307,18 @@ class Unreshardable(Request[Ok]):
     objects: list[str]
 
 
+@message("Inexact")
+@dataclass(frozen=True)
+class Inexact(Request[Ok]):
+    """A rank's audit findings (``InexactState``, relayed): the job's report says that its
+    restores were not exact, and why."""
+
+    node: int
+    epoch: int
+    rank: int
+    findings: list[str]
+
+
 @message("RankFailed")
 @dataclass(frozen=True)
 class RankFailed(Request[Ok]):
@@ -562,6 +575,8 @@ class JobStatus(Message):
     node_addrs: dict[int, str] = field(default_factory=dict)
     commits: int = 0  # steps committed since this coordinator started (the end-of-run summary)
     refused_joins: dict[int, str] = field(default_factory=dict)  # node → why it may not join
+    # What the ranks' audits found a restore cannot reproduce (``Inexact``), each line once
+    inexact: list[str] = field(default_factory=list)
 
 
 @message("Status")
@@ -582,6 +597,7 @@ UNARY: tuple[type[Any], ...] = (
     Resumed,
     Done,
     Unreshardable,
+    Inexact,
     RankFailed,
     ReplicationFailed,
     Wants,

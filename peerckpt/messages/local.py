@@ -8,6 +8,7 @@ handshake). Then::
     rank ── Restarting ────────▶ agent ── Granted ─────▶ rank
     rank ── SnapshotTaken / RankResumed / RankDone / RankError / WantChunks / ReleaseStaging
     rank ── UnreshardableState (rank 0, at ctx.track, when it tracks a loader that cannot reshard)
+    rank ── InexactState (after its first snapshot, when its audit found what cannot be restored)
     rank ── Beat (every HEARTBEAT_S)
     agent ─ Abort / EpochStart / Arrived / Commit / Staging / Shutdown / Fenced ─▶ rank  (events)
 
@@ -144,6 +145,18 @@ class UnreshardableState(ToAgent):
     epoch: int
     rank: int
     objects: list[str]
+
+
+@message("inexact")
+@dataclass(frozen=True)
+class InexactState(ToAgent):
+    """What a rank's audit found its loop uses that a restore cannot reproduce
+    (``runtime/audit.py``: the ``not exact after a restore`` warnings, one line each); sent
+    after its first snapshot, relayed to the coordinator as ``Inexact``."""
+
+    epoch: int
+    rank: int
+    findings: list[str]
 
 
 @message("rank_error")

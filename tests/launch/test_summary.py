@@ -34,6 +34,7 @@ def test_the_figures_of_a_job_with_faults_and_a_durable_tier() -> None:
         "durable_step": 29,
         "faults": 2,
         "faults_survived": 1,
+        "inexact": [],
     }
     assert format_summary(summary) == [
         "protection: 30 snapshots committed, last committed step 29, last durable step 29, "
@@ -65,3 +66,13 @@ def test_the_report_ends_with_the_summary() -> None:
     lines = format_report(result).splitlines()
     assert lines[0] == "job succeeded in 3.0 s"
     assert lines[1] == "NOT PROTECTED: no snapshot was taken (loop over ctx.steps)"
+
+
+def test_what_a_restore_cannot_reproduce_is_said_after_the_protection() -> None:
+    found = ["LR scheduler LambdaLR of optimizer AdamW is not tracked: ..."]
+    lost = [replace(LOST, resumed_at=6.0)]
+    protection, inexact = format_summary(summarize(1, 0, 2, lost, [], found))
+    assert protection.startswith("protection: ") and "1 fault survived" in protection
+    assert inexact.startswith("NOT EXACT: its restores were not bit for bit: the loop uses 1")
+    assert inexact.endswith(found[0])
+    [_] = format_summary(summarize(1, 0, 2, lost, []))  # nothing found: nothing said
