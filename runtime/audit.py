@@ -338,18 +338,23 @@ def changed_modules(
     roots = [m for key, m in holders.items() if key not in inner]
     shown = ", ".join(_holder_name(m) for m in roots[:3])
     more = f" and {len(roots) - 3} more" if len(roots) > 3 else ""
+    one = len(roots) == 1
     return [
-        f"{shown}{more} changed in the step but belong(s) to no tracked object (an EMA or "
-        "averaged copy of the model?): after a restore they are what the code before the loop "
-        "made, not what the step left; track the module they belong to, e.g. ctx.track(..., "
-        "ema=ema_model)"
+        f"{shown}{more} {'was' if one else 'were'} written in the step but "
+        f"{'is' if one else 'are'} not tracked (an EMA or averaged copy of the model?): after "
+        f"a restore {'it is' if one else 'they are'} what the code before the loop made, not "
+        "what the step left; track it, e.g. ctx.track(..., ema=ema_model)"
     ]
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _holder_name(module: torch.nn.Module) -> str:
     tensors = [*module.parameters(), *module.buffers()]
     return (
-        f"a {type(module).__name__} ({len(tensors)} tensor(s), "
+        f"{_a(type(module).__name__)} ({len(tensors)} tensor(s), "
         f"{sum(t.numel() for t in tensors):,} values)"
     )
 

@@ -176,10 +176,12 @@ def test_an_ema_copy_written_in_the_step_but_not_tracked_is_named() -> None:
     parts = _parts()
     ema = copy.deepcopy(parts["model"])
     tracked = {k: parts[k] for k in ("model", "optim", "head_optim", "data")}
-    [finding] = [f for f in _ema_step(parts, ema, tracked) if "changed in the step" in f]
+    [finding] = [f for f in _ema_step(parts, ema, tracked) if "written in the step" in f]
     assert "a Sequential (4 tensor(s), 58 values)" in finding and "ctx.track(..., ema=" in finding
     # tracked, it is restored: nothing to say
-    assert not [f for f in _ema_step(parts, ema, {**tracked, "ema": ema}) if "changed" in f]
+    assert not [
+        f for f in _ema_step(parts, ema, {**tracked, "ema": ema}) if "written in the step" in f
+    ]
 
 
 def test_a_module_kept_but_not_written_in_the_step_is_not_named() -> None:
@@ -194,7 +196,7 @@ def test_a_module_kept_but_not_written_in_the_step_is_not_named() -> None:
     x = next(iter(parts["data"]))[0]
     (parts["model"](x) - frozen(x).detach()).pow(2).sum().backward()
     parts["optim"].step()
-    assert not [f for f in watch.finish() if "changed in the step" in f]
+    assert not [f for f in watch.finish() if "written in the step" in f]
 
 
 def test_running_statistics_of_an_untracked_frozen_model_are_named() -> None:
@@ -208,5 +210,5 @@ def test_running_statistics_of_an_untracked_frozen_model_are_named() -> None:
     x = next(iter(parts["data"]))[0]
     (parts["model"](x).sum() + teacher(x).sum()).backward()  # train mode: BN's stats move
     parts["optim"].step()
-    [finding] = [f for f in watch.finish() if "changed in the step" in f]
+    [finding] = [f for f in watch.finish() if "written in the step" in f]
     assert "a Sequential (7 tensor(s), 37 values)" in finding  # the teacher, named whole
