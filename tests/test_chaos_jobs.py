@@ -3,7 +3,7 @@
 The job is ``tests/jobs/ddp_job.py`` (2 nodes × 2 ranks unless said). Each test compares every
 digest any rank recorded — steps trained again after a restore included — and the final state
 with a fault-free run of the same job; the leak check of ``conftest.py`` then asserts that no
-process, socket or shared-memory file is left. Five of them run in ``make test``; the rest
+process, socket or shared-memory file is left. Four of them run in ``make test``; the rest
 (marked slow) in ``make test-all``.
 """
 
@@ -191,6 +191,7 @@ def test_a_coordinator_killed_just_after_an_agent_comes_back_and_the_job_goes_on
     assert_same_digests(run, reference_run)
 
 
+@pytest.mark.slow  # make test: tests/launch/test_monitor.py (events kept across a restart)
 def test_the_report_keeps_a_recovery_seen_only_by_a_coordinator_killed_since(
     tmp_path, reference_run
 ) -> None:

@@ -5,11 +5,14 @@ first loss holds spares only and keeps the world's size, so it is never refused 
 
 from __future__ import annotations
 
+import pytest
+
 from .conftest import assert_same_digests, run_with_reference
 
 STEPS = 16
 
 
+@pytest.mark.slow  # make test: tests/recovery/test_unreshardable.py (a spares-only node)
 def test_keep_spares_replenishes_a_job_whose_loader_cannot_reshard(tmp_path) -> None:
     reference, run = run_with_reference(
         tmp_path,
