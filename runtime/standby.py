@@ -27,7 +27,7 @@ import logging
 import multiprocessing
 import os
 
-from peerckpt.errors import PeerUnavailable
+from peerckpt.errors import ConfigurationError, PeerUnavailable
 from peerckpt.runtime import children, userpg
 from peerckpt.runtime.config import DEFAULTS, ResilientConfig
 from peerckpt.runtime.env import LaunchEnv, configure_logging
@@ -51,8 +51,11 @@ def on_import() -> None:
         return
     if not os.path.exists(os.environ.get("PEERCKPT_AGENT", "")):
         return  # no agent to wait with: the decorated function says so when it is called
+    try:
+        env = LaunchEnv.from_environ()
+    except ConfigurationError:
+        return  # not a process a launcher started (no secret): the decorator says so
     configure_logging()
-    env = LaunchEnv.from_environ()
     try:
         runtime = RankRuntime(env, DEFAULTS)
     except PeerUnavailable as exc:
@@ -69,6 +72,8 @@ def on_import() -> None:
         RANK=str(assignment.rank),
         LOCAL_RANK=str(assignment.local_rank),
         WORLD_SIZE=str(assignment.world_size),
+        # what the script's own subprocesses inherit: they are not spares waiting for a rank
+        PEERCKPT_ROLE=ProcRole.RANK.value,
     )
     log.info(
         "%s takes rank %d of %d (epoch %d); the script runs from here",
