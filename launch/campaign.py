@@ -35,7 +35,7 @@ from peerckpt.launch.local import LocalLauncher
 from peerckpt.launch.progress import Report
 from peerckpt.launch.report import FailureRow, causes, failure_rows
 from peerckpt.launch.view import JobView
-from peerckpt.messages.control import JobStatus
+from peerckpt.messages.control import JobStatus, Pull
 from peerckpt.outfiles import private_dir, write_private
 from peerckpt.shm import SHM_DIR, segment_prefix
 
@@ -314,6 +314,19 @@ def _steps(digests: dict[str, list[str]]) -> dict[tuple[int, int], set[str]]:
     return out
 
 
+def pulled_text(pulls: list[Pull]) -> str:
+    """A recovery's pulls as the table shows them: the bytes each rank's state crossed the
+    network (``r1 370,981 B n2→n3``), or was copied within its new node's memory (from a
+    replica held there: ``r3 343,024 B within n2``)."""
+    parts = [
+        f"r{p.rank} {p.bytes:,} B "
+        + (f"within n{p.node}" if p.source == p.node else f"n{p.source}→n{p.node}")
+        for p in pulls
+        if p.bytes
+    ]
+    return ", ".join(parts) or "local copies only (no network)"
+
+
 def compare(campaign: Campaign, reference: JobResult, run: JobResult) -> None:
     """Fill the rows and the overall comparison of every snapshot with the reference. The
     reference snapshotted every step (``PEERCKPT_SNAPSHOT_EVERY=1``): whatever steps the
@@ -352,10 +365,7 @@ def compare(campaign: Campaign, reference: JobResult, run: JobResult) -> None:
         failure = rows_by_fault.get(id(record))
         pulled = ""
         if failure is not None:
-            parts = [
-                f"r{p.rank} {p.bytes:,} B n{p.source}→n{p.node}" for p in failure.pulls if p.bytes
-            ]
-            pulled = ", ".join(parts) or "local copies only (no network)"
+            pulled = pulled_text(failure.pulls)
         note = "" if failure else "no rank was lost"
         if not window:
             note = "no snapshot after it to compare"

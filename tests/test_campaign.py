@@ -18,8 +18,9 @@ from peerckpt.chaos import ActionKind, FiredAction
 from peerckpt.chaos.spec import parse_chaos
 from peerckpt.errors import ConfigurationError
 from peerckpt.launch.base import JobOutcome, JobResult
-from peerckpt.launch.campaign import TAIL_STEPS, Campaign, compare, generate, place
+from peerckpt.launch.campaign import TAIL_STEPS, Campaign, compare, generate, place, pulled_text
 from peerckpt.launch.timeline import load_report, timeline_data
+from peerckpt.messages.control import Pull
 
 from .conftest import JOBS, REPO, job_name
 from .launch.campaign_run import complete, recorded
@@ -248,3 +249,13 @@ def test_the_cli_refuses_faults_that_cannot_fit_before_the_faulty_run(tmp_path) 
     )
     assert f"job {name}_ref" in proc.stderr  # the reference ran …
     assert f"{name}_chaos" not in proc.stdout + proc.stderr  # … and the faulty run never started
+
+
+def test_a_pull_within_its_node_is_not_shown_as_a_transfer_between_nodes() -> None:
+    pulls = [
+        Pull(rank=3, node=2, source=2, bytes=343_024, seconds=0.0007),  # from a replica there
+        Pull(rank=1, node=3, source=2, bytes=370_981, seconds=0.01),
+        Pull(rank=0, node=0, source=0, bytes=0, seconds=0.0),  # its own slot
+    ]
+    assert pulled_text(pulls) == "r3 343,024 B within n2, r1 370,981 B n2→n3"
+    assert pulled_text(pulls[2:]) == "local copies only (no network)"
