@@ -314,10 +314,13 @@ def _steps(digests: dict[str, list[str]]) -> dict[tuple[int, int], set[str]]:
     return out
 
 
-def pulled_text(pulls: list[Pull]) -> str:
+def pulled_text(pulls: list[Pull], taken_over: bool = False) -> str:
     """A recovery's pulls as the table shows them: the bytes each rank's state crossed the
     network (``r1 370,981 B n2→n3``), or was copied within its new node's memory (from a
-    replica held there: ``r3 343,024 B within n2``)."""
+    replica held there: ``r3 343,024 B within n2``). ``taken_over``: a recovery that the
+    next failure's recovery took over before it pulled anything (its pulls are that row's)."""
+    if taken_over:
+        return "in the next failure's recovery"
     parts = [
         f"r{p.rank} {p.bytes:,} B "
         + (f"within n{p.node}" if p.source == p.node else f"n{p.source}→n{p.node}")
@@ -365,7 +368,8 @@ def compare(campaign: Campaign, reference: JobResult, run: JobResult) -> None:
         failure = rows_by_fault.get(id(record))
         pulled = ""
         if failure is not None:
-            pulled = pulled_text(failure.pulls)
+            # a recovery a later failure took over pulled nothing itself
+            pulled = pulled_text(failure.pulls, failure.superseded and not failure.pulls)
         note = "" if failure else "no rank was lost"
         if not window:
             note = "no snapshot after it to compare"

@@ -259,3 +259,5 @@ def test_a_pull_within_its_node_is_not_shown_as_a_transfer_between_nodes() -> No
     ]
     assert pulled_text(pulls) == "r3 343,024 B within n2, r1 370,981 B n2→n3"
     assert pulled_text(pulls[2:]) == "local copies only (no network)"
+    # a recovery the next failure took over before it pulled: not "local copies only"
+    assert pulled_text([], taken_over=True) == "in the next failure's recovery"
