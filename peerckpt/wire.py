@@ -406,6 +406,17 @@ def _wrap_tls(sock: socket.socket, addr: str, secret: bytes, host: str) -> socke
         raise PeerUnavailable(f"TLS handshake with {addr} failed: {exc}") from exc
 
 
+def peer_pid(sock: socket.socket) -> int | None:
+    """The process at the other end of a Unix socket (its peer credentials, as the kernel
+    recorded them at connect); None if it cannot be read."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    pid: int = struct.unpack("3i", creds)[0]
+    return pid or None
+
+
 def connect_unix(path: str, secret: bytes, job: str, **fields: Any) -> Connection:
     """Open an authenticated connection to a local agent's Unix socket."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -30,8 +30,6 @@ import json
 import logging
 import os
 import signal
-import socket
-import struct
 import sys
 import threading
 import time
@@ -105,6 +103,7 @@ from peerckpt.shm import sweep
 from peerckpt.states import JobState, ProcRole, SlotKind
 from peerckpt.storegate import Relays
 from peerckpt.succession import succession
+from peerckpt.wire import peer_pid
 
 log = logging.getLogger("peerckpt.agent")
 COORDINATOR_GRACE_S = 30.0  # how long an agent waits for a restarted coordinator
@@ -601,12 +600,9 @@ def _kill_group(link: ProcLink) -> None:
     """SIGKILL the process at the other end of ``link`` (its Unix socket's peer credentials
     must name the pid it said hello with), and its process group where it leads one (a process
     the launcher started in a session of its own)."""
+    if peer_pid(link.conn.sock) != link.pid:
+        return
     try:
-        creds = link.conn.sock.getsockopt(
-            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
-        )
-        if struct.unpack("3i", creds)[0] != link.pid:
-            return
         if os.getpgid(link.pid) == link.pid:
             os.killpg(link.pid, signal.SIGKILL)
         else:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +21,7 @@ from peerckpt import errors
 from peerckpt.errors import PeerckptError, PeerUnavailable, ProtocolError
 from peerckpt.messages import Message, decode, encode, from_frame, to_frame
 from peerckpt.messages.local import AgentLost, Beat, ProcHello, Reply, ToAgent
-from peerckpt.wire import connect_unix
+from peerckpt.wire import connect_unix, peer_pid
 
 M = TypeVar("M")
 
@@ -60,14 +58,7 @@ class AgentChannel:
     @property
     def agent_pid(self) -> int | None:
         """The agent process at the other end (its Unix socket's peer credentials)."""
-        try:
-            creds = self.conn.sock.getsockopt(
-                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
-            )
-        except OSError:
-            return None
-        pid: int = struct.unpack("3i", creds)[0]
-        return pid or None
+        return peer_pid(self.conn.sock)
 
     def request(self, msg: ToAgent, answer: type[M], timeout: float = 60.0) -> M:
         """Send a request and wait for its ``answer``; raise the agent's error if it refused."""
