@@ -50,7 +50,7 @@ from peerckpt.runtime.carried import CarriedWatch
 from peerckpt.runtime.ddp import DdpLayouts
 from peerckpt.runtime.inflight import release_on_abort
 from peerckpt.runtime.layouts import FlatShard, Shard, local_of
-from peerckpt.runtime.loaders import notes
+from peerckpt.runtime.loaders import notes, stateful
 
 log = logging.getLogger("peerckpt.rank")
 
@@ -188,7 +188,7 @@ def findings(
                     "a GradScaler in use is not tracked: its loss scale and growth count start "
                     "again after a restore; track it, e.g. ctx.track(..., scaler=scaler)"
                 )
-        elif _stateful(obj) and id(obj) not in reachable:
+        elif stateful(obj) and id(obj) not in reachable:
             out.append(
                 f"a {kind.__name__}{_loader_detail(obj)} has a state_dict() but is not tracked "
                 "(nor held by a tracked object): after a restore it starts its data epoch "
@@ -226,29 +226,14 @@ def _param_findings(
     unseen_ddps: list[DistributedDataParallel],
 ) -> list[str]:
     """Trainable parameters of modules that ran but belong to no tracked object."""
-    covered: set[int] = set()
-    storages: set[int] = set()
-    for obj in tracked.values():
-        tensors: list[torch.Tensor] = []
-        if isinstance(obj, torch.nn.Module):
-            tensors = list(obj.parameters())
-        elif isinstance(obj, (torch.Tensor, Shard)):
-            tensors = [local_of(obj)]
-        elif isinstance(obj, FlatShard):
-            tensors = [obj.local]
-        for t in tensors:
-            covered.add(id(t))
-            storages.add(local_of(t).untyped_storage().data_ptr())
+    storages = _covered(tracked, buffers=False)
     reported = {id(m) for d in unseen_ddps for m in d.module.modules()}  # said above
     loose = []
     for module in ran:
         if id(module) in reported:
             continue
         params = [p for p in module._parameters.values() if p is not None and p.requires_grad]
-        if any(
-            id(p) not in covered and local_of(p).untyped_storage().data_ptr() not in storages
-            for p in params
-        ):
+        if any(local_of(p).untyped_storage().data_ptr() not in storages for p in params):
             loose.append(module)
     if not loose:
         return []
@@ -261,14 +246,14 @@ def _param_findings(
     ]
 
 
-def _covered(tracked: dict[str, Any]) -> set[int]:
-    """Storage addresses of every tensor a tracked object holds (modules, optimizers' states
-    included, tensors, shards)."""
+def _covered(tracked: dict[str, Any], buffers: bool = True) -> set[int]:
+    """Storage addresses of every tensor a tracked object holds: modules' parameters (and
+    ``buffers``), tensors, shards."""
     out: set[int] = set()
     for obj in tracked.values():
         tensors: list[torch.Tensor] = []
         if isinstance(obj, torch.nn.Module):
-            tensors = [*obj.parameters(), *obj.buffers()]
+            tensors = [*obj.parameters(), *(obj.buffers() if buffers else ())]
         elif isinstance(obj, (torch.Tensor, Shard)):
             tensors = [local_of(obj)]
         elif isinstance(obj, FlatShard):
@@ -376,12 +361,6 @@ def _module_name(module: torch.nn.Module) -> str:
 def _loader_detail(obj: object) -> str:
     dataset = getattr(obj, "dataset", None)
     return f" over a {type(dataset).__name__}" if dataset is not None else ""
-
-
-def _stateful(obj: object) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None)
-    )
 
 
 def _reachable(tracked: dict[str, Any], depth: int = 4) -> set[int]:

@@ -48,7 +48,8 @@ RNG_KEY = "peerckpt_worker_rng"  # the worker's generator states in the dataset'
 DATA_KEY = "peerckpt_dataset"  # the user's dataset state beside them
 
 
-def _stateful(obj: object) -> bool:
+def stateful(obj: object) -> bool:
+    """Whether ``obj`` has ``state_dict`` and ``load_state_dict`` (torch's Stateful)."""
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     )
@@ -84,16 +85,16 @@ class WorkerRngDataset(Dataset):
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {RNG_KEY: worker_rng()}
-        if _stateful(self.dataset):
+        if stateful(self.dataset):
             state[DATA_KEY] = self.dataset.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if RNG_KEY not in state:  # a state saved without the wrapper: the dataset's own
-            if _stateful(self.dataset):
+            if stateful(self.dataset):
                 self.dataset.load_state_dict(state)
             return
-        if DATA_KEY in state and _stateful(self.dataset):
+        if DATA_KEY in state and stateful(self.dataset):
             self.dataset.load_state_dict(state[DATA_KEY])
         restore_rng(state[RNG_KEY])
 
