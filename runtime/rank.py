@@ -76,7 +76,6 @@ class RankRuntime:
         env: LaunchEnv,
         config: ResilientConfig = DEFAULTS,
     ) -> None:
-        self.config = config
         self._unwound = -1  # the last epoch whose function this process has left
         self.env = env
         self.state = RankState.WAITING if env.role is ProcRole.RANK else RankState.SPARE
@@ -91,7 +90,7 @@ class RankRuntime:
         self._arrived: dict[int, Arrived] = {}  # epoch → where its arriving state now is
         self._initial_rng = capture.capture_rng()
         self.live = LiveState()  # what the live tensors hold: a survivor restores from them
-        self.policy = config.snapshot_policy(env.snapshot_every)  # when (runtime/policy.py)
+        self._settings(config)  # a bad setting fails here, before this process says hello
         RankFilter.runtime = self
         if self.state is RankState.SPARE:
             self._warm_up()  # before saying hello: a spare is chosen only once it is ready
@@ -115,8 +114,6 @@ class RankRuntime:
             env.agent_socket, env.secret, env.job, hello, self._on_event, self._beat
         )
         nccl_environment(os.environ)  # before any NCCL group: peerckpt aborts them itself
-        self.pg = ProcessGroupLifecycle(env.job, config.pg_timeout_s, config.backend)
-        userpg.install(self.pg.backend)  # the script's own init/destroy_process_group
         self.faults = fault_hooks.load(env.node)
         self.engine = SnapshotEngine(
             self.channel, node=env.node, faults=self.faults, dedup=config.dedup
@@ -318,12 +315,18 @@ class RankRuntime:
         function's call, the random states the script's top level left (``_initial_rng``)."""
         with self._cond:
             assert self.state is RankState.SPARE, self.state
-            self.config = config
-            self.policy = config.snapshot_policy(self.env.snapshot_every)
-            self.pg = ProcessGroupLifecycle(self.env.job, config.pg_timeout_s, config.backend)
             self.engine.dedup = config.dedup
             self._initial_rng = capture.capture_rng()
-        userpg.rescan()  # the script's module ran on since the runtime was created
+            userpg.rescan()  # the script's module ran on since the runtime was created
+            self._settings(config)
+
+    def _settings(self, config: ResilientConfig) -> None:
+        """What the decorator's settings make: the snapshot policy (``runtime/policy.py``), the
+        process groups' timeout and backend, and the script's own init/destroy_process_group
+        bound to them (``runtime/userpg.py``)."""
+        self.config = config
+        self.policy = config.snapshot_policy(self.env.snapshot_every)
+        self.pg = ProcessGroupLifecycle(self.env.job, config.pg_timeout_s, config.backend)
         userpg.install(self.pg.backend)
 
     def await_assignment(self) -> Assignment:
