@@ -25,20 +25,23 @@ from .torchrun_hosts import TorchrunJob, runtime_dirs
 ARGS = ["--steps", "30"]
 
 
-def test_a_tutorial_script_recovers_bit_exact_from_a_rank_then_a_node(tmp_path) -> None:
+def _recovers_a_rank_then_a_node(tmp_path: Path, script: str) -> JobRun:
+    """``script`` under ``kill rank=1 at=10; kill node=1 at=20`` with 3 spares: both losses
+    recovered, every step bit-exact against its fault-free run."""
     reference, run = run_with_reference(
-        tmp_path,
-        ARGS,
-        script="tutorial_job.py",
-        spares=3,
-        chaos="kill rank=1 at=10; kill node=1 at=20",
+        tmp_path, ARGS, script=script, spares=3, chaos="kill rank=1 at=10; kill node=1 at=20"
     )
     assert run.returncode == 0, run.log[-4000:]
     rank_loss, node_loss = run.report["events"]
     assert rank_loss["ranks"] == [1] and node_loss["ranks"] == [2, 3]
+    assert_same_digests(run, reference)
+    return run
+
+
+def test_a_tutorial_script_recovers_bit_exact_from_a_rank_then_a_node(tmp_path) -> None:
     # Every entry drew its dataset from the RNG as the first did (a survivor's global RNG was
     # where the last epoch left it: 28 of 40 steps of the tutorial's trainer differed).
-    assert_same_digests(run, reference)
+    run = _recovers_a_rank_then_a_node(tmp_path, "tutorial_job.py")
     assert "dist.init_process_group() in the script: peerckpt already formed" in run.log
     assert "dist.destroy_process_group() in the script" in run.log
 
@@ -56,17 +59,7 @@ def _assert_top_level_read_the_rank_trained(run: JobRun) -> None:
 
 
 def test_a_nanogpt_shaped_script_recovers_bit_exact_through_spares(tmp_path) -> None:
-    reference, run = run_with_reference(
-        tmp_path,
-        ARGS,
-        script="nanogpt_job.py",
-        spares=3,
-        chaos="kill rank=1 at=10; kill node=1 at=20",
-    )
-    assert run.returncode == 0, run.log[-4000:]
-    rank_loss, node_loss = run.report["events"]
-    assert rank_loss["ranks"] == [1] and node_loss["ranks"] == [2, 3]
-    assert_same_digests(run, reference)
+    run = _recovers_a_rank_then_a_node(tmp_path, "nanogpt_job.py")
     _assert_top_level_read_the_rank_trained(run)
     assert "spare takes rank 1 of 4 (epoch 1)" in run.log, run.log[-4000:]
     # its top-level init_process_group ran before any function: it did nothing, and said so

@@ -14,7 +14,6 @@ OUT_DIR/final.json.
 """
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -24,6 +23,7 @@ import time
 import numpy as np
 import torch
 import torch.nn as nn
+from ddp_job import digest  # sha256 of the model's and the optimizer's state
 from torch.distributed import destroy_process_group, init_process_group
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -89,16 +89,6 @@ def get_lr(it: int, max_iters: int) -> float:
         return learning_rate * (it + 1) / (warmup_iters + 1)
     ratio = (it - warmup_iters) / max(1, max_iters - warmup_iters)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
-
-
-def digest(model: nn.Module, optim: torch.optim.Optimizer) -> str:
-    h = hashlib.sha256()
-    for t in model.state_dict().values():
-        h.update(t.numpy().tobytes())
-    for state in optim.state_dict()["state"].values():
-        for v in state.values():
-            h.update(v.numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
-    return h.hexdigest()
 
 
 @peerckpt.resilient()

@@ -10,13 +10,13 @@ writes OUT_DIR/final.json.
 """
 
 import argparse
-import hashlib
 import json
 import os
 import time
 
 import torch
 import torch.nn.functional as F
+from ddp_job import digest  # sha256 of the model's and the optimizer's state
 from torch.distributed import destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
@@ -43,16 +43,6 @@ class MyTrainDataset(Dataset):
 
 def ddp_setup() -> None:
     init_process_group(backend="gloo")
-
-
-def digest(model: torch.nn.Module, optim: torch.optim.Optimizer) -> str:
-    h = hashlib.sha256()
-    for t in model.state_dict().values():
-        h.update(t.numpy().tobytes())
-    for state in optim.state_dict()["state"].values():
-        for v in state.values():
-            h.update(v.numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
-    return h.hexdigest()
 
 
 @peerckpt.resilient()

@@ -34,37 +34,27 @@ def agent_socket(tmp_path: Path):
     sock.close()
 
 
-def _env(monkeypatch: pytest.MonkeyPatch, **env: str) -> None:
-    for name in ("PEERCKPT_ROLE", "PEERCKPT_AGENT", "PEERCKPT_JOB", "PEERCKPT_SECRET"):
+def _goes_on(monkeypatch: pytest.MonkeyPatch, role: str, agent: str, secret: bool = True) -> None:
+    """``on_import`` in a process of ``role`` whose agent socket is ``agent`` (with the job's
+    secret unless not ``secret``) returns at once, leaving nothing for the decorator to take
+    (the fixture fails the test if a runtime is made)."""
+    for name in ("PEERCKPT_SECRET", "PEERCKPT_SECRET_FD", "PEERCKPT_SECRET_FILE"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv("PEERCKPT_SECRET_FD", raising=False)
-    monkeypatch.delenv("PEERCKPT_SECRET_FILE", raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PEERCKPT_ROLE", role)
+    monkeypatch.setenv("PEERCKPT_AGENT", agent)
+    monkeypatch.setenv("PEERCKPT_JOB", "j")
+    if secret:
+        monkeypatch.setenv("PEERCKPT_SECRET", "00" * 32)
+    standby.on_import()
+    assert standby.take(None) is None  # type: ignore[arg-type]
 
 
 def test_a_rank_of_the_first_epoch_does_not_wait(monkeypatch, agent_socket) -> None:
-    _env(
-        monkeypatch,
-        PEERCKPT_ROLE="rank",
-        PEERCKPT_AGENT=agent_socket,
-        PEERCKPT_JOB="j",
-        PEERCKPT_SECRET="00" * 32,
-    )
-    standby.on_import()
-    assert standby.take(None) is None  # type: ignore[arg-type]
+    _goes_on(monkeypatch, "rank", agent_socket)
 
 
 def test_a_spare_whose_agent_is_gone_leaves_it_to_the_decorator(monkeypatch, tmp_path) -> None:
-    _env(
-        monkeypatch,
-        PEERCKPT_ROLE="spare",
-        PEERCKPT_AGENT=str(tmp_path / "gone.sock"),
-        PEERCKPT_JOB="j",
-        PEERCKPT_SECRET="00" * 32,
-    )
-    standby.on_import()
-    assert standby.take(None) is None  # type: ignore[arg-type]
+    _goes_on(monkeypatch, "spare", str(tmp_path / "gone.sock"))
 
 
 def test_a_subprocess_with_a_spares_environment_but_no_secret_goes_on(
@@ -72,19 +62,9 @@ def test_a_subprocess_with_a_spares_environment_but_no_secret_goes_on(
 ) -> None:
     """A script's own subprocess inherits PEERCKPT_ROLE and the agent's socket, not the
     secret (read once, then out of the environment): importing peerckpt must not fail."""
-    _env(monkeypatch, PEERCKPT_ROLE="spare", PEERCKPT_AGENT=agent_socket, PEERCKPT_JOB="j")
-    standby.on_import()
-    assert standby.take(None) is None  # type: ignore[arg-type]
+    _goes_on(monkeypatch, "spare", agent_socket, secret=False)
 
 
 def test_a_multiprocessing_child_never_waits(monkeypatch, agent_socket) -> None:
-    _env(
-        monkeypatch,
-        PEERCKPT_ROLE="spare",
-        PEERCKPT_AGENT=agent_socket,
-        PEERCKPT_JOB="j",
-        PEERCKPT_SECRET="00" * 32,
-    )
     monkeypatch.setattr(multiprocessing, "parent_process", lambda: object())
-    standby.on_import()
-    assert standby.take(None) is None  # type: ignore[arg-type]
+    _goes_on(monkeypatch, "spare", agent_socket)
