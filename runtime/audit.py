@@ -48,6 +48,7 @@ from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 from peerckpt.runtime.capture import param_fqns
 from peerckpt.runtime.carried import CarriedWatch
 from peerckpt.runtime.ddp import DdpLayouts
+from peerckpt.runtime.held import held
 from peerckpt.runtime.inflight import release_on_abort
 from peerckpt.runtime.layouts import FlatShard, Shard, local_of
 from peerckpt.runtime.loaders import notes, stateful
@@ -56,7 +57,6 @@ log = logging.getLogger("peerckpt.rank")
 
 PREFIX = "not exact after a restore: "
 _WARNED: set[str] = set()  # findings already logged by this process
-_WIDE = 1000  # containers larger than this are not searched for loaders
 
 
 class FirstStepWatch:
@@ -148,7 +148,8 @@ def findings(
 ) -> list[str]:
     """What of the loop a restore cannot reproduce, one sentence per object (pure: ``heap`` is
     every live object to search for schedulers, scalers and loaders)."""
-    ids = {id(obj) for obj in tracked.values()}
+    holds = held(tracked)  # what tracked Stateful objects hold (DCP's AppState) is tracked
+    ids = {id(obj) for obj in tracked.values()} | set(holds)
     names = param_fqns(tracked)
     out = [_ddp_finding(d) for d in unseen_ddps]
     for optim in stepped:
@@ -161,7 +162,6 @@ def findings(
     in_use = {id(o) for o in stepped} | {
         id(o) for o in tracked.values() if isinstance(o, torch.optim.Optimizer)
     }
-    reachable = _reachable(tracked)
     iterators: list[object] = []  # of plain DataLoaders with workers
     kinds: dict[type, str] = {}  # one classification per type: the heap is large
     for obj in heap:
@@ -188,7 +188,7 @@ def findings(
                     "a GradScaler in use is not tracked: its loss scale and growth count start "
                     "again after a restore; track it, e.g. ctx.track(..., scaler=scaler)"
                 )
-        elif stateful(obj) and id(obj) not in reachable:
+        elif stateful(obj):
             out.append(
                 f"a {kind.__name__}{_loader_detail(obj)} has a state_dict() but is not tracked "
                 "(nor held by a tracked object): after a restore it starts its data epoch "
@@ -248,9 +248,9 @@ def _param_findings(
 
 def _covered(tracked: dict[str, Any], buffers: bool = True) -> set[int]:
     """Storage addresses of every tensor a tracked object holds: modules' parameters (and
-    ``buffers``), tensors, shards."""
+    ``buffers``), tensors, shards; also of the modules and tensors a tracked Stateful holds."""
     out: set[int] = set()
-    for obj in tracked.values():
+    for obj in [*tracked.values(), *(obj for _, obj in held(tracked).values())]:
         tensors: list[torch.Tensor] = []
         if isinstance(obj, torch.nn.Module):
             tensors = [*obj.parameters(), *(obj.buffers() if buffers else ())]
@@ -361,30 +361,3 @@ def _module_name(module: torch.nn.Module) -> str:
 def _loader_detail(obj: object) -> str:
     dataset = getattr(obj, "dataset", None)
     return f" over a {type(dataset).__name__}" if dataset is not None else ""
-
-
-def _reachable(tracked: dict[str, Any], depth: int = 4) -> set[int]:
-    """Ids of the objects held, a few attributes deep, by the tracked Stateful objects (a
-    sampler inside a tracked loader, a loader inside a tracked wrapper)."""
-    seen: set[int] = set()
-    frontier = [
-        obj
-        for obj in tracked.values()
-        if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor))
-    ]
-    for _ in range(depth + 1):
-        following: list[object] = []
-        for obj in frontier:
-            if id(obj) in seen or isinstance(obj, (torch.Tensor, torch.nn.Module)):
-                continue
-            seen.add(id(obj))
-            if isinstance(obj, (dict, list, tuple, set, frozenset)) and len(obj) > _WIDE:
-                continue  # a data set's rows, not where a loader is kept
-            if isinstance(obj, dict):
-                following.extend(obj.values())
-            elif isinstance(obj, (list, tuple, set, frozenset)):
-                following.extend(obj)
-            elif hasattr(obj, "__dict__"):
-                following.extend(vars(obj).values())
-        frontier = following
-    return seen

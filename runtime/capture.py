@@ -23,7 +23,7 @@ from peerckpt.codec import NDARRAY_EXT, TENSOR_EXT, TUPLE_EXT, Ext, pack
 from peerckpt.dtypes import dtype_name
 from peerckpt.errors import StateMismatch
 from peerckpt.manifest import META_KEY, ChunkRecord, align
-from peerckpt.runtime.layouts import FlatShard, Shard, chunk_view, local_of, place
+from peerckpt.runtime.layouts import FlatShard, Shard, chunk_view, is_dtensor, local_of, place
 
 try:
     import numpy as np
@@ -71,8 +71,12 @@ class _Flattener:
             live = self.live is None or tensor.data_ptr() in self.live
             if not live:
                 tensor = tensor.clone()
+            # A DTensor or Shard is a box of a global tensor wherever it is found: in a
+            # Stateful's state_dict too (DCP's get_state_dict of an FSDP2 model), so that it
+            # is restored, and resharded, as a DTensor (``restore.py``).
+            scope = "global" if is_dtensor(obj) or isinstance(obj, Shard) else self.scope
             self.tensors.append(
-                CapturedTensor(path, tensor, placed.global_shape, placed.offsets, self.scope, live)
+                CapturedTensor(path, tensor, placed.global_shape, placed.offsets, scope, live)
             )
             return Ext(TENSOR_EXT, path.encode())
         if isinstance(obj, dict):
@@ -93,6 +97,21 @@ class _Flattener:
             f"cannot snapshot a {type(obj).__name__} at {path!r}: tracked state may hold "
             "tensors, numbers, strings, bytes, lists, tuples and dicts; convert it in state_dict()"
         )
+
+
+def boxes(obj: Any, path: str) -> dict[str, torch.Tensor | Shard]:
+    """The DTensors and Shards of a state_dict by the chunk key ``_Flattener.walk`` gives them
+    (the same path scheme)."""
+    if is_dtensor(obj) or isinstance(obj, Shard):
+        return {path: obj}
+    out: dict[str, torch.Tensor | Shard] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(boxes(v, f"{path}/{k}"))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(boxes(v, f"{path}/{i}"))
+    return out
 
 
 def param_fqns(tracked: dict[str, Any]) -> dict[int, str]:
@@ -180,7 +199,8 @@ def capture(tracked: dict[str, Any], step: int, extra: dict[str, Any]) -> Captur
     the slot runs in the background and ``optimizer.step()`` waits for it. Every other tensor
     (buffers, parameters no tracked optimizer owns, plain tensors, Stateful state) may change
     anywhere in the next iteration, so it is cloned here. Tensors of Stateful objects are the
-    rank's private state (scope "rank"); all others are boxes of shared tensors.
+    rank's private state (scope "rank"), except DTensors and Shards; all others are boxes of
+    shared tensors.
     """
     shared = _Flattener(live=_stable_pointers(tracked))
     private = _Flattener(live=set(), scope="rank")
@@ -213,7 +233,10 @@ def capture(tracked: dict[str, Any], step: int, extra: dict[str, Any]) -> Captur
             )
     meta = {"step": step, "rng": capture_rng(), "objects": objects, **extra}
     blob = pack(meta)
-    return Captured(shared.tensors + private.tensors, blob)
+    boxes = [t for t in private.tensors if t.scope == "global"]  # a slot's shared chunks lead
+    return Captured(
+        shared.tensors + boxes + [t for t in private.tensors if t.scope != "global"], blob
+    )
 
 
 def layout(tensors: list[CapturedTensor], blob_nbytes: int) -> tuple[list[ChunkRecord], int]:

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from peerckpt.runtime.held import held
+
 log = logging.getLogger("peerckpt.ddp")
 
 
@@ -82,7 +84,8 @@ def settle_buckets(module: DistributedDataParallel) -> None:
 
 class DdpLayouts:
     """The DDP bucket layouts of one epoch: captured from, and restored into, every DDP that
-    wraps a tracked module or is tracked itself, keyed by that tracked object's name.
+    wraps a tracked module or is tracked itself (or held by a tracked Stateful), keyed by that
+    tracked object's name.
 
     ``restore`` takes the layouts of the restored snapshot and applies them to the DDPs
     tracked so far; ``see`` is called for every DDP that runs a forward in the epoch's first
@@ -98,10 +101,14 @@ class DdpLayouts:
         self._found: dict[str, DistributedDataParallel] = {}
 
     def name_of(self, module: DistributedDataParallel) -> str | None:
-        """The tracked name of ``module`` or of the module it wraps; None if neither is."""
+        """The tracked name of ``module`` or of the module it wraps, or its path in a tracked
+        Stateful that holds either (``app.model``: ``runtime/held.py``); None if none is."""
         for name, obj in self.tracked.items():
             if obj is module or obj is module.module:
                 return name
+        for path, obj in held(self.tracked).values():
+            if obj is module or obj is module.module:
+                return path
         return None
 
     def restore(self, layouts: dict[str, list[list[int]]]) -> None:

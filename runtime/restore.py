@@ -26,7 +26,7 @@ from peerckpt.dtypes import dtype_name, dtype_of
 from peerckpt.errors import StateMismatch
 from peerckpt.manifest import META_KEY, ChunkRecord
 from peerckpt.runtime import live
-from peerckpt.runtime.capture import param_fqns
+from peerckpt.runtime.capture import boxes, param_fqns
 from peerckpt.runtime.layouts import (
     FlatShard,
     Shard,
@@ -195,8 +195,66 @@ def _resolve(tree: Any, fetch: Callable[[str], torch.Tensor]) -> Any:
     return tree
 
 
-def _private(source: ChunkSource, old_rank: int) -> Callable[[str], torch.Tensor]:
-    return lambda key: source.read(key, old_rank)[0]
+def _stateful(
+    name: str, obj: Any, source: ChunkSource, old_rank: int, step: int
+) -> Callable[[str], Any]:
+    """How a Stateful's chunks come back: its private tensors as they were saved; a DTensor
+    (or Shard) as one placed like the one at the same key of the object's ``state_dict()``
+    now — DCP's convention: what ``load_state_dict`` gets has the layout of what
+    ``state_dict()`` gives, such as torch's ``get_state_dict`` of an FSDP2 model (after a
+    topology change the chunk is this rank's box of the new layout)."""
+    targets: dict[str, Any] | None = None
+
+    def fetch(key: str) -> Any:
+        nonlocal targets
+        local, record = source.read(key, old_rank)
+        if record.scope != "global":
+            return local
+        if targets is None:
+            targets = boxes(obj.state_dict(), name)
+        return _placed_like(targets.get(key), local, record, name, step)
+
+    return fetch
+
+
+def _placed_like(
+    target: Any, local: torch.Tensor, record: ChunkRecord, name: str, step: int
+) -> Any:
+    if target is not None:
+        placed = place(target)
+        if (
+            placed.global_shape == tuple(record.global_shape)
+            and placed.offsets == tuple(record.offsets)
+            and placed.local.shape == local.shape
+            and placed.local.dtype == local.dtype
+        ):
+            local = local.to(placed.local.device)
+            if isinstance(target, Shard):
+                return Shard(local, target.global_shape, target.offsets)
+            assert DTensor is not None
+            return DTensor.from_local(
+                local,
+                target.device_mesh,
+                target.placements,
+                run_check=False,
+                shape=target.shape,
+                stride=target.stride(),
+            )
+        now = (
+            f"a {placed.global_shape} {dtype_name(placed.local.dtype)} one whose box here is "
+            f"{tuple(placed.local.shape)} at {placed.offsets}"
+        )
+    else:
+        now = "none"
+    key = record.key.partition("/")[2]
+    raise StateMismatch(
+        f"tracked {name!r}: in the snapshot of step {step} its state_dict() holds a "
+        f"{tuple(record.global_shape)} {record.dtype} DTensor at {key!r} (this rank's box "
+        f"{tuple(record.lengths)} at {tuple(record.offsets)}); its state_dict() now holds {now}. "
+        "A Stateful's DTensors are restored into the layout its state_dict() gives: return the "
+        "same keys, placed the same way, in every epoch (torch's get_state_dict does, also "
+        "before the optimizer's first step)"
+    )
 
 
 def _object(meta: dict[str, Any], name: str, step: int) -> tuple[str, Any]:
@@ -358,9 +416,6 @@ def restore_objects(
         # The live tensor itself, if any: the new optimizer takes it over.
         return held(key) or source.read(key, primary)
 
-    def tensor(key: str) -> torch.Tensor:
-        return source.read(key, primary)[0]
-
     def copy_into(target: Any, key: str, what: str) -> None:
         source.copy_into(target, key, primary, what)
 
@@ -383,12 +438,12 @@ def restore_objects(
                 )
         elif resharded and hasattr(obj, "load_resharded_state"):
             states = [
-                _resolve(_object(metas[r], name, step)[1], _private(source, r))
+                _resolve(_object(metas[r], name, step)[1], _stateful(name, obj, source, r, step))
                 for r in sorted(metas)
             ]
             obj.load_resharded_state(states, rank, world_size)
         else:
-            obj.load_state_dict(_resolve(tree, tensor))
+            obj.load_state_dict(_resolve(tree, _stateful(name, obj, source, primary, step)))
     return adopted[0]
 
 
@@ -478,6 +533,17 @@ def wanted_chunks(
                     )
                 wants.append(_want(key, dtype, shape, offsets, lengths))
         else:
+            saved = {k for k in old.shared if k.startswith(f"{name}/")}  # its DTensors
+            if saved:
+                now = boxes(obj.state_dict(), name)
+                for key in sorted(saved):
+                    if key not in now:
+                        raise StateMismatch(
+                            f"tracked {name!r}: the committed step has a DTensor at "
+                            f"{key.partition('/')[2]!r} of its state_dict(), which holds none "
+                            "there now; return the same keys from state_dict() in every epoch"
+                        )
+                    shared(key, now[key], f"{name}: {key.partition('/')[2]!r} of state_dict()")
             ranks = sorted(old.private) if hasattr(obj, "load_resharded_state") else [primary]
             for r in ranks:
                 for key, (dtype, shape) in old.private.get(r, {}).items():

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO, launch, read_jsonl, run_job
+from peerckpt.runtime.audit import PREFIX
+
+from .conftest import REPO, launch, read_jsonl, run_job, run_with_reference
 
 
 def _assert_ddp_restores_match(out: Path, world: int, log: str = "") -> None:
@@ -109,6 +111,7 @@ def test_a_joining_node_grows_two_ranks_to_four(tmp_path) -> None:
     [
         ("dtensor", "kill node=1 at=6", 2),  # Shard(0) on four ranks restores as Shard(1) on two
         ("fsdp", "kill node=1 at=6", 2),  # FSDP2 model and AdamW state, four ranks to two
+        ("fsdp-app", "kill node=1 at=6", 2),  # the same in DCP's AppState (get_state_dict)
         ("flat", "kill rank=3 at=6", 3),  # irregular flat shards, four ranks to three
     ],
 )
@@ -122,6 +125,30 @@ def test_sharded_state_restores_into_the_shrunk_world(tmp_path, kind, chaos, wor
     )
     assert run.returncode == 0, run.log[-4000:]
     _assert_full_restore_matches(tmp_path, world=world, log=run.log)
+
+
+def test_a_dcp_app_state_over_fsdp2_recovers_bit_exact_in_the_same_topology(tmp_path) -> None:
+    """The DCP tutorial's AppState (get_state_dict of an FSDP2 model and its AdamW): spares
+    take a killed rank's and then a killed node's place; every step's full state (every shard
+    gathered), the restored ones included, equals the fault-free run's, and nothing of the
+    AppState is named as untracked."""
+    reference, run = run_with_reference(
+        tmp_path,
+        ["--kind", "fsdp-app", "--steps", "14"],
+        script="reshard_job.py",
+        spares=3,
+        chaos="kill rank=1 at=4; kill node=1 at=9",
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    assert [e["kind"] for e in run.report["events"]] == ["rank", "node"]
+    expected = {f["step"]: f["digest"] for f in read_jsonl(reference.out / "full.jsonl")}
+    full = read_jsonl(run.out / "full.jsonl")
+    assert {f["step"] for f in full} == set(expected) and max(f["epoch"] for f in full) == 2
+    assert all(f["digest"] == expected[f["step"]] for f in full)
+    restored = read_jsonl(run.out / "restored.jsonl")
+    assert [r["epoch"] for r in restored] == [1, 2]
+    assert all(r["digest"] == expected[r["restored"]] for r in restored)
+    assert PREFIX not in reference.log + run.log
 
 
 LOADER = ["--patterns", "inner-tracked,stateful-loader"]  # tests/jobs/user_loop.py

@@ -74,6 +74,13 @@ def test_every_pattern_at_once_recovers_bit_exact_from_a_rank_and_a_node_loss(tm
     _recover_bit_exact(tmp_path, "all")
 
 
+def test_a_dcp_app_state_holding_ddp_and_two_optimizers_recovers_bit_exact(tmp_path) -> None:
+    """The DCP tutorial's AppState (get/set_state_dict) holds the model, wrapped in DDP after
+    the track, and two optimizers; a scheduler and accumulation under no_sync beside it. The
+    DDP's bucket layout is kept under the AppState's path, and nothing is named untracked."""
+    _recover_bit_exact(tmp_path, "inner-tracked,app-state,two-optimizers,lambdalr,accumulation")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("pattern", EXACT)
 def test_each_pattern_recovers_bit_exact_from_a_rank_and_a_node_loss(tmp_path, pattern) -> None:

@@ -1,10 +1,12 @@
 """Jobs whose layout depends on the world size, for the resharding tests.
 
-usage: reshard_job.py OUT_DIR --kind dtensor|fsdp|flat [--steps N] [--sleep S] [--hidden H]
+usage: reshard_job.py OUT_DIR --kind dtensor|fsdp|fsdp-app|flat [--steps N] [--sleep S] [--hidden H]
 
 - dtensor: a 12×10 DTensor parameter, Shard(0) over 4 ranks and Shard(1) over any other
   number, plus a replicated bias; AdamW.
 - fsdp: a small MLP under FSDP2 (fully_shard over all ranks); AdamW.
+- fsdp-app: the same, tracked as the DCP tutorial does: one ``AppState`` whose
+  ``state_dict()`` is torch's ``get_state_dict(model, optim)`` (DTensors keyed by FQN).
 - flat: three tensors flattened and concatenated, cut at irregular offsets that depend on
   the world size (peerckpt.FlatShard), updated elementwise every step.
 
@@ -24,6 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -64,6 +67,22 @@ class DModel(nn.Module):
         g = torch.Generator().manual_seed(step)
         x = distribute_tensor(torch.randn(12, 10, generator=g), self.mesh, [self.placement])
         return (self.w * self.w).sum() * 0.5 + (self.w * x).sum() + (self.b * self.b).sum()
+
+
+class AppState:
+    """The DCP tutorial's Stateful: model and optimizer through get/set_state_dict."""
+
+    def __init__(self, model: nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.model, self.optim = model, optim
+
+    def state_dict(self) -> dict:
+        model, optim = get_state_dict(self.model, self.optim)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(
+            self.model, self.optim, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
 
 
 def state_tensors(model: nn.Module, optim: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -109,7 +128,10 @@ def run(ctx: peerckpt.Context, args: argparse.Namespace) -> None:
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        ctx.track(model=model, optim=optim)
+        if args.kind == "fsdp-app":
+            ctx.track(app=AppState(model, optim))
+        else:
+            ctx.track(model=model, optim=optim)
 
         def state() -> list[torch.Tensor]:
             return state_tensors(model, optim)
@@ -144,7 +166,7 @@ def run(ctx: peerckpt.Context, args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--kind", choices=["dtensor", "fsdp", "flat"], required=True)
+    parser.add_argument("--kind", choices=["dtensor", "fsdp", "fsdp-app", "flat"], required=True)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--sleep", type=float, default=0.0)
     # fsdp: the MLP's hidden width (bench/erasure.py sizes the job's state with it)

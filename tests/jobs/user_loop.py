@@ -18,6 +18,8 @@ Patterns (each a habit of ordinary training scripts; ``all`` is every one at onc
 - ``lambdalr``: a ``LambdaLR`` schedule on the (first) optimizer;
 - ``accumulation``: two micro-batches a step, the first under ``ddp.no_sync()``;
 - ``batchnorm``: a ``BatchNorm1d`` layer (running statistics in its buffers);
+- ``app-state``: the DCP tutorial's ``AppState``, one Stateful holding the DDP and the
+  optimizer(s) through torch's ``get_state_dict``/``set_state_dict``, tracked as ``app``;
 - ``user-stateful``: a user object with ``state_dict``/``load_state_dict`` holding a tensor and
   a Python int, both changing every step;
 - ``prefetch`` (never in ``all``: it is not exact after a restore): nanoGPT's batch fetched
@@ -49,6 +51,7 @@ import numpy as np
 import psutil
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset, DistributedSampler, TensorDataset, default_collate
 
@@ -67,6 +70,7 @@ PATTERNS = (
     "accumulation",
     "batchnorm",
     "user-stateful",
+    "app-state",
     "prefetch",
 )
 EXACT = tuple(p for p in PATTERNS if p != "prefetch")  # the patterns that recover bit for bit
@@ -118,6 +122,25 @@ def masked_collate(items: list) -> list:
     """default_collate, then a random 15 % of the features zeroed (MLM-style masking)."""
     x, y = default_collate(items)
     return [x.masked_fill(torch.rand(x.shape) < 0.15, 0.0), y]
+
+
+class AppState:
+    """As in the DCP tutorial: model and optimizers saved through get/set_state_dict."""
+
+    def __init__(self, model: nn.Module, optimizers: list) -> None:
+        self.model, self.optimizers = model, optimizers
+
+    def state_dict(self) -> dict:
+        model, optim = get_state_dict(self.model, self.optimizers)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(
+            self.model,
+            self.optimizers,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
 
 
 class RunningStats:
@@ -245,6 +268,11 @@ def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
         sampler = peerckpt.ResumableSampler(ROWS, ctx.rank, ctx.world_size, seed=11)
         tracked["sampler"] = sampler
 
+    if "app-state" in use:
+        tracked = {
+            "app": AppState(tracked.pop("model"), [tracked.pop("optim"), *optims[1:]]),
+            **{k: v for k, v in tracked.items() if k != "head_optim"},
+        }
     ctx.track(**{k: v for k, v in tracked.items() if k not in args.leave_out})
     if ddp is None:
         ddp = DDP(net)  # wrapped after track: the DDP object itself is never tracked
@@ -321,7 +349,7 @@ def parse() -> argparse.Namespace:
     args = parser.parse_args()
     args.leave_out = set(filter(None, args.leave_out.split(",")))
     args.patterns = (
-        set(EXACT) - {"module-tracked", "ddp-tracked"}
+        set(EXACT) - {"module-tracked", "ddp-tracked", "app-state"}
         if args.patterns == "all"
         else set(args.patterns.split(","))
     )
