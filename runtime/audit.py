@@ -18,8 +18,10 @@ fix: an optimizer that steps but is not tracked; an LR scheduler or GradScaler o
 that is not tracked; a data loader or sampler with ``state_dict`` that no tracked object
 holds; parameters of modules that ran but belong to no tracked object; a DDP whose module is
 not tracked (its buckets cannot be restored); modules whose parameters or buffers no
-tracked object holds and that the step wrote in place (an EMA copy of the model); tensors the
-loop carries from one step into the next without tracking them (``runtime/carried.py``: a batch fetched ahead); random draws in
+tracked object holds and that the step wrote in place (an EMA copy of the model); batches the
+code before the loop took from a tracked loader's iterator (fetched ahead: the loop's carried
+batch is saved, ``runtime/carried.py``, but after a restore the loader gives it again);
+random draws in
 data-loader workers that a restore cannot reproduce (``runtime/loaders.py``: a plain
 ``DataLoader`` iterating with workers, a tracked ``StatefulDataLoader`` over an
 ``IterableDataset`` or whose iterator was made before ``ctx.track``). Loaders,
@@ -46,12 +48,11 @@ from torch.utils.data import DataLoader, Sampler
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from peerckpt.runtime.capture import param_fqns
-from peerckpt.runtime.carried import CarriedWatch
 from peerckpt.runtime.ddp import DdpLayouts
 from peerckpt.runtime.held import held
 from peerckpt.runtime.inflight import release_on_abort
 from peerckpt.runtime.layouts import FlatShard, Shard, local_of
-from peerckpt.runtime.loaders import notes, stateful
+from peerckpt.runtime.loaders import notes, stateful, taken_before_loop
 
 log = logging.getLogger("peerckpt.rank")
 
@@ -69,7 +70,7 @@ class FirstStepWatch:
         self._ddps: dict[int, DistributedDataParallel] = {}
         self._ran: dict[int, torch.nn.Module] = {}
         self._stepped: dict[int, torch.optim.Optimizer] = {}
-        self._carried: CarriedWatch | None = None
+        self._taken: list[str] = []  # batches taken from tracked loaders before the loop
         self._versions: Versions = {}
         self._modules: list[torch.nn.Module] = []
         self._handles = [
@@ -88,24 +89,24 @@ class FirstStepWatch:
     def _on_step(self, optim: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._stepped.setdefault(id(optim), optim)
 
-    def loop_started(self) -> None:
+    def loop_started(self, positions: dict[int, int] | None = None) -> None:
         """The loop over ``ctx.steps`` begins (called from its generator): when auditing,
-        note what its frame holds that the step may carry to the next, and the versions of
-        the tensors of every module no tracked object covers (an EMA copy of the model)."""
+        note the batches the code before it took from tracked loaders (``positions``: where
+        each loader was when its state was restored, by id), and the versions of the tensors
+        of every module no tracked object covers (an EMA copy of the model)."""
         if self.audit:
-            self._carried = CarriedWatch.at_loop_start(self.tracked)
+            self._taken = taken_before_loop(self.tracked, positions or {})
             self._versions, self._modules = module_versions(self.tracked, gc.get_objects())
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._carried = None  # it holds the loop's frame
         self._versions, self._modules = {}, []  # and these, the user's modules
 
     def finish(self) -> list[str]:
         """Stop watching; when auditing, log each new finding once and return them all."""
-        carried, self._carried = self._carried, None
+        taken, self._taken = self._taken, []
         versions, modules = self._versions, self._modules
         self.remove()
         if not self.audit:
@@ -117,8 +118,7 @@ class FirstStepWatch:
             list(self._stepped.values()),
             gc.get_objects(),
         )
-        if carried is not None:
-            found += carried.finish()
+        found += taken
         found += changed_modules(versions, set(self._ran), modules)
         for text in found:
             if text not in _WARNED:
@@ -226,7 +226,7 @@ def _param_findings(
     unseen_ddps: list[DistributedDataParallel],
 ) -> list[str]:
     """Trainable parameters of modules that ran but belong to no tracked object."""
-    storages = _covered(tracked, buffers=False)
+    storages = covered_storages(tracked, buffers=False)
     reported = {id(m) for d in unseen_ddps for m in d.module.modules()}  # said above
     loose = []
     for module in ran:
@@ -246,7 +246,7 @@ def _param_findings(
     ]
 
 
-def _covered(tracked: dict[str, Any], buffers: bool = True) -> set[int]:
+def covered_storages(tracked: dict[str, Any], buffers: bool = True) -> set[int]:
     """Storage addresses of every tensor a tracked object holds: modules' parameters (and
     ``buffers``), tensors, shards; also of the modules and tensors a tracked Stateful holds."""
     out: set[int] = set()
@@ -272,7 +272,7 @@ def module_versions(
     """For each module of ``heap`` with tensors of its own (parameters, buffers) that no
     tracked object holds: those tensors and their versions (in-place writes count up); and
     every module of ``heap`` (what may hold them)."""
-    covered = _covered(tracked)
+    covered = covered_storages(tracked)
     out: Versions = {}
     modules: list[torch.nn.Module] = []
     kinds: dict[type, bool] = {}  # never isinstance: some objects warn when it is asked

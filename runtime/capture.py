@@ -23,6 +23,7 @@ from peerckpt.codec import NDARRAY_EXT, TENSOR_EXT, TUPLE_EXT, Ext, pack
 from peerckpt.dtypes import dtype_name
 from peerckpt.errors import StateMismatch
 from peerckpt.manifest import META_KEY, ChunkRecord, align
+from peerckpt.runtime.carried import CARRIED
 from peerckpt.runtime.layouts import FlatShard, Shard, chunk_view, is_dtensor, local_of, place
 
 try:
@@ -97,6 +98,22 @@ class _Flattener:
             f"cannot snapshot a {type(obj).__name__} at {path!r}: tracked state may hold "
             "tensors, numbers, strings, bytes, lists, tuples and dicts; convert it in state_dict()"
         )
+
+
+def _plain(value: Any, room: list[int] | None = None) -> bool:
+    """Tensors (no DTensor), numbers, strings and lists, tuples and dicts of them, 64 leaves
+    at most: what a carried value may be to be saved."""
+    room = room if room is not None else [64]
+    room[0] -= 1
+    if room[0] < 0 or is_dtensor(value):
+        return False
+    if isinstance(value, (torch.Tensor, *_SCALARS)):
+        return True
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v, room) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v, room) for v in value)
+    return False
 
 
 def boxes(obj: Any, path: str) -> dict[str, torch.Tensor | Shard]:
@@ -192,7 +209,12 @@ def _stable_pointers(tracked: dict[str, Any]) -> set[int]:
     return pointers
 
 
-def capture(tracked: dict[str, Any], step: int, extra: dict[str, Any]) -> Captured:
+def capture(
+    tracked: dict[str, Any],
+    step: int,
+    extra: dict[str, Any],
+    carried: dict[str, Any] | None = None,
+) -> Captured:
     """Capture every tracked object.
 
     Optimizer state and the parameters it updates are referenced, not copied: the copy into
@@ -200,7 +222,9 @@ def capture(tracked: dict[str, Any], step: int, extra: dict[str, Any]) -> Captur
     (buffers, parameters no tracked optimizer owns, plain tensors, Stateful state) may change
     anywhere in the next iteration, so it is cloned here. Tensors of Stateful objects are the
     rank's private state (scope "rank"), except DTensors and Shards; all others are boxes of
-    shared tensors.
+    shared tensors. ``carried``: what the loop carries into the next step in its variables
+    (``runtime/carried.py``), saved as private state where it is tensors, numbers, strings
+    and containers of them.
     """
     shared = _Flattener(live=_stable_pointers(tracked))
     private = _Flattener(live=set(), scope="rank")
@@ -232,6 +256,9 @@ def capture(tracked: dict[str, Any], step: int, extra: dict[str, Any]) -> Captur
                 "load_state_dict(); track modules, optimizers, tensors or Stateful objects"
             )
     meta = {"step": step, "rng": capture_rng(), "objects": objects, **extra}
+    saved = {n: v for n, v in (carried or {}).items() if _plain(v)}
+    if saved:
+        meta["carried"] = private.walk(saved, CARRIED)
     blob = pack(meta)
     boxes = [t for t in private.tensors if t.scope == "global"]  # a slot's shared chunks lead
     return Captured(

@@ -1,29 +1,31 @@
-"""Values the user's loop carries from one step into the next without tracking them.
+"""Tensors the user's loop carries from one step into the next in its own variables: saved
+with each snapshot, and put back when a restored loop resumes.
 
 A restore re-runs the decorated function: the code before the loop runs again, then the loop
-resumes after the committed step. A value made before the loop and made again at the end of
-each step for the next one to read — nanoGPT's prefetched batch (``X, Y = get_batch('train')``
-before the loop and as the step's last line), a recurrent hidden state carried between
-steps — is then the one the code before the loop made, not the one the fault-free run
-carried into the step: the run after a restore trains on other data, and nothing says so.
+resumes after the committed step. A value made before the loop and made again in each step
+for the next one to read — nanoGPT's prefetched batch (``X, Y = get_batch('train')`` before
+the loop and in the step, "while the model is doing the forward pass"), the hidden state a
+truncated-BPTT loop carries between steps — would then be the one the code before the loop
+made, not the one the fault-free run carried into the step, and the run after a restore
+would train on other data. So the runtime saves them: at each snapshot it reads, in the
+frame that loops over ``ctx.steps``, the names the loop's body reads before it writes them
+(and writes: ``carried_names``, from the bytecode) that hold tensors, or tuples, lists or
+dicts of them, and are not tracked state; they travel in the snapshot as the rank's private
+state, and when a restored loop starts (its RNG states set back as of the committed step)
+they are written back into the frame, each tensor on the device of the value the code before
+the loop just made. The next step then reads what the fault-free run's did. Ints and floats
+(a timer, a running average for the log) are left alone: they do not change what is trained.
 
-Found at the epoch's first step (``runtime/audit.py`` speaks for it), in the frame that loops
-over ``ctx.steps``, from two facts that must both hold:
-
-- the bytecode of the loop's body (from its ``FOR_ITER`` to the instruction after the loop)
-  reads the name before it first writes it, and writes it somewhere;
-- the name held a tensor (or a tuple, list or dict of them) when the loop started, that is
-  no tracked object, and holds another object once the first step is done.
-
-Only tensors count: carried ints and floats (a timer, a running average for the log) do not
-change what is trained. Reading the frame costs one ``f_locals`` at the loop's start and one
-after its first step, once per process; no local is ever changed, and no value is kept alive
-past the first step (``_read``). A loop over
-something other than a ``for`` (``next()`` by hand) is not looked at.
+Writing a function's locals from outside is what debuggers do: Python 3.13's ``f_locals`` is
+a write-through proxy; before it, the frame's snapshot dict is written and copied back with
+``PyFrame_LocalsToFast``. After a topology change nothing is put back: a rank's batch belongs
+to the old layout. A loop that is not a ``for`` over ``ctx.steps`` (``next()`` by hand) is
+not looked at.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dis
 import inspect
 import os
@@ -43,55 +45,89 @@ _PAIRS = {
     "STORE_FAST_LOAD_FAST": ("store", "load"),
 }
 _PEEK = 16  # items of a tuple, list or dict looked at for a tensor
+CARRIED = "__carried__"  # the snapshot's name for them (never a ctx.track name: it is refused)
 
 
-class CarriedWatch:
-    """The loop's frame and its candidate values, from the loop's start to its first step's
-    end; ``finish`` says which were carried and drops every reference."""
+class Carry:
+    """The loop over ``ctx.steps`` and the names its body carries from step to step."""
 
-    def __init__(self, frame: types.FrameType, names: dict[str, Any]) -> None:
+    def __init__(self, frame: types.FrameType, names: set[str]) -> None:
         self._frame: types.FrameType | None = frame
-        self._before = names  # name → its value when the loop started (held: ids are reused)
+        self.names = names
 
     @classmethod
-    def at_loop_start(
-        cls, tracked: dict[str, Any], frame: types.FrameType | None = None
-    ) -> CarriedWatch | None:
-        """Watch ``frame``, by default the one looping over ``ctx.steps`` (None where there is
-        nothing to watch: no ``for`` loop, or no name it reads before writing holds a tensor)."""
+    def at_loop_start(cls, frame: types.FrameType | None = None) -> Carry | None:
+        """The frame looping over ``ctx.steps`` (by default the first above the runtime's),
+        as its first ``next()`` runs; None if its loop carries no name."""
         frame = frame or _user_frame()
         if frame is None or not frame.f_code.co_flags & inspect.CO_OPTIMIZED:
             return None  # a module's or class's namespace: not a loop's locals
         names = carried_names(frame.f_code, frame.f_lasti)
-        if not names:
-            return None
-        ids = {id(obj) for obj in tracked.values()}
-        values = _read(frame, names)
-        held = {n: v for n, v in values.items() if id(v) not in ids and _tensors(v)}
-        return cls(frame, held) if held else None
+        return cls(frame, names) if names else None
 
-    def finish(self) -> list[str]:
-        """After the first step: one sentence if some name now holds another object."""
-        frame, self._frame = self._frame, None
-        before, self._before = self._before, {}
-        if frame is None:
+    def values(self, covered: set[int]) -> dict[str, Any]:
+        """The carried names that hold tensors now, less those whose tensors are tracked
+        state (storage addresses in ``covered``). Called between two steps."""
+        if self._frame is None:
+            return {}
+        found = _read(self._frame, self.names)
+        return {n: v for n, v in found.items() if _tensors(v) and not _aliases(v, covered)}
+
+    def put_back(self, saved: dict[str, Any]) -> list[str]:
+        """Write ``saved`` into the loop's frame, each tensor moved to the device of the one
+        the name holds now; return the names written."""
+        if self._frame is None:
             return []
-        now = _read(frame, set(before))
-        del frame
-        changed = [
-            n for n, v in before.items() if n in now and now[n] is not v and _tensors(now[n])
-        ]
-        if not changed:
+        wanted = {n: v for n, v in saved.items() if n in self.names}
+        if not wanted:
             return []
-        shown = ", ".join(f"`{n}`" for n in changed)
-        verb, pronoun = ("holds", "it") if len(changed) == 1 else ("hold", "them")
-        return [
-            f"{shown} {verb} tensors made before the loop and made again in each step for the "
-            "next step to read (a batch fetched ahead, a carried hidden state), not tracked: "
-            "after a restore the step reads what the code before the loop made, not what the "
-            f"fault-free run carried into it; fetch {pronoun} at the start of the step instead, "
-            "or keep the value in an object with state_dict()/load_state_dict() and track that"
-        ]
+        now = _read(self._frame, set(wanted))
+        _write(self._frame, {n: _placed_like(v, now.get(n)) for n, v in wanted.items()})
+        return sorted(wanted)
+
+    def close(self) -> None:
+        self._frame = None
+
+
+def _placed_like(saved: Any, now: Any) -> Any:
+    if isinstance(saved, torch.Tensor):
+        if isinstance(now, torch.Tensor) and now.device != saved.device:
+            return saved.to(now.device)
+        return saved
+    if isinstance(saved, dict):
+        return {
+            k: _placed_like(v, now.get(k) if isinstance(now, dict) else None)
+            for k, v in saved.items()
+        }
+    if isinstance(saved, (list, tuple)):
+        same = isinstance(now, (list, tuple)) and len(now) == len(saved)
+        items = [_placed_like(v, now[i] if same else None) for i, v in enumerate(saved)]
+        return type(saved)(items)
+    return saved
+
+
+def _aliases(value: Any, covered: set[int]) -> bool:
+    """Does a tensor of ``value`` share memory with tracked state?"""
+    if isinstance(value, torch.Tensor):
+        return value.untyped_storage().data_ptr() in covered
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_aliases(v, covered) for v in value[:_PEEK])
+    return False
+
+
+def _write(frame: types.FrameType, values: dict[str, Any]) -> None:
+    """Bind ``values`` in ``frame`` (a function's, suspended in a call)."""
+    if sys.version_info >= (3, 13):
+        proxy = frame.f_locals  # write-through (PEP 667)
+        for name, value in values.items():
+            proxy[name] = value
+        return
+    snapshot = frame.f_locals  # every local, fresh
+    snapshot.update(values)
+    ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
+    snapshot.clear()  # as ``_read``: keep no value of the loop alive
 
 
 def carried_names(code: types.CodeType, for_iter: int) -> set[str]:

@@ -215,3 +215,43 @@ def notes(tracked: dict[str, Any], iterators: Iterable[object]) -> list[str]:
             f"or {fix}"
         )
     return out
+
+
+def position(loader: Any) -> int | None:
+    """How many batches the loader's current iterator has given in its data epoch (a
+    restored one counts from the restored position); None without an iterator."""
+    count = getattr(getattr(loader, "_iterator", None), "_num_yielded", None)
+    return count if isinstance(count, int) else None
+
+
+def restored_position(loader: Any) -> int:
+    """Where the loader's next iterator starts: the position of the state loaded into it
+    (torchdata keeps it until an iterator takes it over), else 0."""
+    state = getattr(loader, "next_iter_state", None)
+    if not isinstance(state, dict):
+        return 0
+    count = state.get("_num_yielded")
+    snapshot = state.get("_snapshot")
+    if count is None and isinstance(snapshot, dict):
+        count = snapshot.get("_snapshot_step")
+    return count if isinstance(count, int) else 0
+
+
+def taken_before_loop(tracked: dict[str, Any], positions: dict[int, int]) -> list[str]:
+    """Batches the code before the loop took from a tracked StatefulDataLoader (a batch
+    fetched ahead, as nanoGPT does, from a loader's iterator): one sentence per loader.
+    ``positions``: by loader id, where it stood when its state was restored (0 if absent)."""
+    out = []
+    for name, obj in tracked.items():
+        now = position(obj) if is_stateful_loader(obj) else None
+        taken = 0 if now is None else now - positions.get(id(obj), 0)
+        if taken > 0:
+            out.append(
+                f"the code before the loop took {taken} batch{'es' if taken > 1 else ''} from "
+                f"{name} (a StatefulDataLoader over a {type(obj.dataset).__name__}): after a "
+                f"restore it takes {'them' if taken > 1 else 'it'} again, from where the "
+                "committed step left the loader, and every later step trains on a batch "
+                "further on than the fault-free run's; take batches inside the loop only (at "
+                "the start of the step)"
+            )
+    return out

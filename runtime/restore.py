@@ -195,6 +195,15 @@ def _resolve(tree: Any, fetch: Callable[[str], torch.Tensor]) -> Any:
     return tree
 
 
+def carried_values(meta: dict[str, Any], source: ChunkSource, rank: int) -> dict[str, Any]:
+    """What the loop carried into the step after the one ``meta`` describes (new tensors)."""
+    tree = meta.get("carried")
+    if not isinstance(tree, dict):
+        return {}
+    values: dict[str, Any] = _resolve(tree, lambda key: source.read(key, rank)[0])
+    return values
+
+
 def _stateful(
     name: str, obj: Any, source: ChunkSource, old_rank: int, step: int
 ) -> Callable[[str], Any]:

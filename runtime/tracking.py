@@ -40,13 +40,15 @@ from peerckpt.messages.local import (
     WantChunks,
 )
 from peerckpt.runtime import capture, loaders, twins
-from peerckpt.runtime.audit import FirstStepWatch, warn_untracked
+from peerckpt.runtime.audit import FirstStepWatch, covered_storages, warn_untracked
+from peerckpt.runtime.carried import CARRIED, Carry
 from peerckpt.runtime.live import LiveState
 from peerckpt.runtime.policy import Probe, RankReport, SnapshotPolicy
 from peerckpt.runtime.reshardable import refusal, unreshardable
 from peerckpt.runtime.restore import (
     ChunkSource,
     OldLayout,
+    carried_values,
     read_meta,
     restore_objects,
     wanted_chunks,
@@ -130,6 +132,8 @@ class EpochTracking:
         self.step: int | None = None  # the step the loop is in (for log records, heartbeats)
         self.total: int | None = None  # the loop's total (``ctx.steps(total)``)
         self._restored: dict[str, Any] | None = None
+        self._carried: dict[str, Any] | None = None  # what the restored step's loop carried
+        self._positions: dict[int, int] = {}  # tracked loaders' restored positions, by id
         self._hooks: list[Any] = []
         self._resumed_sent = False
         self._round = 0
@@ -145,6 +149,8 @@ class EpochTracking:
         clash = sorted(set(state) & set(self.tracked))
         if clash:
             raise StateMismatch(f"ctx.track got {clash} twice in one epoch; track each name once")
+        if CARRIED in state:
+            raise StateMismatch(f"ctx.track: {CARRIED!r} is the runtime's own name; pick another")
         self.check()
         if self._watch is None:
             self._start_watch()
@@ -153,8 +159,14 @@ class EpochTracking:
         for obj in state.values():
             if isinstance(obj, torch.optim.Optimizer):
                 self._hooks.append(obj.register_step_pre_hook(self._before_optimizer_step))
-        a = self.assignment
         self._report_unreshardable(state)
+        self._restore(state)
+        for obj in state.values():  # where each loader was restored to (0 when fresh)
+            if loaders.is_stateful_loader(obj):
+                self._positions[id(obj)] = loaders.restored_position(obj)
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        a = self.assignment
         if a.mode is EpochMode.RESHARD:
             self._restore_resharded(state)
             return
@@ -181,6 +193,8 @@ class EpochTracking:
         )
         self._watching().ddp.restore(meta.get("ddp", {}))
         self._restored = meta
+        if self._carried is None:
+            self._carried = carried_values(meta, source, a.rank)
         log.info(
             "restored %s from step %d in %s; %d bytes were still live (not copied), %d "
             "tensors of the old objects reused",
@@ -290,54 +304,71 @@ class EpochTracking:
                 )
             capture.restore_rng(self._restored["rng"])
             start = a.restore_step + 1
+        carry = Carry.at_loop_start() if self.tracked else None
+        if carry is not None and self._carried:
+            put = carry.put_back(self._carried)
+            if put:
+                log.info(
+                    "%s put back as the loop carried %s into step %d",
+                    ", ".join(f"`{n}`" for n in put),
+                    "it" if len(put) == 1 else "them",
+                    start,
+                )
+        self._carried = None
+        covered = covered_storages(self.tracked) if carry is not None else set()
         self._resumed(start)
         watch = self._watch  # None when ctx.track was not called in this epoch
         if not self.tracked:
             warn_untracked()
         if watch is not None:
-            watch.loop_started()  # the loop's frame, for what it carries between steps
+            watch.loop_started(self._positions)
         policy = self.policy
         policy.begin_epoch(start, (self._restored or {}).get("every"))
         self.total = total
         where = {"rank": a.rank, "node": a.node, "epoch": a.epoch, "total": total}
-        for step in range(start, total):
-            self.check()
+        try:
+            for step in range(start, total):
+                self.check()
+                if self.faults.active:
+                    self.faults.reach(step, **where)
+                if policy.quiet_before(step) and self.engine.last_taken is not None:
+                    # the plain steps about to be measured must not share the cores with the
+                    # replication of the last one; the measured snapshot's work is done, and
+                    # counted, once it is committed
+                    self.engine.wait_committed(self.engine.last_taken, self.engine.commit_timeout_s)
+                if policy.calibrating():
+                    policy.probe(step, self._probe())
+                if policy.ready(step):
+                    self._agree_interval(step)
+                self.step = step
+                began = time.perf_counter()
+                yield step
+                self.check()
+                # Nothing tracked: a snapshot would hold nothing a restore could use. The last
+                # step is always taken: it is what the job ends with.
+                if watch is not None and self.tracked and (policy.due(step) or step == total - 1):
+                    extra: dict[str, Any] = {"ddp": watch.ddp.layouts()}
+                    if policy.every is not None:
+                        extra["every"] = policy.every
+                    carried = carry.values(covered) if carry is not None else {}
+                    captured = capture.capture(self.tracked, step, extra, carried)
+                    if self.engine.dedup:
+                        captured.twins = twins.declared_keys(self.tracked, watch.ddp.found())
+                    self.live.captured(a.rank, a.world_size, step, captured)
+                    self.engine.take(step, captured)
+                policy.record(step, time.perf_counter() - began)
+                if step == start and watch is not None:
+                    self._audit.pending = self._audit.pending and not watch.audit
+                    found = watch.finish()  # the first step is done: the hooks go, the audit speaks
+                    if found:  # the job's report says so too
+                        self.channel.notify(InexactState(a.epoch, a.rank, found))
+                if self.engine.committed_step is not None and self.engine.committed_step >= start:
+                    self.pg.release_retired()  # this epoch committed: the old groups are idle
             if self.faults.active:
-                self.faults.reach(step, **where)
-            if policy.quiet_before(step) and self.engine.last_taken is not None:
-                # the plain steps about to be measured must not share the cores with the
-                # replication of the last one; the measured snapshot's work is done, and
-                # counted, once it is committed
-                self.engine.wait_committed(self.engine.last_taken, self.engine.commit_timeout_s)
-            if policy.calibrating():
-                policy.probe(step, self._probe())
-            if policy.ready(step):
-                self._agree_interval(step)
-            self.step = step
-            began = time.perf_counter()
-            yield step
-            self.check()
-            # Nothing tracked: a snapshot would hold nothing a restore could use. The last
-            # step is always taken: it is what the job ends with.
-            if watch is not None and self.tracked and (policy.due(step) or step == total - 1):
-                extra: dict[str, Any] = {"ddp": watch.ddp.layouts()}
-                if policy.every is not None:
-                    extra["every"] = policy.every
-                captured = capture.capture(self.tracked, step, extra)
-                if self.engine.dedup:
-                    captured.twins = twins.declared_keys(self.tracked, watch.ddp.found())
-                self.live.captured(a.rank, a.world_size, step, captured)
-                self.engine.take(step, captured)
-            policy.record(step, time.perf_counter() - began)
-            if step == start and watch is not None:
-                self._audit.pending = self._audit.pending and not watch.audit
-                found = watch.finish()  # the first step is done: the hooks go, the audit speaks
-                if found:  # the job's report says so too
-                    self.channel.notify(InexactState(a.epoch, a.rank, found))
-            if self.engine.committed_step is not None and self.engine.committed_step >= start:
-                self.pg.release_retired()  # this epoch committed: the old groups are idle
-        if self.faults.active:
-            self.faults.reach(total, **where)  # the last step's faults fire before the end
+                self.faults.reach(total, **where)  # the last step's faults fire before the end
+        finally:
+            if carry is not None:
+                carry.close()  # it holds the loop's frame
 
     def _probe(self) -> Probe:
         """The calibration's counters now (``runtime/policy.py``)."""

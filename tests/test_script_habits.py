@@ -3,13 +3,16 @@ keeps ``init_process_group``/``destroy_process_group``, is seeded once at progra
 draws a random dataset in its setup (``tests/jobs/tutorial_job.py``). A script shaped like
 nanoGPT's ``train.py`` does all that at its top level, reading its rank from the environment
 there (``tests/jobs/nanogpt_job.py``): a spare or a process restarted in place runs that top
-level with the rank it takes (``runtime/standby.py``)."""
+level with the rank it takes (``runtime/standby.py``), and the batch it prefetches in each
+step for the next is put back when a restored loop resumes (``runtime/carried.py``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+
+from peerckpt.runtime.audit import PREFIX
 
 from .conftest import (
     JOBS,
@@ -62,6 +65,9 @@ def test_a_nanogpt_shaped_script_recovers_bit_exact_through_spares(tmp_path) -> 
     run = _recovers_a_rank_then_a_node(tmp_path, "nanogpt_job.py")
     _assert_top_level_read_the_rank_trained(run)
     assert "spare takes rank 1 of 4 (epoch 1)" in run.log, run.log[-4000:]
+    # the batch it prefetches in the step is saved with each snapshot and put back
+    assert "`X`, `Y` put back as the loop carried them into step" in run.log
+    assert PREFIX not in run.log
     # its top-level init_process_group ran before any function: it did nothing, and said so
     assert "Traceback" not in run.log, run.log[run.log.index("Traceback") :][:3000]
 

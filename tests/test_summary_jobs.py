@@ -1,7 +1,8 @@
 """What a finished ``peerckpt run`` says about the protection it gave (``launch/report.py``'s
 summary, printed last and in the JSON report): its figures for an ordinary job, NOT
 PROTECTED for a loop that never snapshotted, and the warning, at the first snapshot, about a
-batch the loop carries from one step into the next (nanoGPT's prefetch).
+batch the code before the loop took from a tracked loader (nanoGPT's prefetch, from a
+StatefulDataLoader's iterator).
 
 The job is ``tests/jobs/user_loop.py`` on one node of two ranks."""
 
@@ -36,13 +37,16 @@ def test_a_job_that_takes_no_snapshot_ends_not_protected(tmp_path, how, args) ->
     assert (said in run.log) == (how == "untracked")
 
 
-def test_the_summary_counts_what_protected_a_job_and_a_carried_batch_is_named(tmp_path) -> None:
+def test_the_summary_counts_what_protected_a_job_and_a_batch_taken_early_is_named(
+    tmp_path,
+) -> None:
     """12 steps, a snapshot every step (the script's ``every=1``), flushed every 5 steps and
-    at the end; the batch for the next step is fetched at the end of each step."""
+    at the end; the batch for the next step is taken from the tracked loader at the end of
+    each step, the first one before the loop."""
     run = run_job(
         tmp_path,
         script="user_loop.py",
-        script_args=["--patterns", "inner-tracked,prefetch", "--steps", "12"],
+        script_args=["--patterns", "inner-tracked,prefetch,stateful-loader", "--steps", "12"],
         nodes=1,
         extra=["--persist", str(tmp_path / "ckpt"), "--persist-every", "5"],
     )
@@ -57,12 +61,13 @@ def test_the_summary_counts_what_protected_a_job_and_a_carried_batch_is_named(tm
     )
     *_, protection, inexact = run.log.rstrip().splitlines()
     assert protection == line, run.log[-2000:]
-    # the carried batch named at the first snapshot is said again at the end
+    # the batch taken early, named at the first snapshot, is said again at the end
     assert inexact.startswith("NOT EXACT: a restore would be not bit for bit: the loop uses 1 ")
     [found] = summary["inexact"]
-    assert found.startswith("`ahead` holds tensors made before") and found in inexact
+    said = "the code before the loop took 1 batch from data (a StatefulDataLoader over a"
+    assert found.startswith(said) and found in inexact
     warnings = [x for x in run.log.splitlines() if PREFIX in x]
     assert len(warnings) == 2, warnings  # one per rank, at its first snapshot, nothing else
     for warning in warnings:
-        assert "step=0]" in warning and PREFIX + "`ahead` holds tensors made before" in warning
-        assert "fetch it at the start of the step" in warning
+        assert "step=0]" in warning and PREFIX + said in warning
+        assert "take batches inside the loop only" in warning

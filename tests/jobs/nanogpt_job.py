@@ -4,8 +4,9 @@ everything nanoGPT does at its top level stays there — the config, DDP detecte
 rank, local rank and world size read from the environment, ``seed_offset = ddp_rank``,
 ``gradient_accumulation_steps //= ddp_world_size``, ``torch.manual_seed(1337 + seed_offset)``,
 the data as a NumPy memmap made here — and the loop over ``ctx.steps`` is the decorated
-function (``get_batch`` with ``torch.randint``, accumulation under
-``require_backward_grad_sync``, ``get_lr`` setting each group's lr, gradient clipping).
+function (``get_batch`` with ``torch.randint``, the first batch fetched before the loop and
+each next one prefetched in the step, accumulation under ``require_backward_grad_sync``,
+``get_lr`` setting each group's lr, gradient clipping).
 
 usage: nanogpt_job.py OUT_DIR [--steps N] [--sleep S]
 Each rank appends ``{"step", "epoch", "digest", "pid", "top_rank"}`` lines to
@@ -99,16 +100,18 @@ def train(ctx: peerckpt.Context) -> str:
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.95))
     ctx.track(model=model, optim=optimizer)
     rank = int(os.environ["RANK"])
+    X, Y = get_batch()  # fetch the very first batch
     with open(os.path.join(args.out, f"rank{rank}.jsonl"), "a") as log:
         for it in ctx.steps(args.steps):
             lr = get_lr(it, args.steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             for micro_step in range(gradient_accumulation_steps):
-                X, Y = get_batch()
                 if ddp:
                     model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
                 loss = model(X, Y) / gradient_accumulation_steps
+                # prefetch the next batch while the model computes, as nanoGPT does
+                X, Y = get_batch()
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
             optimizer.step()

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from peerckpt.runtime import audit
+from peerckpt.runtime import audit, loaders
 from peerckpt.runtime.audit import PREFIX, FirstStepWatch
 from peerckpt.runtime.sampler import ResumableSampler
 
@@ -212,3 +212,32 @@ def test_running_statistics_of_an_untracked_frozen_model_are_named() -> None:
     parts["optim"].step()
     [finding] = [f for f in watch.finish() if "written in the step" in f]
     assert "a Sequential (7 tensor(s), 37 values)" in finding  # the teacher, named whole
+
+
+def test_a_batch_taken_from_a_tracked_loader_before_the_loop_is_named() -> None:
+    """nanoGPT's prefetch from a loader: the first batch taken before the loop. Counted from
+    where the loader was restored to: a loader resumed at batch 5 that gave none is fine."""
+    parts = _parts()
+    loader = parts["data"]
+    for restored, taken, named in ((0, 1, True), (0, 0, False)):
+        gc.collect()
+        watch = FirstStepWatch(parts, audit=True)
+        batches = iter(loader)
+        for _ in range(taken):
+            next(batches)
+        watch.loop_started({id(loader): restored})
+        found = watch.finish()
+        said = "the code before the loop took 1 batch from data (a StatefulDataLoader over a"
+        assert any(f.startswith(said) for f in found) == named, found
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    resumed = StatefulDataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4)
+    resumed.load_state_dict(loader.state_dict())  # as a restore does, at ctx.track
+    at = {id(resumed): loaders.restored_position(resumed)}
+    assert at[id(resumed)] == 3
+    batches = iter(resumed)
+    assert audit.taken_before_loop({"data": resumed}, at) == []
+    next(batches)
+    [found] = audit.taken_before_loop({"data": resumed}, at)
+    assert "took 1 batch from data" in found
