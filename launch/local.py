@@ -59,6 +59,7 @@ MAX_COORDINATOR_RESTARTS = 10
 # How long a signalled launcher waits for the last committed step to become durable before
 # it stops everything: below the grace period of SLURM's and Kubernetes' SIGTERM (30 s).
 STOP_FLUSH_S = 25.0
+TAIL_NOTICE_S = 10.0  # a script still running after its training is said to be waited for
 
 
 class LocalLauncher(Launcher):
@@ -311,7 +312,10 @@ class LocalLauncher(Launcher):
             self._flushes = list(status.flushes)
             self._observe(status)
             if state.ended:
-                return JobOutcome.of(state), status.reason, self._all_events(events)
+                outcome, reason = JobOutcome.of(state), status.reason
+                if outcome is JobOutcome.SUCCEEDED:
+                    outcome, reason = self._after_training(status, reason)
+                return outcome, reason, self._all_events(events)
             refusal = self.chaos.refusal if self.chaos is not None else None
             if refusal is not None:
                 return JobOutcome.FAILED, refusal, self._all_events(events)
@@ -326,6 +330,36 @@ class LocalLauncher(Launcher):
                 if problem:
                     return JobOutcome.FAILED, problem, []
         return JobOutcome.INTERRUPTED, "stopped by a signal", self._all_events(events)
+
+    def _after_training(self, status: JobStatus, reason: str) -> tuple[JobOutcome, str]:
+        """The decorated function returned on every rank: wait for the rank processes to
+        run the rest of the script (evaluation, saving the model; as long as it takes, as
+        torchrun does, or until a signal) and fail the job if one of them fails there."""
+        ranks = {(node, pid): rank for rank, (node, pid) in status.ranks.items()}
+        rank_of = {
+            p.pid: ranks[(n, p.pid)] for n, p in self.procs.training() if (n, p.pid) in ranks
+        }
+        running = [p for n, p in self.procs.training() if p.poll() is None and p.pid in rank_of]
+        said = False
+        waited = time.monotonic()
+        while any(p.poll() is None for p in running) and not self._interrupted.wait(0.05):
+            if not said and time.monotonic() - waited > TAIL_NOTICE_S:
+                said = True
+                log.info(
+                    "training ended; waiting for %d rank process(es) to finish the script "
+                    "after the decorated function (Ctrl-C stops them)",
+                    sum(p.poll() is None for p in running),
+                )
+        failed = [p for p in running if p.poll() not in (None, 0)]
+        if not failed:
+            return JobOutcome.SUCCEEDED, reason
+        which = ", ".join(
+            f"rank {rank_of[p.pid]} (pid {p.pid}, exit status {p.returncode})" for p in failed
+        )
+        return JobOutcome.FAILED, (
+            f"training succeeded, but the script failed after the decorated function "
+            f"returned: {which}; see its traceback above"
+        )
 
     def _on_signal(self, signum: int) -> None:
         """Ctrl-C or SIGTERM: stop the job; a second one while the last flush runs: at once."""
@@ -401,15 +435,6 @@ class LocalLauncher(Launcher):
                     seen.append(digest)
                 tensors[f"{rank}/{step}/{digest}"] = dict(record.get("tensors") or {})
         return found, tensors
-        with open(path) as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) != 3 or not line.endswith("\n"):
-                    continue  # the last line of a coordinator killed while writing it
-                seen = found.setdefault(f"{parts[0]}/{parts[1]}", [])
-                if parts[2] not in seen:
-                    seen.append(parts[2])
-        return found
 
     def _all_events(self, events: list[RecoveryEvent]) -> list[RecoveryEvent]:
         """The failures of the whole job: a restarted coordinator knows only its own, and the

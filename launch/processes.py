@@ -292,6 +292,12 @@ class ProcessSet:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
 
+    def training(self) -> list[tuple[int, Proc]]:
+        """(node, process) of every training process started so far (ranks, spares,
+        restarts), in any state."""
+        with self.lock:
+            return [(n, p) for n, node in self.nodes.items() for p in node.procs]
+
     def pause(self) -> None:
         """SIGSTOP every live training process (``resume`` continues them): nothing they
         hold in their agents' slots changes meanwhile."""

@@ -62,6 +62,7 @@ log = logging.getLogger("peerckpt.rank")
 # What a spare imports while it waits (``_warm_up``), and what a launcher's prefork server
 # imports once for every spare it forks (``launch/prefork.py``).
 WARM_MODULES = ("torch._dynamo", "torch.nn.parallel", "torch.distributed.algorithms")
+_READY_S = 30.0  # the constructor's work after the link is up: milliseconds
 
 
 class JobEnded(Exception):
@@ -107,6 +108,9 @@ class RankRuntime:
             },
             f"rank process {os.getpid()}",
         )
+        # The link's reader thread may deliver an event (the job's end, to a spare that
+        # joined just then) before the rest of this constructor has run: it waits for it.
+        self._ready = threading.Event()
         hello = ProcHello(
             env.role, os.getpid(), env.rank, config.replicas, config.persist_msg(), config.erasure
         )
@@ -123,9 +127,11 @@ class RankRuntime:
             target=self._watch_parent, name="peerckpt-watchdog", daemon=True
         )
         self._watchdog.start()
+        self._ready.set()
 
     # -- events from the agent (reader thread) ---------------------------------------------
     def _on_event(self, event: Message) -> None:
+        self._ready.wait(_READY_S)
         self._events.handle(event)
 
     def _on_epoch(self, event: EpochStart) -> None:

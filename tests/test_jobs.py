@@ -241,6 +241,20 @@ def test_an_error_in_the_script_fails_the_job_and_stops_everything(tmp_path) -> 
     assert "rank 1 raised: ValueError: injected failure at step 3" in run.report["reason"]
 
 
+def test_an_error_in_the_script_after_the_function_returned_fails_the_job(tmp_path) -> None:
+    """Training succeeds; then rank 1's evaluation, after the decorated function, raises.
+    The launcher waited for it, and says so (it used to report success, exit status 0)."""
+    run = run_job(tmp_path, script_args=["--steps", "4", "--fail-after", "1"], nodes=1)
+    assert run.returncode == 1, run.log[-3000:]
+    assert run.report["state"] == "failed"
+    assert run.report["reason"].startswith(
+        "training succeeded, but the script failed after the decorated function returned: "
+        "rank 1 (pid "
+    )
+    assert "exit status 1); see its traceback above" in run.report["reason"]
+    assert "the evaluation after training failed" in run.log
+
+
 def test_ctrl_c_stops_the_job_and_removes_everything(tmp_path) -> None:
     proc = launch(tmp_path, script_args=["--steps", "100000", "--sleep", "0.05"], spares=1)
     deadline = time.monotonic() + 120

@@ -196,6 +196,9 @@ if __name__ == "__main__":
     )
     parser.add_argument("--persist", default=None, help="resilient(persist=URL)")
     parser.add_argument("--erasure", default=None, help='resilient(erasure="K+M")')
+    parser.add_argument(
+        "--fail-after", type=int, default=-1, help="this rank raises after the function returns"
+    )
     args = parser.parse_args()
     if args.device != "cpu":
         # Bit-exact runs on a GPU: deterministic kernels, and attention through the math path.
@@ -219,3 +222,6 @@ if __name__ == "__main__":
     if int(os.environ["RANK"]) == 0:
         with open(os.path.join(args.out, "final.json"), "w") as f:
             json.dump({"digest": final}, f)
+    if int(os.environ["RANK"]) == args.fail_after:
+        time.sleep(1.0)  # after the job's end reached every process
+        raise RuntimeError("the evaluation after training failed")
