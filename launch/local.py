@@ -334,15 +334,20 @@ class LocalLauncher(Launcher):
     def _after_training(self, status: JobStatus, reason: str) -> tuple[JobOutcome, str]:
         """The decorated function returned on every rank: wait for the rank processes to
         run the rest of the script (evaluation, saving the model; as long as it takes, as
-        torchrun does, or until a signal) and fail the job if one of them fails there."""
+        torchrun does, or until a signal) and fail the job if one of them fails there (the
+        others are then given 10 s, then stopped: they may wait for it in a collective)."""
         ranks = {(node, pid): rank for rank, (node, pid) in status.ranks.items()}
         rank_of = {
             p.pid: ranks[(n, p.pid)] for n, p in self.procs.training() if (n, p.pid) in ranks
         }
         running = [p for n, p in self.procs.training() if p.poll() is None and p.pid in rank_of]
-        said = False
+        said, failed_at = False, None
         waited = time.monotonic()
         while any(p.poll() is None for p in running) and not self._interrupted.wait(0.05):
+            if failed_at is None and any(p.poll() not in (None, 0) for p in running):
+                failed_at = time.monotonic()  # the others may wait for it in a collective
+            if failed_at is not None and time.monotonic() - failed_at > TAIL_NOTICE_S:
+                break  # ``stop`` ends them
             if not said and time.monotonic() - waited > TAIL_NOTICE_S:
                 said = True
                 log.info(

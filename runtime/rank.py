@@ -18,6 +18,8 @@ step from the rank's own slot (or from what the agent pulled from a peer).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
 import threading
@@ -493,12 +495,28 @@ class RankRuntime:
             self.tracking.close()
         self.engine.close()
         self.faults.close()
-        self.pg.leave()
+        if self._succeeded():
+            # The script's code after the function (a barrier, its evaluation's collectives)
+            # runs on the last epoch's group, as under torchrun; it is destroyed at exit.
+            atexit.register(_destroy_at_exit)
+        else:
+            self.pg.leave()
         with self._cond:
             if self.state is not RankState.EXITED:
                 self.state = RankState.EXITED
         self.channel.close()
         self._watchdog.join(timeout=1.0)
+
+    def _succeeded(self) -> bool:
+        """The job ended well and this process was a rank in its last epoch."""
+        with self._cond:
+            ended = self._shutdown
+        return (
+            ended is not None
+            and ended.state is JobState.SUCCEEDED
+            and self.assignment is not None
+            and self.state not in (RankState.FAILED, RankState.ABORTING)
+        )
 
     def _beat(self) -> Beat:
         """A heartbeat, with the live step when the loop runs one."""
@@ -569,3 +587,10 @@ def _short(exc: BaseException) -> str:
     if line != text.rstrip(": "):  # a trace or a wrapper was left out
         log.debug("%s, in full: %s", line, text)
     return line if len(line) < 160 else line[:157] + "..."
+
+
+def _destroy_at_exit() -> None:
+    """The group left to the script's code after the function, at the interpreter's exit."""
+    with contextlib.suppress(Exception):
+        if torch.distributed.is_initialized():
+            userpg.ORIGINAL_DESTROY()

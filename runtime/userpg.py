@@ -1,12 +1,13 @@
-"""A training script's own ``dist.init_process_group`` and ``destroy_process_group`` under
-peerckpt: harmless, said once in the log, refused only where they contradict the job.
+"""A training script's own ``dist.init_process_group``, ``destroy_process_group``,
+``get_rank`` and ``get_world_size`` under peerckpt: harmless, said once in the log, refused
+only where they contradict the job.
 
 Every torchrun script calls ``init_process_group`` (and, at its end,
 ``destroy_process_group``). Under peerckpt the runtime forms each epoch's default group
 itself (``runtime/pg.py``), and the script's call raised torch's "trying to initialize the
 default process group twice!" with no hint. Once installed (``install``, when ``@resilient``
-decorates, and already at ``import peerckpt`` in a job's training process), the two names in
-``torch.distributed`` are these functions, and so is every name a
+decorates, and already at ``import peerckpt`` in a job's training process), their names in
+``torch.distributed`` are this module's functions, and so is every name a
 module of the script bound to torch's own functions before (``from torch.distributed import
 init_process_group`` at the top of a file, as the PyTorch DDP tutorial does):
 
@@ -16,6 +17,13 @@ init_process_group`` at the top of a file, as the PyTorch DDP tutorial does):
   runs) it does nothing either: peerckpt forms the group when the function starts.
 - ``destroy_process_group()`` of the default group does nothing (peerckpt destroys it when
   the epoch ends); of another group, torch's own.
+- ``get_rank()`` and ``get_world_size()`` before any group exists (the script's top level,
+  right after its own ``init_process_group``) answer ``RANK`` and ``WORLD_SIZE``, which
+  peerckpt sets for the rank the process runs as; otherwise torch's own.
+
+After the job's training succeeded, the last epoch's group is left to the script's code after
+the decorated function (a barrier, its evaluation's collectives), as under torchrun
+(``runtime/rank.py``).
 
 The runtime calls torch's own functions (``ORIGINAL_INIT``, ``ORIGINAL_DESTROY``).
 """
@@ -23,6 +31,7 @@ The runtime calls torch's own functions (``ORIGINAL_INIT``, ``ORIGINAL_DESTROY``
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -37,6 +46,8 @@ log = logging.getLogger("peerckpt.rank")
 
 ORIGINAL_INIT: Callable[..., Any] = c10d.init_process_group
 ORIGINAL_DESTROY: Callable[..., Any] = c10d.destroy_process_group
+ORIGINAL_GET_RANK: Callable[..., int] = c10d.get_rank
+ORIGINAL_GET_WORLD_SIZE: Callable[..., int] = c10d.get_world_size
 _said: set[str] = set()
 _lock = threading.Lock()
 _backend: Callable[[], str] = lambda: "gloo"  # noqa: E731 (set by ``install``)
@@ -118,6 +129,39 @@ def destroy_process_group(group: Any = None) -> None:
     ORIGINAL_DESTROY(group)
 
 
+def _from_environment(name: str, call: str) -> int | None:
+    """Before any group exists, in a training process of a job: ``name`` from the
+    environment (peerckpt sets it for the rank the process runs as), said once."""
+    value = os.environ.get(name)
+    if dist.is_initialized() or not os.environ.get("PEERCKPT_JOB") or value is None:
+        return None
+    _once(
+        "env:" + name,
+        f"dist.{call}() before the decorated function runs: peerckpt forms the process group "
+        f"when it starts; the answer is {name} from the environment ({value})",
+    )
+    return int(value)
+
+
+def get_rank(group: Any = None) -> int:
+    """torch's, and before any group exists (at the script's top level, after its own
+    ``init_process_group``, as Lightning Fabric and Accelerate call it) ``RANK``."""
+    found = _from_environment("RANK", "get_rank") if group is None else None
+    return found if found is not None else ORIGINAL_GET_RANK(group)
+
+
+def get_world_size(group: Any = None) -> int:
+    """torch's, and before any group exists ``WORLD_SIZE`` (as ``get_rank``)."""
+    found = _from_environment("WORLD_SIZE", "get_world_size") if group is None else None
+    return found if found is not None else ORIGINAL_GET_WORLD_SIZE(group)
+
+
+_REPLACED = (  # torch's function, and the one put where a script finds it
+    (ORIGINAL_INIT, init_process_group),
+    (ORIGINAL_DESTROY, destroy_process_group),
+    (ORIGINAL_GET_RANK, get_rank),
+    (ORIGINAL_GET_WORLD_SIZE, get_world_size),
+)
 _scanned: set[str] = set()  # modules whose names were rebound (each is looked at once)
 
 
@@ -150,6 +194,8 @@ def rescan() -> None:
 def _rebind(remember: bool) -> None:
     dist.init_process_group = init_process_group
     dist.destroy_process_group = destroy_process_group
+    dist.get_rank = get_rank
+    dist.get_world_size = get_world_size
     for name, module in list(sys.modules.items()):
         if name in _scanned or module is None or name.split(".")[0] in ("torch", "peerckpt"):
             continue
@@ -160,7 +206,6 @@ def _rebind(remember: bool) -> None:
             continue
         for key, value in list(namespace.items()):
             # by identity: a module's values need not be hashable (nor comparable)
-            if value is ORIGINAL_INIT:
-                namespace[key] = init_process_group
-            elif value is ORIGINAL_DESTROY:
-                namespace[key] = destroy_process_group
+            for original, ours in _REPLACED:
+                if value is original:
+                    namespace[key] = ours

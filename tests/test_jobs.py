@@ -7,6 +7,7 @@ re-executed after a restore included — with a fault-free run of the same job.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -253,6 +254,21 @@ def test_an_error_in_the_script_after_the_function_returned_fails_the_job(tmp_pa
     )
     assert "exit status 1); see its traceback above" in run.report["reason"]
     assert "the evaluation after training failed" in run.log
+
+
+def test_the_script_may_use_the_group_before_and_after_the_function(tmp_path) -> None:
+    """Its top level calls init_process_group and asks for its rank (a spare's too, once it
+    takes rank 1); after training it all-reduces and waits at a barrier, on the last epoch's
+    group, as under torchrun."""
+    run = run_job(
+        tmp_path,
+        script_args=["--steps", "12", "--script-collectives"],
+        spares=1,
+        chaos="kill rank=1 at=4",
+    )
+    assert run.returncode == 0, run.log[-3000:]
+    after = {r: json.loads((tmp_path / f"after.r{r}.json").read_text()) for r in range(4)}
+    assert all(a["top"] == [r, 4] and a["sum"] == 6.0 for r, a in after.items()), after
 
 
 def test_ctrl_c_stops_the_job_and_removes_everything(tmp_path) -> None:

@@ -16,6 +16,7 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -199,6 +200,11 @@ if __name__ == "__main__":
     parser.add_argument(
         "--fail-after", type=int, default=-1, help="this rank raises after the function returns"
     )
+    parser.add_argument(
+        "--script-collectives",
+        action="store_true",
+        help="init_process_group and get_rank before the function, an all_reduce after it",
+    )
     args = parser.parse_args()
     if args.device != "cpu":
         # Bit-exact runs on a GPU: deterministic kernels, and attention through the math path.
@@ -218,7 +224,17 @@ if __name__ == "__main__":
         persist=args.persist,
         erasure=args.erasure,
     )
+    if args.script_collectives:  # as Lightning Fabric's launch() does at the top level
+        dist.init_process_group("gloo")
+        top = (dist.get_rank(), dist.get_world_size())
     final = resilient(train)(args)
+    if args.script_collectives:  # an evaluation's metrics, reduced after training
+        total = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(total)
+        dist.barrier()
+        with open(os.path.join(args.out, f"after.r{dist.get_rank()}.json"), "w") as f:
+            json.dump({"top": top, "sum": total.item()}, f)
+        dist.destroy_process_group()
     if int(os.environ["RANK"]) == 0:
         with open(os.path.join(args.out, "final.json"), "w") as f:
             json.dump({"digest": final}, f)

@@ -19,6 +19,8 @@ def torchs_own_afterwards(monkeypatch) -> None:
     """Every test here installs the replacements: torch's own names come back after it."""
     monkeypatch.setattr(dist, "init_process_group", userpg.ORIGINAL_INIT)
     monkeypatch.setattr(dist, "destroy_process_group", userpg.ORIGINAL_DESTROY)
+    monkeypatch.setattr(dist, "get_rank", userpg.ORIGINAL_GET_RANK)
+    monkeypatch.setattr(dist, "get_world_size", userpg.ORIGINAL_GET_WORLD_SIZE)
     monkeypatch.setattr(userpg, "_said", set())
     monkeypatch.setattr(userpg, "_scanned", set())
 
@@ -92,3 +94,35 @@ def test_a_module_holding_unhashable_values_is_scanned_all_the_same() -> None:
         assert module.init_process_group is userpg.init_process_group  # type: ignore[attr-defined]
     finally:
         del sys.modules["holds_a_buffer"]
+
+
+def test_rank_and_world_size_before_any_group_come_from_the_environment(
+    monkeypatch, tmp_path, caplog
+) -> None:
+    """A script's top level after its own init_process_group (Lightning Fabric, Accelerate)
+    asks for its rank: peerckpt has formed no group yet, RANK and WORLD_SIZE answer; inside
+    an epoch torch's group does; outside a job, torch's error as before."""
+    userpg.install(lambda: "gloo")
+    module = types.ModuleType("a_script")
+    exec("from torch.distributed import get_rank, get_world_size", module.__dict__)
+    sys.modules["a_script"] = module
+    try:
+        userpg.install(lambda: "gloo")
+        assert module.get_rank is userpg.get_rank
+        monkeypatch.delenv("PEERCKPT_JOB", raising=False)
+        with pytest.raises(ValueError, match="Default process group has not been initialized"):
+            dist.get_rank()
+        monkeypatch.setenv("PEERCKPT_JOB", "job")
+        monkeypatch.setenv("RANK", "3")
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        with caplog.at_level("INFO", logger="peerckpt.rank"):
+            dist.init_process_group("gloo")
+            assert (dist.get_rank(), module.get_world_size()) == (3, 4)
+        assert "the answer is RANK from the environment (3)" in caplog.text
+        userpg.ORIGINAL_INIT("gloo", init_method=f"file://{tmp_path / 's'}", rank=0, world_size=1)
+        try:
+            assert (dist.get_rank(), dist.get_world_size()) == (0, 1)  # the group's, not RANK
+        finally:
+            userpg.ORIGINAL_DESTROY()
+    finally:
+        del sys.modules["a_script"]
