@@ -14,7 +14,9 @@ it is given with ``ctx.track`` and nothing else. Two global torch hooks, install
 
 When auditing (once per process), the first snapshot then checks what would make a restored
 run differ from a fault-free one and logs one warning per finding, naming the object and the
-fix: an optimizer that steps but is not tracked; an LR scheduler or GradScaler of the loop
+fix: an optimizer that steps but is not tracked; a tracked optimizer that did not step though
+the step left gradients in its parameters (gradients accumulated across steps: no snapshot
+holds them; not judged where a GradScaler may have skipped the step); an LR scheduler or GradScaler of the loop
 that is not tracked; a data loader or sampler with ``state_dict`` that no tracked object
 holds; parameters of modules that ran but belong to no tracked object; a DDP whose module is
 not tracked (its buckets cannot be restored); modules whose parameters or buffers no
@@ -164,11 +166,14 @@ def findings(
     }
     iterators: list[object] = []  # of plain DataLoaders with workers
     kinds: dict[type, str] = {}  # one classification per type: the heap is large
+    scaling = False  # a GradScaler may have skipped an optimizer's step
     for obj in heap:
         kind = type(obj)  # never isinstance: some objects warn when their __class__ is read
         what = kinds.get(kind)
         if what is None:
             what = kinds[kind] = _classify(kind)
+        if what == "scaler":
+            scaling = scaling or cast(torch.amp.GradScaler, obj).is_enabled()
         if not what or id(obj) in ids:
             continue
         if what == "workers":
@@ -196,6 +201,35 @@ def findings(
             )
     out += notes(tracked, iterators)
     out += _param_findings(tracked, ran, unseen_ddps)
+    if not scaling:
+        optims = [*tracked.values(), *(o for _, o in holds.values())]
+        out += _accumulating(
+            [o for o in optims if isinstance(o, torch.optim.Optimizer)],
+            {id(o) for o in stepped},
+            names,
+        )
+    return out
+
+
+def _accumulating(
+    optims: list[torch.optim.Optimizer], stepped: set[int], names: dict[int, str]
+) -> list[str]:
+    """Tracked optimizers that did not step in the step, though its backward left gradients
+    in their parameters: the loop accumulates gradients across ``ctx.steps`` steps (one
+    micro-batch a step), which no snapshot saves."""
+    out = []
+    for optim in optims:
+        if id(optim) in stepped:
+            continue
+        grads = [p.grad for g in optim.param_groups for p in g["params"] if p.grad is not None]
+        if any(bool(local_of(grad).any()) for grad in grads):
+            out.append(
+                f"{_optim_name(optim, names)} did not step in the first step, but its backward "
+                "left gradients in its parameters: gradients accumulated across ctx.steps "
+                "steps are not in a snapshot, so after a restore the accumulation starts again "
+                "from zero; make one ctx.steps step one optimizer step (run the micro-batches "
+                "inside it)"
+            )
     return out
 
 

@@ -241,3 +241,22 @@ def test_a_batch_taken_from_a_tracked_loader_before_the_loop_is_named() -> None:
     next(batches)
     [found] = audit.taken_before_loop({"data": resumed}, at)
     assert "took 1 batch from data" in found
+
+
+@pytest.mark.parametrize(("steps", "named"), [(False, True), (True, False)])
+def test_gradients_accumulated_across_steps_are_named(steps, named) -> None:
+    """One micro-batch a ctx.steps step, the optimizer stepping every few (the literal
+    Accelerate loop): the first step leaves gradients no snapshot holds."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    gc.collect()
+    watch = FirstStepWatch({"model": model, "optim": optim}, audit=True)
+    try:
+        model(torch.randn(3, 4)).sum().backward()
+        if steps:
+            optim.step()
+    finally:
+        found = watch.finish()
+    said = "optimizer SGD over 2 parameter(s) (model.weight, model.bias) did not step in the first"
+    assert [f.startswith(said) for f in found] == ([True] if named else []), found
