@@ -240,15 +240,7 @@ def _placed_like(
             local = local.to(placed.local.device)
             if isinstance(target, Shard):
                 return Shard(local, target.global_shape, target.offsets)
-            assert DTensor is not None
-            return DTensor.from_local(
-                local,
-                target.device_mesh,
-                target.placements,
-                run_check=False,
-                shape=target.shape,
-                stride=target.stride(),
-            )
+            return _dtensor_like(local, target)
         now = (
             f"a {placed.global_shape} {dtype_name(placed.local.dtype)} one whose box here is "
             f"{tuple(placed.local.shape)} at {placed.offsets}"
@@ -365,14 +357,19 @@ def _like_param(local: torch.Tensor, record: ChunkRecord, param: Any) -> Any:
     """Optimizer state shaped like a DTensor parameter is a DTensor placed like it."""
     if not is_dtensor(param) or tuple(record.global_shape) != tuple(param.shape):
         return local
+    return _dtensor_like(local, param)
+
+
+def _dtensor_like(local: torch.Tensor, like: Any) -> Any:
+    """``local`` as this rank's shard of a DTensor placed like the DTensor ``like``."""
     assert DTensor is not None
     return DTensor.from_local(
         local,
-        param.device_mesh,
-        param.placements,
+        like.device_mesh,
+        like.placements,
         run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
+        shape=like.shape,
+        stride=like.stride(),
     )
 
 

@@ -10,12 +10,10 @@ bucket layouts (``runtime/held.py``).
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -29,6 +27,9 @@ from peerckpt.runtime.audit import FirstStepWatch
 from peerckpt.runtime.ddp import DdpLayouts
 
 from .slots import restore_from_slot, snapshot
+from .test_audit import one_rank_group  # noqa: F401 (the fixture every test here uses)
+
+pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 
 class AppState:
@@ -50,15 +51,6 @@ class AppState:
         )
 
 
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _fsdp_app(seed: int) -> AppState:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 3))
@@ -74,13 +66,13 @@ def _train(app: AppState, steps: int) -> None:
 
 
 def _full(app: AppState) -> list[torch.Tensor]:
-    out = [p.full_tensor() for p in app.model.parameters()]
+    out = [p.full_tensor() for p in app.model.parameters() if isinstance(p, DTensor)]
     for state in app.optimizers.state.values():
         out += [v.full_tensor() if isinstance(v, DTensor) else v for _, v in sorted(state.items())]
     return out
 
 
-def test_an_fsdp2_app_state_comes_back_as_dtensors_bit_exact(one_rank_group) -> None:
+def test_an_fsdp2_app_state_comes_back_as_dtensors_bit_exact() -> None:
     original = _fsdp_app(seed=0)
     _train(original, 3)
     slot, chunks = snapshot({"app": original}, step=2)
@@ -115,7 +107,7 @@ class Plain:
         self.state = state
 
 
-def test_a_dtensor_with_nothing_like_it_to_restore_into_is_named(one_rank_group) -> None:
+def test_a_dtensor_with_nothing_like_it_to_restore_into_is_named() -> None:
     app = _fsdp_app(seed=0)
     _train(app, 1)
     saved = app.state_dict()
@@ -145,13 +137,13 @@ def _audit(tracked: dict[str, Any], app: AppState, run: Any) -> list[str]:
 def _ddp_app(optimizers: int) -> AppState:
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 3)))
-    optims = [torch.optim.AdamW(model.module[0].parameters(), lr=1e-2)]
+    optims: list[torch.optim.Optimizer] = [torch.optim.AdamW(model.module[0].parameters(), lr=1e-2)]
     optims += [torch.optim.SGD(model.module[2].parameters(), lr=1e-2)][: optimizers - 1]
     sched = torch.optim.lr_scheduler.LambdaLR(optims[0], lambda s: 1 / (1 + s))
     return AppState(model, optims, sched)
 
 
-def test_what_a_tracked_app_state_holds_is_tracked(one_rank_group) -> None:
+def test_what_a_tracked_app_state_holds_is_tracked() -> None:
     """Model (a DDP), two optimizers and a scheduler held by the tracked AppState: no finding;
     the DDP's bucket layout is kept under the AppState's attribute path."""
     app = _ddp_app(optimizers=2)
@@ -160,7 +152,7 @@ def test_what_a_tracked_app_state_holds_is_tracked(one_rank_group) -> None:
     assert DdpLayouts(tracked).name_of(app.model) == "app.model"
 
 
-def test_an_optimizer_the_app_state_does_not_hold_is_still_named(one_rank_group) -> None:
+def test_an_optimizer_the_app_state_does_not_hold_is_still_named() -> None:
     app = _ddp_app(optimizers=2)
     head = app.optimizers.pop()  # stepped by the loop, held by nothing tracked
     app.optimizers.append(head)
