@@ -1,4 +1,5 @@
-"""The collectives in flight that an abort must end, and DDP's gradient all-reduce among them.
+"""The collectives in flight that an abort must end; DDP's gradient all-reduce and buffer
+broadcast among them.
 
 Why this exists (measured on torch 2.13, gloo's TCP transport). A gloo send is written to its
 connection from a queue once the peer has posted the matching receive; when the peer stops
@@ -25,15 +26,27 @@ unwinds. The gloo worker stays inside ``waitSend`` until its timeout; the group 
 must not be freed before then, since freeing a gloo group joins its workers
 (``runtime/pg.py`` keeps it).
 
-Not covered (the abort watchdog's restart in place remains their way out): a DDP with a
-communication hook of its own, one with ``gradient_as_bucket_view=True`` (DDP divides
-aliased gradients differently there; a hook would change the bits), a DDP on a GPU, a DDP the
-runtime never sees run a forward in an epoch's first step, and collectives the user's code
-waits on itself.
+Any collective's send can be left so, not only the all-reduce's. In a 2 x 2 DCGAN-like job
+with a node killed (1 run in 7), a survivor stayed 40 s, until the watchdog restarted it, in
+DDP's buffer broadcast at the start of a forward (``broadcast_buffers=True`` with BatchNorm:
+``_sync_buffers`` → ``_distributed_broadcast_coalesced`` → ``dist._broadcast_coalesced``,
+C++ waiting on gloo's work); reproduced in ``tests/runtime/ddp_gloo.py`` (``broadcast-plain``
+ends at the group's timeout). So ``release_on_abort`` also gives a CPU DDP its own
+``_distributed_broadcast_coalesced``: the same buckets, flattened and broadcast as torch's,
+waited on through ``InFlight``. A broadcast copies: no bit changes.
+
+Not covered (the abort watchdog's restart in place remains their way out): the gradient
+all-reduce of a DDP with a communication hook of its own or with ``gradient_as_bucket_view=True``
+(DDP divides aliased gradients differently there; a hook would change the bits), a DDP on a
+GPU, a DDP the runtime never sees run a forward in an epoch's first step, DDP's broadcasts at
+construction and its ``_find_common_rank`` (``Join``), a buffer communication hook, and
+collectives the user's code waits on itself.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import itertools
 import logging
 import threading
@@ -43,6 +56,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel
 
 from peerckpt.errors import MembershipChanged
@@ -63,6 +77,12 @@ def _unwrap(outcome: torch.futures.Future[Any]) -> Any:
     if error is not None:
         raise error
     return value
+
+
+def outcome_of(outcome: torch.futures.Future[Any]) -> Any:
+    """Wait for an outcome from ``InFlight.watch``: its value, or its error raised."""
+    outcome.wait()
+    return _unwrap(outcome)
 
 
 class InFlight:
@@ -86,14 +106,21 @@ class InFlight:
     ) -> torch.futures.Future[Any]:
         """Start a collective (``start()`` returns its future) and return a future that
         completes with ``pick(its value)``, with its error, or with ``MembershipChanged`` at
-        ``release``; failed at once, nothing started, after ``release``."""
+        ``release``; failed at once, nothing started, after ``release``. For a waiter in C++
+        (DDP's reducer): its error reaches Python as a ``RuntimeError`` naming it."""
+        return self.watch(start, pick).then(_unwrap)
+
+    def watch(
+        self, start: Callable[[], torch.futures.Future[Any]], pick: Callable[[Any], Any]
+    ) -> torch.futures.Future[Any]:
+        """``issue`` for a waiter in Python: the future of the outcome, ``(value, error)``;
+        ``outcome_of`` returns the value or raises the error as itself."""
         key = next(self._keys)
         outcome: torch.futures.Future[Any] = torch.futures.Future()
-        waited_on = outcome.then(_unwrap)
         with self._lock:  # a release waits for a collective being started: it then sees it
             if self._released is not None:
                 outcome.set_result((None, MembershipChanged(self._released)))
-                return waited_on
+                return outcome
             work = start()
             self._open[key] = _Watched(work, outcome)
 
@@ -106,7 +133,7 @@ class InFlight:
                 self._settle(key, value=value)
 
         work.add_done_callback(done)
-        return waited_on
+        return outcome
 
     def _settle(self, key: int, value: Any = None, error: Exception | None = None) -> None:
         with self._lock:
@@ -176,10 +203,52 @@ _allreduce.__annotations__ = {
 }
 
 
+def _broadcast_coalesced(
+    module: DistributedDataParallel,
+    in_flight: InFlight,
+    tensors: list[torch.Tensor],
+    buffer_size: int,
+    authoritative_rank: int = 0,
+) -> None:
+    """``dist._broadcast_coalesced`` as DDP calls it for its buffers, waited on through
+    ``in_flight``: the same buckets (``compute_bucket_assignment_by_size``), each flattened and
+    broadcast from the group rank ``authoritative_rank``, at most two in flight, then copied
+    back into its tensors. The wire sees what it sees from torch's own; a broadcast copies,
+    so no bit changes."""
+    group = module.process_group
+    buckets, _ = dist._compute_bucket_assignment_by_size(tensors, [buffer_size])
+    pending: collections.deque[tuple[list[torch.Tensor], torch.Tensor, Any]] = collections.deque()
+
+    def finish() -> None:
+        bucket, flat, outcome = pending.popleft()
+        outcome_of(outcome)
+        for tensor, received in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+            tensor.copy_(received)
+
+    for indices in buckets:
+        if len(pending) == 2:
+            finish()
+        bucket = [tensors[i] for i in indices]
+        flat = _flatten_dense_tensors(bucket)
+
+        def start(flat: torch.Tensor = flat) -> torch.futures.Future[Any]:
+            work = dist.broadcast(flat, group=group, group_src=authoritative_rank, async_op=True)
+            assert work is not None
+            return work.get_future()
+
+        pending.append((bucket, flat, in_flight.watch(start, lambda value: None)))
+    while pending:
+        finish()
+
+
 def release_on_abort(module: DistributedDataParallel, in_flight: InFlight = IN_FLIGHT) -> bool:
-    """Route ``module``'s gradient all-reduce through ``in_flight`` (once per DDP object);
-    False, and nothing changed, where that would change what DDP computes or cannot apply
-    (see the module's docstring)."""
+    """Route ``module``'s buffer broadcast (once per DDP object, on CPU) and its gradient
+    all-reduce through ``in_flight``; False where the all-reduce is left as it is, since
+    routing it would change what DDP computes or cannot apply (see the module's docstring)."""
+    if module.device_type == "cpu" and "_distributed_broadcast_coalesced" not in vars(module):
+        module._distributed_broadcast_coalesced = functools.partial(  # type: ignore[method-assign]
+            _broadcast_coalesced, module, in_flight
+        )
     if getattr(module, "_peerckpt_in_flight", None) is in_flight:
         return True
     why = _unsupported(module)

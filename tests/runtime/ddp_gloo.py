@@ -16,8 +16,16 @@ rank 2, queued. Its abort (``ProcessGroupLifecycle``) then cuts the connections.
 does. Rank 0 prints one JSON line: how the backward ended and how many groups its lifecycle
 kept.
 
+``broadcast-hook`` / ``broadcast-plain``: the same queued send to rank 2, then rank 0 runs a
+forward of a DDP with BatchNorm buffers (``broadcast_buffers=True``): its buffer broadcast
+posts a send to rank 2, whose receive rank 2 posted in its own forward before it stopped,
+behind the queued one. Rank 0's abort then cuts the connections. With ``broadcast-hook`` every
+rank's DDP goes through ``release_on_abort``. Rank 0 prints how the forward ended, how long
+it took and how many groups its lifecycle kept.
+
 ``bits-hook`` / ``bits-plain``: three steps of a small DDP with and without the hook; every
-rank prints the digest of its gradients (they must be equal: the hook changes no bit).
+rank prints the digest of its gradients and of its BatchNorm buffers as each forward's
+broadcast left them (they must be equal: neither the hook nor the broadcast changes a bit).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,11 +101,61 @@ def stuck(rank: int, store: dist.TCPStore, pg: ProcessGroupLifecycle, hook: bool
     print(json.dumps(result), flush=True)
 
 
-def bits(rank: int, hook: bool) -> None:
+def stuck_broadcast(rank: int, store: dist.TCPStore, pg: ProcessGroupLifecycle, hook: bool) -> None:
     torch.manual_seed(0)
-    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)))
+    ddp = DistributedDataParallel(
+        nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)), init_sync=False
+    )
     if hook:
         assert release_on_abort(ddp)
+    x = torch.ones(4, 8)
+    if rank in (1, 2):
+        if rank == 2:
+            large = torch.zeros(16 << 20)
+            dist.irecv(large, src=0)
+
+            def stop_once_posted() -> None:
+                time.sleep(1.0)  # the forward's receive from rank 0 is posted by then
+                store.set("pid2", str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+            threading.Thread(target=stop_once_posted, daemon=True).start()
+        ddp(x)  # never returns on rank 2: rank 0's broadcast never gets through
+        time.sleep(3600)  # the test kills it
+    pid = int(store.get("pid2"))
+    while not _stopped(pid):
+        time.sleep(0.05)
+    queued = dist.isend(torch.zeros(16 << 20), dst=2)  # noqa: F841 (gloo holds its buffer)
+    threading.Timer(3.0, pg.abort).start()  # by then rank 0 waits for its send to rank 2
+    started = time.monotonic()
+    try:
+        ddp(x)
+        outcome = "finished"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    pg.leave()
+    result = {"forward": outcome, "seconds": time.monotonic() - started, "kept": pg.kept()}
+    print(json.dumps(result), flush=True)
+
+
+def bits(rank: int, hook: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 64), nn.BatchNorm1d(64)
+    )
+    ddp = DistributedDataParallel(model)
+    # Three buckets (more than two in flight), of two tensors each: a bucket of one is
+    # broadcast in place, of more through a flat copy that must be copied back.
+    ddp.broadcast_bucket_size = 2048  # bytes
+    if hook:
+        assert release_on_abort(ddp)
+    received = hashlib.sha256()  # the buffers as each forward's broadcast left them
+
+    def digest_buffers(module: nn.Module, args: Any) -> None:
+        for buffer in module.buffers():
+            received.update(buffer.numpy().tobytes())
+
+    model.register_forward_pre_hook(digest_buffers)
     data = torch.Generator().manual_seed(rank)
     digest = hashlib.sha256()
     for _ in range(3):  # the first iteration in the initial buckets, then the rebuilt ones
@@ -105,7 +164,8 @@ def bits(rank: int, hook: bool) -> None:
             assert p.grad is not None
             digest.update(p.grad.numpy().tobytes())
             p.grad = None
-    print(json.dumps({"rank": rank, "digest": digest.hexdigest()}), flush=True)
+    result = {"rank": rank, "digest": digest.hexdigest(), "buffers": received.hexdigest()}
+    print(json.dumps(result), flush=True)
 
 
 def main() -> None:
@@ -124,6 +184,8 @@ def main() -> None:
     kind, _, variant = mode.partition("-")
     if kind == "stuck":
         stuck(rank, store, pg, variant == "hook")  # rank 0 then exits as any process does
+    elif kind == "broadcast":
+        stuck_broadcast(rank, store, pg, variant == "hook")
     else:
         bits(rank, variant == "hook")
         # gloo processes here now and then abort at exit ("terminate called without an active

@@ -143,21 +143,48 @@ def test_an_abort_releases_a_ddp_backward_whose_send_gloo_never_ends() -> None:
     assert result["kept"] == 1, result
 
 
-@pytest.mark.slow  # waits out a 10 s process-group timeout
-def test_gloo_still_never_ends_a_queued_send_when_its_connection_closes() -> None:
-    """Why ``release_on_abort`` exists: without it, the same backward ends only with gloo's
-    own timeout. If this fails, gloo ends such sends now; the hook can then go."""
-    with _three_ranks("stuck-plain", pg_timeout_s=10.0) as (rank0, _, _):
+def test_an_abort_releases_a_ddp_buffer_broadcast_whose_send_gloo_never_ends() -> None:
+    """Rank 0's DDP forward broadcasts its BatchNorm buffers behind a send to a peer that
+    stopped reading; its abort (3 s in) then cuts the connections. Before the fix the forward
+    (DDP's ``_broadcast_coalesced``, waiting in C++ on gloo's own work) stayed until the
+    group's timeout (here 120 s, so the test fails at its 60 s bound, which leaves three ranks
+    time to start on a loaded machine: 27 s seen); now it raises ``MembershipChanged`` at the
+    abort, and the abort counts the broadcast (kept: it knew it was still inside gloo)."""
+    with _three_ranks("broadcast-hook", pg_timeout_s=120.0) as (rank0, _, _):
+        result = _result(rank0, wait_s=60.0)
+    assert result["forward"] == "MembershipChanged: epoch 0 was aborted", result
+    assert result["seconds"] < 3.0 + 2.0, result
+    assert result["kept"] == 1, result  # the broadcast is still inside gloo
+
+
+@pytest.mark.slow  # waits out a 10 s process-group timeout, twice
+@pytest.mark.parametrize(
+    ("mode", "waiter"), [("stuck-plain", "backward"), ("broadcast-plain", "forward")]
+)
+def test_gloo_still_never_ends_a_queued_send_when_its_connection_closes(
+    mode: str, waiter: str
+) -> None:
+    """Why ``release_on_abort`` exists: without it, the same backward (the gradient
+    all-reduce) or forward (the buffer broadcast) ends only with gloo's own timeout. If this
+    fails, gloo ends such sends now; the hook and the broadcast can then go."""
+    with _three_ranks(mode, pg_timeout_s=10.0) as (rank0, _, _):
         result = _result(rank0, wait_s=90.0)
-    assert "Timed out waiting 10000ms for send operation" in result["backward"], result
+    assert "Timed out waiting 10000ms for send operation" in result[waiter], result
     assert result["kept"] == 0, result  # no watched collective: nothing known to keep
 
 
-def test_the_hook_reduces_the_same_bits_as_ddps_own_all_reduce() -> None:
-    """Three ranks (1/3 is not exact in binary): three steps, initial and rebuilt buckets."""
+def test_the_hook_and_the_broadcast_give_the_same_bits_as_ddps_own() -> None:
+    """Three ranks (1/3 is not exact in binary): three steps, initial and rebuilt buckets; the
+    BatchNorm buffers broadcast at each forward, in more buckets than two in flight."""
     digests = {}
     for mode in ("bits-plain", "bits-hook"):
         with _three_ranks(mode, pg_timeout_s=60.0) as procs:
-            digests[mode] = [_result(proc, wait_s=120.0)["digest"] for proc in procs]
-    assert digests["bits-hook"] == digests["bits-plain"]
-    assert len(set(digests["bits-plain"])) == 1  # every rank holds the same gradients
+            digests[mode] = [_result(proc, wait_s=120.0) for proc in procs]
+    assert [r["digest"] for r in digests["bits-hook"]] == [
+        r["digest"] for r in digests["bits-plain"]
+    ]
+    assert [r["buffers"] for r in digests["bits-hook"]] == [
+        r["buffers"] for r in digests["bits-plain"]
+    ]
+    for key in ("digest", "buffers"):  # every rank holds the same gradients, and rank 0's buffers
+        assert len({r[key] for r in digests["bits-plain"]}) == 1
