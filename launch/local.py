@@ -342,10 +342,14 @@ class LocalLauncher(Launcher):
         }
         running = [p for n, p in self.procs.training() if p.poll() is None and p.pid in rank_of]
         said, failed_at = False, None
+        order: list[Proc] = []  # the processes that failed, in the order they were seen to
         waited = time.monotonic()
-        while any(p.poll() is None for p in running) and not self._interrupted.wait(0.05):
-            if failed_at is None and any(p.poll() not in (None, 0) for p in running):
+        while not self._interrupted.wait(0.05):
+            order += [p for p in running if p.poll() not in (None, 0) and p not in order]
+            if failed_at is None and order:
                 failed_at = time.monotonic()  # the others may wait for it in a collective
+            if all(p.poll() is not None for p in running):
+                break
             if failed_at is not None and time.monotonic() - failed_at > TAIL_NOTICE_S:
                 break  # ``stop`` ends them
             if not said and time.monotonic() - waited > TAIL_NOTICE_S:
@@ -355,15 +359,20 @@ class LocalLauncher(Launcher):
                     "after the decorated function (Ctrl-C stops them)",
                     sum(p.poll() is None for p in running),
                 )
-        failed = [p for p in running if p.poll() not in (None, 0)]
-        if not failed:
+        order += [p for p in running if p.poll() not in (None, 0) and p not in order]
+        if not order:
             return JobOutcome.SUCCEEDED, reason
-        which = ", ".join(
-            f"rank {rank_of[p.pid]} (pid {p.pid}, exit status {p.returncode})" for p in failed
+        first, *then = order
+        after = (
+            f" (then {', '.join(f'rank {rank_of[p.pid]}' for p in then)}, which may have waited "
+            "for it in a collective)"
+            if then
+            else ""
         )
         return JobOutcome.FAILED, (
-            f"training succeeded, but the script failed after the decorated function "
-            f"returned: {which}; see its traceback above"
+            f"training succeeded, but the script failed after the decorated function returned: "
+            f"rank {rank_of[first.pid]} (pid {first.pid}) exited with status {first.returncode} "
+            f"first{after}; see its traceback above"
         )
 
     def _on_signal(self, signum: int) -> None:

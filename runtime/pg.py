@@ -53,6 +53,7 @@ import logging
 import os
 import socket
 import struct
+import sys
 import threading
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
@@ -266,6 +267,7 @@ class ProcessGroupLifecycle:
             self.epoch,
             "lazily, at their first use" if self.gloo_lazy else "while the group forms",
         )
+        _one_traceback_prefix()
         ORIGINAL_INIT(  # torch's own: the script's name for it does nothing (runtime/userpg.py)
             backend, store=prefixed, rank=rank, world_size=world_size, timeout=self.timeout
         )
@@ -399,3 +401,19 @@ class ProcessGroupLifecycle:
     def kept(self) -> int:
         """Process groups of ended epochs kept for a collective still inside gloo."""
         return sum(len(k.groups) for k in self._kept)
+
+
+_plain_excepthook: Any = None  # sys.excepthook before torch's first group in this process
+
+
+def _one_traceback_prefix() -> None:
+    """Before a group forms: torch's ``init_process_group`` wraps ``sys.excepthook`` in one
+    that prefixes an uncaught exception's lines with ``[rank<r>]:``, around whatever hook was
+    there — its own of the last epoch too, so a rank in its third epoch printed
+    ``[rank0]: [rank0]: [rank0]: Traceback``. Torch's hook of an earlier epoch is taken off
+    first: one prefix, of the rank this epoch gives."""
+    global _plain_excepthook
+    if _plain_excepthook is None:
+        _plain_excepthook = sys.excepthook
+    elif getattr(sys.excepthook, "__name__", "") == "_distributed_excepthook":
+        sys.excepthook = _plain_excepthook

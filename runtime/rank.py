@@ -498,6 +498,7 @@ class RankRuntime:
         if self._succeeded():
             # The script's code after the function (a barrier, its evaluation's collectives)
             # runs on the last epoch's group, as under torchrun; it is destroyed at exit.
+            userpg.hand_over()
             atexit.register(_destroy_at_exit)
         else:
             self.pg.leave()

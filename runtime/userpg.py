@@ -23,7 +23,7 @@ init_process_group`` at the top of a file, as the PyTorch DDP tutorial does):
 
 After the job's training succeeded, the last epoch's group is left to the script's code after
 the decorated function (a barrier, its evaluation's collectives), as under torchrun
-(``runtime/rank.py``).
+(``runtime/rank.py``), and its ``destroy_process_group()`` is torch's own.
 
 The runtime calls torch's own functions (``ORIGINAL_INIT``, ``ORIGINAL_DESTROY``).
 """
@@ -51,6 +51,7 @@ ORIGINAL_GET_WORLD_SIZE: Callable[..., int] = c10d.get_world_size
 _said: set[str] = set()
 _lock = threading.Lock()
 _backend: Callable[[], str] = lambda: "gloo"  # noqa: E731 (set by ``install``)
+_handed_over = False  # the job's training ended: the last group is the script's (``hand_over``)
 
 
 def _once(key: str, text: str) -> None:
@@ -117,8 +118,18 @@ def init_process_group(
     )
 
 
+def hand_over() -> None:
+    """The job's training succeeded: the last epoch's group is the script's from now on (its
+    code after the decorated function), and so is destroying it."""
+    global _handed_over
+    _handed_over = True
+
+
 def destroy_process_group(group: Any = None) -> None:
     """The script's call: see the module docstring."""
+    if _handed_over:
+        ORIGINAL_DESTROY(group)
+        return
     if group is None or group is c10d.GroupMember.WORLD:
         _once(
             "destroy",

@@ -252,7 +252,7 @@ def test_an_error_in_the_script_after_the_function_returned_fails_the_job(tmp_pa
         "training succeeded, but the script failed after the decorated function returned: "
         "rank 1 (pid "
     )
-    assert "exit status 1); see its traceback above" in run.report["reason"]
+    assert ") exited with status 1 first; see its traceback above" in run.report["reason"]
     assert "the evaluation after training failed" in run.log
 
 
