@@ -106,7 +106,7 @@ class FirstStepWatch:
         self._handles.clear()
         self._versions, self._modules = {}, []  # and these, the user's modules
 
-    def finish(self) -> list[str]:
+    def finish(self, iterators: list[tuple[str, Any]] | None = None) -> list[str]:
         """Stop watching; when auditing, log each new finding once and return them all."""
         taken, self._taken = self._taken, []
         versions, modules = self._versions, self._modules
@@ -119,6 +119,7 @@ class FirstStepWatch:
             list(self._ran.values()),
             list(self._stepped.values()),
             gc.get_objects(),
+            iterators or [],
         )
         found += taken
         found += changed_modules(versions, set(self._ran), modules)
@@ -147,9 +148,11 @@ def findings(
     ran: list[torch.nn.Module],
     stepped: list[torch.optim.Optimizer],
     heap: Iterable[object],
+    loop_iterators: list[tuple[str, Any]] | None = None,
 ) -> list[str]:
     """What of the loop a restore cannot reproduce, one sentence per object (pure: ``heap`` is
-    every live object to search for schedulers, scalers and loaders)."""
+    every live object to search for schedulers, scalers and loaders; ``loop_iterators``: the
+    loop's variables that hold a plain torch DataLoader's iterator, by name)."""
     holds = held(tracked)  # what tracked Stateful objects hold (DCP's AppState) is tracked
     ids = {id(obj) for obj in tracked.values()} | set(holds)
     names = param_fqns(tracked)
@@ -199,6 +202,7 @@ def findings(
                 "(nor held by a tracked object): after a restore it starts its data epoch "
                 "again; track it, e.g. ctx.track(..., data=loader)"
             )
+    out += _positions(loop_iterators or [], ids)
     out += notes(tracked, iterators)
     out += _param_findings(tracked, ran, unseen_ddps)
     if not scaling:
@@ -230,6 +234,32 @@ def _accumulating(
                 "from zero; make one ctx.steps step one optimizer step (run the micro-batches "
                 "inside it)"
             )
+    return out
+
+
+def _positions(iterators: list[tuple[str, Any]], ids: set[int]) -> list[str]:
+    """The loop's variables holding an iterator of a plain torch DataLoader that gave batches
+    in the step: the loader keeps no position, so after a restore the iterator the code
+    before the loop makes starts the data epoch again (unless its indices come from a
+    tracked sampler, which keeps its own). An iterator wrapped by the script (an
+    ``itertools.islice`` that skips the batches already taken, as Hugging Face's Trainer
+    resumes) is not the variable's value, and is not judged."""
+    out = []
+    for name, it in iterators:
+        batches = getattr(it, "_index_sampler", None)
+        if getattr(it, "_num_yielded", 0) <= 0 or id(batches) in ids:
+            continue
+        if id(getattr(batches, "sampler", None)) in ids:
+            continue
+        dataset = type(getattr(it, "_dataset", None)).__name__
+        out.append(
+            f"`{name}` iterates a torch DataLoader over a {dataset}, which keeps no position: "
+            "after a restore the iterator the code before the loop makes starts the data epoch "
+            "again, and the steps after it train on other batches (unless that code skips the "
+            "batches the committed step had taken); use torchdata's StatefulDataLoader tracked "
+            "as data (ctx.track(..., data=loader)), or draw indices with a tracked "
+            "peerckpt.ResumableSampler"
+        )
     return out
 
 

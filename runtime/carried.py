@@ -34,6 +34,10 @@ import types
 from typing import Any
 
 import torch
+from torch.utils.data.dataloader import (
+    _MultiProcessingDataLoaderIter,
+    _SingleProcessDataLoaderIter,
+)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))  # the runtime's frames, skipped
 _LOADS = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_DEREF", "LOAD_NAME", "LOAD_CLASSDEREF"})
@@ -46,6 +50,7 @@ _PAIRS = {
 }
 _PEEK = 16  # items of a tuple, list or dict looked at for a tensor
 CARRIED = "__carried__"  # the snapshot's name for them (never a ctx.track name: it is refused)
+_PLAIN_ITERATORS = (_SingleProcessDataLoaderIter, _MultiProcessingDataLoaderIter)
 
 
 class Carry:
@@ -58,12 +63,19 @@ class Carry:
     @classmethod
     def at_loop_start(cls, frame: types.FrameType | None = None) -> Carry | None:
         """The frame looping over ``ctx.steps`` (by default the first above the runtime's),
-        as its first ``next()`` runs; None if its loop carries no name."""
+        as its first ``next()`` runs; None if it is no function's."""
         frame = frame or _user_frame()
         if frame is None or not frame.f_code.co_flags & inspect.CO_OPTIMIZED:
             return None  # a module's or class's namespace: not a loop's locals
-        names = carried_names(frame.f_code, frame.f_lasti)
-        return cls(frame, names) if names else None
+        return cls(frame, carried_names(frame.f_code, frame.f_lasti))
+
+    def loader_iterators(self) -> list[tuple[str, Any]]:
+        """(name, iterator) of the loop's variables that hold an iterator of a plain torch
+        DataLoader (not torchdata's StatefulDataLoader, which keeps its position)."""
+        if self._frame is None:
+            return []
+        found = _read(self._frame, set(self._frame.f_code.co_varnames))
+        return [(n, v) for n, v in found.items() if isinstance(v, _PLAIN_ITERATORS)]
 
     def values(self, covered: set[int]) -> dict[str, Any]:
         """The carried names that hold tensors now, less those whose tensors are tracked

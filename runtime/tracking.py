@@ -305,7 +305,7 @@ class EpochTracking:
             capture.restore_rng(self._restored["rng"])
             start = a.restore_step + 1
         carry = Carry.at_loop_start() if self.tracked else None
-        if carry is not None and self._carried:
+        if carry is not None and carry.names and self._carried:
             put = carry.put_back(self._carried)
             if put:
                 log.info(
@@ -315,7 +315,7 @@ class EpochTracking:
                     start,
                 )
         self._carried = None
-        covered = covered_storages(self.tracked) if carry is not None else set()
+        covered = covered_storages(self.tracked) if carry is not None and carry.names else set()
         self._resumed(start)
         watch = self._watch  # None when ctx.track was not called in this epoch
         if not self.tracked:
@@ -350,7 +350,7 @@ class EpochTracking:
                     extra: dict[str, Any] = {"ddp": watch.ddp.layouts()}
                     if policy.every is not None:
                         extra["every"] = policy.every
-                    carried = carry.values(covered) if carry is not None else {}
+                    carried = carry.values(covered) if carry is not None and carry.names else {}
                     captured = capture.capture(self.tracked, step, extra, carried)
                     if self.engine.dedup:
                         captured.twins = twins.declared_keys(self.tracked, watch.ddp.found())
@@ -359,7 +359,8 @@ class EpochTracking:
                 policy.record(step, time.perf_counter() - began)
                 if step == start and watch is not None:
                     self._audit.pending = self._audit.pending and not watch.audit
-                    found = watch.finish()  # the first step is done: the hooks go, the audit speaks
+                    # the first step is done: the hooks go, the audit speaks
+                    found = watch.finish(carry.loader_iterators() if carry is not None else [])
                     if found:  # the job's report says so too
                         self.channel.notify(InexactState(a.epoch, a.rank, found))
                 if self.engine.committed_step is not None and self.engine.committed_step >= start:

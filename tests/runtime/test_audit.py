@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from peerckpt.runtime import audit, loaders
@@ -260,3 +260,20 @@ def test_gradients_accumulated_across_steps_are_named(steps, named) -> None:
         found = watch.finish()
     said = "optimizer SGD over 2 parameter(s) (model.weight, model.bias) did not step in the first"
     assert [f.startswith(said) for f in found] == ([True] if named else []), found
+
+
+def test_a_plain_loaders_iterator_in_the_loop_is_named_unless_a_tracked_sampler_keeps_it() -> None:
+    """A torch DataLoader keeps no position: the iterator the loop reads from starts its data
+    epoch again after a restore. Not named when its sampler is tracked."""
+    data = TensorDataset(torch.randn(32, 4))
+    sampler = ResumableSampler(32, 0, 1, seed=1)
+    for tracked_sampler in (False, True):
+        loader = DataLoader(data, batch_size=4, sampler=sampler)
+        it = iter(loader)
+        next(it)
+        tracked: dict[str, Any] = {"sampler": sampler} if tracked_sampler else {}
+        gc.collect()
+        watch = FirstStepWatch(tracked, audit=True)
+        found = watch.finish([("it", it)])
+        said = "`it` iterates a torch DataLoader over a TensorDataset, which keeps no position"
+        assert sum(f.startswith(said) for f in found) == (0 if tracked_sampler else 1), found
