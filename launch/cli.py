@@ -202,15 +202,22 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from peerckpt.launch.progress import Report, callback
-    from peerckpt.persist.interop import export_safetensors
+    from peerckpt.persist.durable import DurableStore
+    from peerckpt.persist.interop import export_safetensors, per_rank_tensors
 
     with (
         Report(f"exporting to {args.out}", None, "tensors", delay_s=1.0) as report,
         _reading(args.url),
     ):
         tensors = export_safetensors(args.url, args.out, args.step, args.prefix, callback(report))
+        own = per_rank_tensors(DurableStore(args.url).open(args.step), args.prefix)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     print(f"wrote {len(tensors)} tensors ({total:,} bytes) to {args.out}")
+    if own:
+        print(
+            f"left out: {len(own)} per-rank tensor(s), each rank's own, not parts of a full "
+            f"tensor ({', '.join(own[:3])}{', …' if len(own) > 3 else ''})"
+        )
     return 0
 
 

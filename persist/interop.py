@@ -32,6 +32,7 @@ from torch.futures import Future
 from peerckpt.boxes import Box
 from peerckpt.dtypes import dtype_of
 from peerckpt.errors import CheckpointError, CorruptCheckpoint
+from peerckpt.manifest import META_KEY
 from peerckpt.persist.durable import DurableCheckpoint, DurableStore, StoredChunk
 from peerckpt.tiling import TooFragmented, tiles
 
@@ -91,6 +92,21 @@ def tracked_objects(ckpt: DurableCheckpoint) -> list[str]:
             for chunks in ckpt.manifest.ranks.values()
             for c in chunks
             if c.record.scope == "global" and "/" in c.record.key
+        }
+    )
+
+
+def per_rank_tensors(ckpt: DurableCheckpoint, prefix: str | None = None) -> list[str]:
+    """The names of the step's per-rank tensors (each rank's own: a Stateful's plain
+    tensors, the loop's carried batch), which an export of full tensors leaves out."""
+    return sorted(
+        {
+            c.record.key
+            for chunks in ckpt.manifest.ranks.values()
+            for c in chunks
+            if c.record.scope != "global"
+            and c.record.key != META_KEY
+            and (prefix is None or c.record.key.partition("/")[0] == prefix)
         }
     )
 
