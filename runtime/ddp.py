@@ -68,6 +68,11 @@ def apply_bucket_layout(module: DistributedDataParallel, buckets: list[list[int]
         module._ddp_init_helper(params, sparse, mapping, module.static_graph)
     finally:
         dist._compute_bucket_assignment_by_size = original
+    if module.static_graph:  # DDP tells its reducer in __init__ only, after this helper
+        module._static_graph_delay_allreduce_enqueued = False
+        module.reducer._set_static_graph()
+        if module.logger is not None:
+            module.logger._set_static_graph()
     return True
 
 

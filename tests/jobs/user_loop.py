@@ -18,6 +18,7 @@ Patterns (each a habit of ordinary training scripts; ``all`` is every one at onc
 - ``lambdalr``: a ``LambdaLR`` schedule on the (first) optimizer;
 - ``accumulation``: two micro-batches a step, the first under ``ddp.no_sync()``;
 - ``batchnorm``: a ``BatchNorm1d`` layer (running statistics in its buffers);
+- ``static-graph``: ``DDP(net, static_graph=True)``;
 - ``app-state``: the DCP tutorial's ``AppState``, one Stateful holding the DDP and the
   optimizer(s) through torch's ``get_state_dict``/``set_state_dict``, tracked as ``app``;
 - ``user-stateful``: a user object with ``state_dict``/``load_state_dict`` holding a tensor and
@@ -72,6 +73,7 @@ PATTERNS = (
     "accumulation",
     "batchnorm",
     "user-stateful",
+    "static-graph",
     "app-state",
     "prefetch",
 )
@@ -222,7 +224,8 @@ def digest(objects: dict) -> str:
 def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
     use = args.patterns
     net = Net(batchnorm="batchnorm" in use)
-    ddp = DDP(net) if "inner-tracked" not in use else None
+    wrap = {"static_graph": True} if "static-graph" in use else {}
+    ddp = DDP(net, **wrap) if "inner-tracked" not in use else None
     tracked: dict = {}
     if "inner-tracked" in use:
         tracked["model"] = net
@@ -277,7 +280,7 @@ def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
         }
     ctx.track(**{k: v for k, v in tracked.items() if k not in args.leave_out})
     if ddp is None:
-        ddp = DDP(net)  # wrapped after track: the DDP object itself is never tracked
+        ddp = DDP(net, **wrap)  # wrapped after track: the DDP object itself is never tracked
     if args.record_workers and ctx.restored_step is not None:
         record_orphans(args.out, ctx)
 
@@ -351,7 +354,7 @@ def parse() -> argparse.Namespace:
     args = parser.parse_args()
     args.leave_out = set(filter(None, args.leave_out.split(",")))
     args.patterns = (
-        set(EXACT) - {"module-tracked", "ddp-tracked", "app-state", "prefetch"}
+        set(EXACT) - {"module-tracked", "ddp-tracked", "app-state", "prefetch", "static-graph"}
         if args.patterns == "all"
         else set(args.patterns.split(","))
     )
