@@ -42,6 +42,7 @@ from peerckpt.messages.local import (
 from peerckpt.runtime import capture, loaders, twins
 from peerckpt.runtime.audit import FirstStepWatch, covered_storages, warn_untracked
 from peerckpt.runtime.carried import CARRIED, Carry
+from peerckpt.runtime.held import held
 from peerckpt.runtime.live import LiveState
 from peerckpt.runtime.policy import Probe, RankReport, SnapshotPolicy
 from peerckpt.runtime.reshardable import refusal, unreshardable
@@ -151,6 +152,8 @@ class EpochTracking:
             raise StateMismatch(f"ctx.track got {clash} twice in one epoch; track each name once")
         if CARRIED in state:
             raise StateMismatch(f"ctx.track: {CARRIED!r} is the runtime's own name; pick another")
+        for name, obj in state.items():
+            refuse_unsupported(name, obj)
         self.check()
         if self._watch is None:
             self._start_watch()
@@ -422,3 +425,30 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def refuse_unsupported(name: str, obj: Any) -> None:
+    """StateMismatch for state a restore would silently get wrong, tracked itself or held by
+    a tracked Stateful: an FSDP1 model (its state_dict() gives gathered copies, not its flat
+    parameters: a restore wrote into the copies) and ZeroRedundancyOptimizer (its state is
+    sharded over inner optimizers that its state_dict() gathers to one rank only)."""
+    fsdp1 = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
+    zero = getattr(sys.modules.get("torch.distributed.optim"), "ZeroRedundancyOptimizer", None)
+    for path, held_obj in [(name, obj), *held({name: obj}).values()]:
+        modules = held_obj.modules() if isinstance(held_obj, torch.nn.Module) else ()
+        if fsdp1 is not None and any(isinstance(m, fsdp1) for m in modules):
+            raise StateMismatch(
+                f"ctx.track: {path} is (or holds) a FullyShardedDataParallel (FSDP1) model, "
+                "which peerckpt cannot restore: its state_dict() gives gathered copies of its "
+                "flat parameters, not the parameters; shard it with FSDP2 "
+                "(torch.distributed.fsdp.fully_shard), which peerckpt snapshots and reshards, "
+                "or train it under DDP"
+            )
+        if zero is not None and isinstance(held_obj, zero):
+            raise StateMismatch(
+                f"ctx.track: {path} is a ZeroRedundancyOptimizer, which peerckpt cannot "
+                "restore: its state is sharded over inner optimizers and its state_dict() "
+                "gathers it to one rank only; use the plain optimizer (peerckpt keeps one copy "
+                "of data-parallel state per node pair: resilient(dedup=True)), or shard "
+                "the model and its optimizer state with FSDP2"
+            )

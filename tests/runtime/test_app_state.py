@@ -159,3 +159,22 @@ def test_an_optimizer_the_app_state_does_not_hold_is_still_named() -> None:
     tracked = {"app": AppState(app.model, app.optimizers[:1], app.sched)}
     [finding] = _audit(tracked, app, app.model)
     assert finding.startswith("optimizer SGD over 2 parameter(s)")
+
+
+def test_fsdp1_and_zero_are_refused_by_name_even_inside_an_app_state() -> None:
+    """What a restore would silently get wrong is refused at ctx.track (measured: an FSDP1
+    job's first step after a restore already differed, with nothing said)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from peerckpt.runtime.tracking import refuse_unsupported
+
+    net = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 3))
+    fsdp1 = FullyShardedDataParallel(net, device_id=torch.device("cpu"))
+    with pytest.raises(StateMismatch, match=r"app\.model is \(or holds\) a FullyShardedDataPa"):
+        refuse_unsupported("app", AppState(fsdp1, torch.optim.SGD(fsdp1.parameters(), lr=0.1)))
+    plain = nn.Linear(6, 3)
+    zero = ZeroRedundancyOptimizer(plain.parameters(), optimizer_class=torch.optim.AdamW)
+    with pytest.raises(StateMismatch, match="optim is a ZeroRedundancyOptimizer"):
+        refuse_unsupported("optim", zero)
+    refuse_unsupported("app", _fsdp_app(seed=0))  # FSDP2: nothing to refuse
