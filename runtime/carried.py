@@ -1,5 +1,5 @@
-"""Tensors the user's loop carries from one step into the next in its own variables: saved
-with each snapshot, and put back when a restored loop resumes.
+"""Tensors and numbers the user's loop carries from one step into the next in its own
+variables: saved with each snapshot, and put back when a restored loop resumes.
 
 A restore re-runs the decorated function: the code before the loop runs again, then the loop
 resumes after the committed step. A value made before the loop and made again in each step
@@ -9,12 +9,15 @@ truncated-BPTT loop carries between steps — would then be the one the code bef
 made, not the one the fault-free run carried into the step, and the run after a restore
 would train on other data. So the runtime saves them: at each snapshot it reads, in the
 frame that loops over ``ctx.steps``, the names the loop's body reads before it writes them
-(and writes: ``carried_names``, from the bytecode) that hold tensors, or tuples, lists or
-dicts of them, and are not tracked state; they travel in the snapshot as the rank's private
+(and writes: ``carried_names``, a liveness pass over the bytecode, so a name one branch
+makes afresh and the others carry counts) that hold tensors, or tuples, lists or dicts of
+them, or numbers, and are not tracked state; they travel in the snapshot as the rank's private
 state, and when a restored loop starts (its RNG states set back as of the committed step)
 they are written back into the frame, each tensor on the device of the value the code before
-the loop just made. The next step then reads what the fault-free run's did. Ints and floats
-(a timer, a running average for the log) are left alone: they do not change what is trained.
+the loop just made. The next step then reads what the fault-free run's did. Numbers the loop
+carries are saved and put back the same way: word_language_model's learning rate, divided by 4
+on a plateau in a local float, and its best validation loss change what is trained (a timer
+comes back as the committed step left it: one log line's time after a restore is off).
 
 Writing a function's locals from outside is what debuggers do: Python 3.13's ``f_locals`` is
 a write-through proxy; before it, the frame's snapshot dict is written and copied back with
@@ -49,6 +52,11 @@ _PAIRS = {
     "STORE_FAST_LOAD_FAST": ("store", "load"),
 }
 _PEEK = 16  # items of a tuple, list or dict looked at for a tensor
+_JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs)  # may go to their argval
+_GOTOS = frozenset(  # always go to their argval
+    {"JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP", "JUMP_NO_INTERRUPT"}
+)
+_ENDS = frozenset({"RETURN_VALUE", "RETURN_CONST", "RAISE_VARARGS", "RERAISE"})  # go nowhere
 CARRIED = "__carried__"  # the snapshot's name for them (never a ctx.track name: it is refused)
 _PLAIN_ITERATORS = (_SingleProcessDataLoaderIter, _MultiProcessingDataLoaderIter)
 
@@ -78,12 +86,16 @@ class Carry:
         return [(n, v) for n, v in found.items() if isinstance(v, _PLAIN_ITERATORS)]
 
     def values(self, covered: set[int]) -> dict[str, Any]:
-        """The carried names that hold tensors now, less those whose tensors are tracked
-        state (storage addresses in ``covered``). Called between two steps."""
+        """The carried names that hold numbers or tensors now, less those whose tensors
+        are tracked state (storage addresses in ``covered``). Called between two steps."""
         if self._frame is None:
             return {}
         found = _read(self._frame, self.names)
-        return {n: v for n, v in found.items() if _tensors(v) and not _aliases(v, covered)}
+        return {
+            n: v
+            for n, v in found.items()
+            if isinstance(v, (int, float)) or (_tensors(v) and not _aliases(v, covered))
+        }
 
     def put_back(self, saved: dict[str, Any]) -> list[str]:
         """Write ``saved`` into the loop's frame, each tensor moved to the device of the one
@@ -143,22 +155,52 @@ def _write(frame: types.FrameType, values: dict[str, Any]) -> None:
 
 
 def carried_names(code: types.CodeType, for_iter: int) -> set[str]:
-    """Names the body of the ``for`` loop at offset ``for_iter`` reads before it writes them,
-    and writes (pure: bytecode only). Empty when ``for_iter`` is not a ``FOR_ITER``."""
+    """Names the body of the ``for`` loop at offset ``for_iter`` writes, and may read before
+    it writes them on some path through it (live where the body begins: a hidden state that
+    one branch makes afresh and the others carry counts), from the bytecode alone. Empty when
+    ``for_iter`` is not a ``FOR_ITER``. Exception handlers are not followed."""
     instructions = list(dis.get_instructions(code))
     head = next((i for i in instructions if i.offset == for_iter), None)
     if head is None or head.opname != "FOR_ITER" or not isinstance(head.argval, int):
         return set()
-    first: dict[str, str] = {}  # name → its first access in the body: load or store
-    stored: set[str] = set()
-    for ins in instructions:
-        if not head.offset < ins.offset < head.argval:
-            continue
-        for name, access in _accesses(ins):
-            first.setdefault(name, access)
-            if access == "store":
-                stored.add(name)
-    return {n for n, access in first.items() if access == "load" and n in stored}
+    body = [i for i in instructions if head.offset < i.offset < head.argval]
+    if not body:
+        return set()
+    at = {ins.offset: k for k, ins in enumerate(body)}
+    entry = 0  # the next iteration begins where the body does (the back edge's FOR_ITER)
+
+    def index(offset: object) -> int | None:
+        if offset == head.offset:
+            return entry
+        return at.get(offset) if isinstance(offset, int) else None
+
+    successors: list[list[int]] = []
+    for k, ins in enumerate(body):
+        after = [k + 1] if k + 1 < len(body) else []
+        if ins.opname in _ENDS:
+            nexts: list[int | None] = []
+        elif ins.opname in _GOTOS:
+            nexts = [index(ins.argval)]
+        elif ins.opcode in _JUMPS:
+            nexts = [index(ins.argval), *after]
+        else:
+            nexts = list(after)
+        successors.append([n for n in nexts if n is not None])
+    live: list[set[str]] = [set() for _ in body]
+    changed = True
+    while changed:  # backward liveness to a fixed point (each pass only adds names)
+        changed = False
+        for k in reversed(range(len(body))):
+            names = set().union(*(live[n] for n in successors[k]))
+            for name, access in reversed(_accesses(body[k])):
+                if access == "store":
+                    names.discard(name)
+                else:
+                    names.add(name)
+            if names != live[k]:
+                live[k], changed = names, True
+    stored = {n for ins in body for n, access in _accesses(ins) if access == "store"}
+    return live[entry] & stored
 
 
 def _accesses(ins: dis.Instruction) -> list[tuple[str, str]]:

@@ -154,3 +154,33 @@ def test_the_loops_plain_loader_iterators_are_found_by_name() -> None:
     for _ in steps():
         next(it), next(skipped)
     assert found == [["it"]]
+
+
+def test_a_name_one_branch_makes_afresh_and_the_others_carry_is_carried() -> None:
+    """word_language_model: ``hidden`` made afresh on the first batch of an epoch, carried
+    (repackaged) otherwise; its learning rate a local float divided on a plateau."""
+
+    def loop(it: Any, init: Any) -> None:
+        hidden = init()
+        lr = 20.0
+        for batch in it:
+            if batch == 0:
+                hidden = init()
+            hidden = hidden.detach() + batch
+            x = hidden * 2  # written before it is read: not carried
+            if x.sum() > 100:
+                lr /= 4.0
+
+    code = loop.__code__
+    head = next(i for i in dis.get_instructions(code) if i.opname == "FOR_ITER")
+    assert carried_names(code, head.offset) == {"hidden", "lr"}
+
+
+def test_numbers_the_loop_carries_are_saved_too() -> None:
+    steps = Steps(3)
+    lr, seen = 20.0, torch.zeros(1)
+    for step in steps:
+        seen = seen + lr
+        lr = lr / 4.0 if step == 1 else lr
+    assert steps.saved[1] == {"lr": 5.0, "seen": steps.saved[1]["seen"]}
+    assert torch.equal(steps.saved[1]["seen"], torch.tensor([40.0]))
