@@ -23,11 +23,14 @@ its invariants written beside each step; split, the invariants would lose their 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.utils.data import Sampler
+
+log = logging.getLogger("peerckpt.rank")
 
 __all__ = ["Reshardable", "ResumableSampler"]
 
@@ -138,6 +141,9 @@ class ResumableSampler(Sampler[int]):
         # Bumped whenever the position is replaced wholesale, so that a live iterator stops
         # instead of walking on through a share it no longer belongs to.
         self._generation = 0
+        # Restored, nothing taken since: the code before a resumed loop may call
+        # set_epoch(0) (DistributedSampler's habit), which must not rewind it.
+        self._restored = False
 
     # -- what the sampler is ------------------------------------------------------------------
 
@@ -173,9 +179,19 @@ class ResumableSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Move to data epoch ``epoch`` on the current topology, nothing of it delivered.
 
-        A no-op when ``epoch`` is the current data epoch, so that a resumed loop continues.
+        A no-op when ``epoch`` is the current data epoch, so that a resumed loop continues;
+        also, after a restore and before anything is taken, when ``epoch`` is an earlier one
+        (the code before a resumed loop calling ``set_epoch(0)``, as with DistributedSampler).
         """
         _check_int("epoch", epoch, minimum=0)
+        if self._restored and epoch < self._data_epoch:
+            log.info(
+                "ResumableSampler.set_epoch(%d) after a restore into data epoch %d: ignored, "
+                "the loop resumes the restored data epoch",
+                epoch,
+                self._data_epoch,
+            )
+            return
         if epoch != self._data_epoch:
             self._start_epoch(epoch)
 
@@ -188,6 +204,7 @@ class ResumableSampler(Sampler[int]):
         data epoch.
         """
         _check_int("k", k, minimum=0)
+        self._restored = False
         if k == 0:
             return []
         if self._exhausted():
@@ -222,6 +239,7 @@ class ResumableSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         """Yield what is left of the current data epoch (or all of the next, if it is done)."""
+        self._restored = False
         if self._exhausted():
             self._start_epoch(self._data_epoch + 1)
         generation = self._generation
@@ -283,6 +301,7 @@ class ResumableSampler(Sampler[int]):
             span=state["span"],
             resharded=None if share is None else share.clone(),
         )
+        self._restored = True
 
     def load_resharded_state(
         self, states: list[dict[str, Any]], rank: int, world_size: int
@@ -331,6 +350,7 @@ class ResumableSampler(Sampler[int]):
             span=_ceil_div(rest.numel(), world_size),
             resharded=rest[rank::world_size].clone(),
         )
+        self._restored = True
 
     # -- internals ---------------------------------------------------------------------------
 

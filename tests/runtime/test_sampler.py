@@ -455,3 +455,18 @@ def test_foreign_states_are_refused() -> None:
         ResumableSampler(10, 1, 2, seed=1).load_state_dict({**state, "version": 99})
     with pytest.raises(ValueError, match="cursor"):
         ResumableSampler(10, 1, 2, seed=1).load_state_dict({**state, "cursor": 6})
+
+
+def test_set_epoch_before_a_resumed_loop_does_not_rewind_the_restored_data_epoch() -> None:
+    """DistributedSampler's habit: ``sampler.set_epoch(epoch)`` with ``epoch = 0`` made before
+    the loop. After a restore into data epoch 2 that call is ignored (it rewound the sampler,
+    silently), and once the loop has taken indices set_epoch moves as before."""
+    original = ResumableSampler(12, 0, 1, seed=3)
+    original.set_epoch(2)
+    original.take(4)
+    resumed = ResumableSampler(12, 0, 1, seed=3)
+    resumed.load_state_dict(original.state_dict())
+    resumed.set_epoch(0)
+    assert resumed.epoch == 2 and resumed.take(4) == original.take(4)
+    resumed.set_epoch(0)  # asked for by the loop itself: obeyed
+    assert resumed.epoch == 0
