@@ -92,7 +92,10 @@ class Epochs:
     # -- the view the decisions read ---------------------------------------------------------
     def topology(self) -> Topology:
         s = self.settings
-        return Topology(s.placement, s.replicas or 0, self.registry.node_addrs(), s.store_addr)
+        # None: neither the launcher nor rank 0's script gave any, so the default (1), as in
+        # ``open_first``; a restarted coordinator never runs that, and read None as 0 buddies.
+        replicas = 1 if s.replicas is None else s.replicas
+        return Topology(s.placement, replicas, self.registry.node_addrs(), s.store_addr)
 
     def view(self) -> JobView:
         assert self.membership is not None and self.tracker is not None

@@ -118,3 +118,23 @@ def test_an_agent_back_after_a_commit_it_missed_hears_that_commit_first() -> Non
         c.replicated(Replicated(node, 1, rank, 4, holders, 10, 4, layout=LAYOUT))
     assert c.epochs.tracker is not None and c.epochs.tracker.committed_step == 4
     assert rebuild.catch_up(c) == [EpochOpened(m), Commit(1, 4, largest_snapshot=10)]
+
+
+def test_a_coordinator_restarted_without_replicas_given_keeps_the_default_buddy() -> None:
+    """Neither the launcher nor the script gave replicas (the default, 1). The restarted
+    coordinator never opens a first epoch, where that default was applied: the epoch it opened
+    next had no buddies at all, so every step committed with the rank's own copy only, and a
+    node lost then took its ranks' committed state with it (chaos seed 7)."""
+    m = _epoch_one()
+    c = Coordinator("j", world_size=4, replicas=None, store_addr="127.0.0.1:1")
+    for node in (1, 2):
+        ranks = [r for r, n in RANK_NODES.items() if n == node]
+        procs = [ProcReport(PIDS[r], ProcRole.RANK, r) for r in ranks]
+        held = [HeldCopy(r, 3, 0, 10) for r in ranks]
+        rejoin = RejoinState(m, 3, held, {r: LAYOUT for r in ranks}, procs)
+        c.register_agent(RegisterAgent(node, f"127.0.0.1:{1000 + node}", node == 2, 0, rejoin))
+    _rebuild_ends(c)
+    c.check_heartbeats()  # ranks 0..3 never stepped in epoch 1: they form it again in epoch 2
+    new = c.epochs.membership
+    assert new is not None and new.epoch == 2
+    assert new.placement == {0: [1], 1: [1], 2: [2], 3: [2]}
