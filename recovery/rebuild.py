@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 from peerckpt.messages.control import Commit, EpochOpened, RejoinState
 from peerckpt.recovery.commits import CommitTracker
 from peerckpt.recovery.decide import Loss
+from peerckpt.recovery.erasure import script_erasure
 from peerckpt.recovery.registry import AgentInfo
 from peerckpt.recovery.twins import domains_of, twins_by_digest
 from peerckpt.states import JobState, ProcRole, RecoveryKind
@@ -114,6 +115,7 @@ def adopt(c: Coordinator, node: int, state: RejoinState) -> None:
                 c.spares.started = max(c.spares.started, c.spares.joined)
         if proc.rank == 0 and proc.role is ProcRole.RANK:
             c.config_from_script(proc.replicas, proc.persist)
+            script_erasure(c.settings, proc.erasure)  # as when rank 0 first joined
     if c.life.state is JobState.STARTING:
         epochs.open_first()  # it went away before the first epoch opened
     if epochs.membership is not None:

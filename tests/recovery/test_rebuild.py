@@ -24,6 +24,7 @@ from peerckpt.messages.control import (
 )
 from peerckpt.recovery import rebuild
 from peerckpt.recovery.coordinator import Coordinator
+from peerckpt.recovery.erasure import ErasurePlacement
 from peerckpt.states import EpochMode, JobState, ProcRole, RecoveryKind
 
 from .test_coordinator import LAYOUT
@@ -138,3 +139,17 @@ def test_a_coordinator_restarted_without_replicas_given_keeps_the_default_buddy(
     new = c.epochs.membership
     assert new is not None and new.epoch == 2
     assert new.placement == {0: [1], 1: [1], 2: [2], 3: [2]}
+
+
+def test_a_coordinator_restarted_applies_the_scripts_erasure_again() -> None:
+    """Rank 0's @resilient(erasure="K+M") reached the first coordinator when rank 0 joined;
+    a restarted one hears of rank 0 from its agent only, and kept buddy replicas instead."""
+    m = _epoch_one()
+    c = Coordinator("j", world_size=4, replicas=None, store_addr="127.0.0.1:1")
+    for node in (1, 2):
+        ranks = [r for r, n in RANK_NODES.items() if n == node]
+        procs = [ProcReport(PIDS[r], ProcRole.RANK, r, erasure="1+1") for r in ranks]
+        held = [HeldCopy(r, 3, 0, 10) for r in ranks]
+        rejoin = RejoinState(m, 3, held, {r: LAYOUT for r in ranks}, procs)
+        c.register_agent(RegisterAgent(node, f"127.0.0.1:{1000 + node}", node == 2, 0, rejoin))
+    assert isinstance(c.settings.placement, ErasurePlacement)
