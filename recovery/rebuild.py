@@ -34,6 +34,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from peerckpt.coding import Coding
+from peerckpt.membership import Membership
 from peerckpt.messages.control import Commit, EpochOpened, RejoinState
 from peerckpt.recovery.commits import CommitTracker
 from peerckpt.recovery.decide import Loss
@@ -58,6 +60,10 @@ def adopt(c: Coordinator, node: int, state: RejoinState) -> None:
         c.settings.world_size = m.world_size
         epochs.tracker = CommitTracker(m.epoch, frozenset(m.ranks), gen=m.gen)
         epochs.tracker.domains = domains_of(m)
+        # --erasure: the epoch's groups, as ``open_epoch`` gave them to the first tracker.
+        # Without them every step committed after the restart had no groups, and a node
+        # lost then left its ranks no holder although their parity rebuilds them.
+        epochs.tracker.coding = Coding.from_msg(m.erasure) if m.erasure else None
         for n, addr in m.node_addrs.items():
             if n not in registry.agents:  # not back yet: alive until its heartbeats say not
                 registry.add_agent(AgentInfo(n, addr, spare_node=False))
@@ -82,6 +88,7 @@ def adopt(c: Coordinator, node: int, state: RejoinState) -> None:
             tracker.committed_holders = {}
             tracker.committed_partial, tracker.committed_absent = {}, {}
             c.rebuild_digests = {}
+            tracker.committed_coding = committed_coding(epochs.membership, tracker, committed)
         if committed == tracker.committed_step:
             for held in state.held:
                 if held.step != committed:
@@ -132,6 +139,17 @@ def adopt(c: Coordinator, node: int, state: RejoinState) -> None:
         expected = set(members.node_addrs) - on_host(members.node_addrs, c.moved_from)
         if expected <= c.rebuild_back:  # every node that can come back did: end the wait
             c.clocks.rebuild_deadline = time.monotonic()
+
+
+def committed_coding(m: Membership | None, tracker: CommitTracker, step: int) -> Coding | None:
+    """The groups step ``step`` was coded with (``--erasure``; None without): the epoch's if
+    it committed in it, else the groups its membership restored it with."""
+    if m is None:
+        return None
+    if step == m.restore_step:
+        restore = m.erasure_restore.get("coding")
+        return Coding.from_msg(restore) if restore else None
+    return tracker.coding
 
 
 def catch_up(c: Coordinator) -> list[EpochOpened | Commit]:

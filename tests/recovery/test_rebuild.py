@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from peerckpt.coding import ErasureSpec
 from peerckpt.membership import Membership
 from peerckpt.messages.control import (
     Commit,
@@ -22,9 +23,11 @@ from peerckpt.messages.control import (
     Replicated,
     Resumed,
 )
+from peerckpt.reads import ERASURE
 from peerckpt.recovery import rebuild
 from peerckpt.recovery.coordinator import Coordinator
 from peerckpt.recovery.erasure import ErasurePlacement
+from peerckpt.recovery.placement import RingPlacement
 from peerckpt.states import EpochMode, JobState, ProcRole, RecoveryKind
 
 from .test_coordinator import LAYOUT
@@ -153,3 +156,55 @@ def test_a_coordinator_restarted_applies_the_scripts_erasure_again() -> None:
         rejoin = RejoinState(m, 3, held, {r: LAYOUT for r in ranks}, procs)
         c.register_agent(RegisterAgent(node, f"127.0.0.1:{1000 + node}", node == 2, 0, rejoin))
     assert isinstance(c.settings.placement, ErasurePlacement)
+
+
+def _erasure_coordinator() -> Coordinator:
+    placement = ErasurePlacement(ErasureSpec(3, 1), RingPlacement())
+    return Coordinator(
+        "j", world_size=4, replicas=None, store_addr="127.0.0.1:1", placement=placement
+    )
+
+
+def test_a_restarted_coordinator_keeps_the_erasure_groups_of_what_commits_after() -> None:
+    """--erasure 3+1 on nodes 0..3, a spare node 4. The coordinator dies at step 1 and the
+    restarted one, rebuilt from the agents, commits step 2; then node 1 is lost. Its rank is
+    rebuilt from its group's parity, as without the restart: the rebuilt commit tracker had
+    no groups, so step 2 committed without them, and the job failed with 'no surviving copy
+    of the committed snapshot of rank(s) [1]'."""
+    first = _erasure_coordinator()
+    for node in range(4):
+        first.register_agent(RegisterAgent(node, f"127.0.0.1:{1000 + node}"))
+    first.register_agent(RegisterAgent(4, "127.0.0.1:1004", spare_node=True))
+    for rank in range(4):
+        first.proc_joined(ProcJoined(rank, ProcReport(100 + rank, ProcRole.RANK, rank)))
+    first.proc_joined(ProcJoined(4, ProcReport(200, ProcRole.SPARE, None)))
+    for rank in range(4):
+        first.replicated(Replicated(rank, 0, rank, 1, [rank], 10, 4, layout=LAYOUT))
+    m = first.epochs.membership
+    assert m is not None and m.erasure is not None
+    assert first.epochs.tracker is not None and first.epochs.tracker.committed_step == 1
+
+    c = _erasure_coordinator()
+    for node in range(5):
+        ranks = [node] if node < 4 else []
+        procs = [ProcReport(100 + r, ProcRole.RANK, r) for r in ranks]
+        if node == 4:
+            procs = [ProcReport(200, ProcRole.SPARE, None)]
+        held = [HeldCopy(r, 1, 0, 10) for r in ranks]
+        rejoin = RejoinState(m, 1, held, {r: LAYOUT for r in ranks}, procs)
+        c.register_agent(RegisterAgent(node, f"127.0.0.1:{1000 + node}", node == 4, 0, rejoin))
+        for r in ranks:
+            c.resumed_rank(Resumed(node, 0, r))
+    _rebuild_ends(c)
+    c.check_heartbeats()
+    assert c.epochs.membership == m
+    for rank in range(4):
+        c.replicated(Replicated(rank, 0, rank, 2, [rank], 10, 4, layout=LAYOUT))
+    tracker = c.epochs.tracker
+    assert tracker is not None and tracker.committed_step == 2
+    c.lose_node(1, "its agent's connection to the coordinator closed")
+    assert c.life.state is JobState.RUNNING, c.life.reason
+    assert tracker.committed_holders[1] == {ERASURE}
+    new = c.epochs.membership
+    assert new is not None and new.epoch == 1 and new.restore_step == 2
+    assert new.ranks[1].node == 4
