@@ -241,17 +241,28 @@ def _positions(iterators: list[tuple[str, Any]], ids: set[int]) -> list[str]:
     """The loop's variables holding an iterator of a plain torch DataLoader that gave batches
     in the step: the loader keeps no position, so after a restore the iterator the code
     before the loop makes starts the data epoch again (unless its indices come from a
-    tracked sampler, which keeps its own). An iterator wrapped by the script (an
+    tracked sampler, which keeps its own: then only worker processes, which take indices
+    ahead, are named). An iterator wrapped by the script (an
     ``itertools.islice`` that skips the batches already taken, as Hugging Face's Trainer
     resumes) is not the variable's value, and is not judged."""
     out = []
     for name, it in iterators:
         batches = getattr(it, "_index_sampler", None)
-        if getattr(it, "_num_yielded", 0) <= 0 or id(batches) in ids:
-            continue
-        if id(getattr(batches, "sampler", None)) in ids:
+        if getattr(it, "_num_yielded", 0) <= 0:
             continue
         dataset = type(getattr(it, "_dataset", None)).__name__
+        if id(batches) in ids or id(getattr(batches, "sampler", None)) in ids:
+            workers = getattr(it, "_num_workers", 0)
+            if workers:  # they take indices ahead of the step: the snapshot's are ahead too
+                out.append(
+                    f"`{name}` iterates a torch DataLoader over a {dataset} whose sampler is "
+                    f"tracked, with {workers} worker process{'es' if workers > 1 else ''}: "
+                    "they take indices batches ahead of the step, so the sampler a snapshot "
+                    "holds is ahead of the step and a restore skips those batches; iterate it "
+                    "with num_workers=0, or use torchdata's StatefulDataLoader tracked as "
+                    "data (ctx.track(..., data=loader)), which counts what was delivered"
+                )
+            continue
         out.append(
             f"`{name}` iterates a torch DataLoader over a {dataset}, which keeps no position: "
             "after a restore the iterator the code before the loop makes starts the data epoch "

@@ -277,3 +277,21 @@ def test_a_plain_loaders_iterator_in_the_loop_is_named_unless_a_tracked_sampler_
         found = watch.finish([("it", it)])
         said = "`it` iterates a torch DataLoader over a TensorDataset, which keeps no position"
         assert sum(f.startswith(said) for f in found) == (0 if tracked_sampler else 1), found
+
+
+def test_a_tracked_sampler_fed_to_loader_workers_is_named() -> None:
+    """Workers take indices ahead of the step: a tracked sampler's position in a snapshot is
+    ahead of it, and a restore skips the batches they had taken (the sampler is not blamed
+    without workers: the test above)."""
+    data = TensorDataset(torch.randn(32, 4))
+    sampler = ResumableSampler(32, 0, 1, seed=1)
+    loader = DataLoader(data, batch_size=4, sampler=sampler, num_workers=2)
+    it = iter(loader)
+    try:
+        next(it)
+        gc.collect()
+        found = FirstStepWatch({"sampler": sampler}, audit=True).finish([("it", it)])
+    finally:
+        del it
+    said = "`it` iterates a torch DataLoader over a TensorDataset whose sampler is tracked, with 2"
+    assert sum(f.startswith(said) for f in found) == 1, found
