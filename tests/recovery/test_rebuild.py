@@ -56,12 +56,13 @@ def _epoch_one() -> Membership:
     return m
 
 
-def _restarted(m: Membership) -> Coordinator:
-    """The restarted coordinator, once nodes 1 and 2 registered again."""
-    c = Coordinator("j", world_size=4, replicas=1, store_addr="127.0.0.1:1")
+def _restarted(m: Membership, replicas: int | None = 1, erasure: str | None = None) -> Coordinator:
+    """The restarted coordinator (given ``replicas``), once nodes 1 and 2 registered again,
+    their ranks reporting rank 0's ``erasure``."""
+    c = Coordinator("j", world_size=4, replicas=replicas, store_addr="127.0.0.1:1")
     for node in (1, 2):
         ranks = [r for r, n in RANK_NODES.items() if n == node]
-        procs = [ProcReport(PIDS[r], ProcRole.RANK, r) for r in ranks]
+        procs = [ProcReport(PIDS[r], ProcRole.RANK, r, erasure=erasure) for r in ranks]
         held = [HeldCopy(r, 3, 0, 10) for r in ranks]
         rejoin = RejoinState(m, 3, held, {r: LAYOUT for r in ranks}, procs)
         c.register_agent(RegisterAgent(node, f"127.0.0.1:{1000 + node}", node == 2, 0, rejoin))
@@ -129,14 +130,7 @@ def test_a_coordinator_restarted_without_replicas_given_keeps_the_default_buddy(
     coordinator never opens a first epoch, where that default was applied: the epoch it opened
     next had no buddies at all, so every step committed with the rank's own copy only, and a
     node lost then took its ranks' committed state with it (chaos seed 7)."""
-    m = _epoch_one()
-    c = Coordinator("j", world_size=4, replicas=None, store_addr="127.0.0.1:1")
-    for node in (1, 2):
-        ranks = [r for r, n in RANK_NODES.items() if n == node]
-        procs = [ProcReport(PIDS[r], ProcRole.RANK, r) for r in ranks]
-        held = [HeldCopy(r, 3, 0, 10) for r in ranks]
-        rejoin = RejoinState(m, 3, held, {r: LAYOUT for r in ranks}, procs)
-        c.register_agent(RegisterAgent(node, f"127.0.0.1:{1000 + node}", node == 2, 0, rejoin))
+    c = _restarted(_epoch_one(), replicas=None)
     _rebuild_ends(c)
     c.check_heartbeats()  # ranks 0..3 never stepped in epoch 1: they form it again in epoch 2
     new = c.epochs.membership
@@ -147,14 +141,7 @@ def test_a_coordinator_restarted_without_replicas_given_keeps_the_default_buddy(
 def test_a_coordinator_restarted_applies_the_scripts_erasure_again() -> None:
     """Rank 0's @resilient(erasure="K+M") reached the first coordinator when rank 0 joined;
     a restarted one hears of rank 0 from its agent only, and kept buddy replicas instead."""
-    m = _epoch_one()
-    c = Coordinator("j", world_size=4, replicas=None, store_addr="127.0.0.1:1")
-    for node in (1, 2):
-        ranks = [r for r, n in RANK_NODES.items() if n == node]
-        procs = [ProcReport(PIDS[r], ProcRole.RANK, r, erasure="1+1") for r in ranks]
-        held = [HeldCopy(r, 3, 0, 10) for r in ranks]
-        rejoin = RejoinState(m, 3, held, {r: LAYOUT for r in ranks}, procs)
-        c.register_agent(RegisterAgent(node, f"127.0.0.1:{1000 + node}", node == 2, 0, rejoin))
+    c = _restarted(_epoch_one(), replicas=None, erasure="1+1")
     assert isinstance(c.settings.placement, ErasurePlacement)
 
 

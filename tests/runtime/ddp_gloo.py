@@ -38,6 +38,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -84,20 +85,32 @@ def stuck(rank: int, store: dist.TCPStore, pg: ProcessGroupLifecycle, hook: bool
         dist.irecv(large, src=0)
         ddp(x).sum().backward()  # never returns: rank 0 never gets its segments through
         return
+    assert large is not None
+    _behind_a_queued_send(store, pg, large, "backward", lambda: ddp(x).sum().backward())
+
+
+def _behind_a_queued_send(
+    store: dist.TCPStore,
+    pg: ProcessGroupLifecycle,
+    large: torch.Tensor,
+    what: str,
+    call: Callable[[], object],
+) -> None:
+    """Rank 0, once rank 2 is stopped: queue a send to it that gloo never ends, abort the
+    group 3 s later, run ``call`` (which waits behind that send) and print how it ended."""
     pid = int(store.get("pid2"))
     while not _stopped(pid):
         time.sleep(0.05)
-    assert large is not None
     queued = dist.isend(large, dst=2)  # noqa: F841 (kept: gloo holds its buffer meanwhile)
     threading.Timer(3.0, pg.abort).start()  # by then rank 0 waits for its send to rank 2
     started = time.monotonic()
     try:
-        ddp(x).sum().backward()
+        call()
         outcome = "finished"
     except Exception as exc:
         outcome = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     pg.leave()
-    result = {"backward": outcome, "seconds": time.monotonic() - started, "kept": pg.kept()}
+    result = {what: outcome, "seconds": time.monotonic() - started, "kept": pg.kept()}
     print(json.dumps(result), flush=True)
 
 
@@ -122,20 +135,7 @@ def stuck_broadcast(rank: int, store: dist.TCPStore, pg: ProcessGroupLifecycle, 
             threading.Thread(target=stop_once_posted, daemon=True).start()
         ddp(x)  # never returns on rank 2: rank 0's broadcast never gets through
         time.sleep(3600)  # the test kills it
-    pid = int(store.get("pid2"))
-    while not _stopped(pid):
-        time.sleep(0.05)
-    queued = dist.isend(torch.zeros(16 << 20), dst=2)  # noqa: F841 (gloo holds its buffer)
-    threading.Timer(3.0, pg.abort).start()  # by then rank 0 waits for its send to rank 2
-    started = time.monotonic()
-    try:
-        ddp(x)
-        outcome = "finished"
-    except Exception as exc:
-        outcome = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-    pg.leave()
-    result = {"forward": outcome, "seconds": time.monotonic() - started, "kept": pg.kept()}
-    print(json.dumps(result), flush=True)
+    _behind_a_queued_send(store, pg, torch.zeros(16 << 20), "forward", lambda: ddp(x))
 
 
 def bits(rank: int, hook: bool) -> None:
