@@ -26,9 +26,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from user_loop import AppState  # the DCP tutorial's Stateful over get/set_state_dict
 
 import peerckpt
 
@@ -67,22 +67,6 @@ class DModel(nn.Module):
         g = torch.Generator().manual_seed(step)
         x = distribute_tensor(torch.randn(12, 10, generator=g), self.mesh, [self.placement])
         return (self.w * self.w).sum() * 0.5 + (self.w * x).sum() + (self.b * self.b).sum()
-
-
-class AppState:
-    """The DCP tutorial's Stateful: model and optimizer through get/set_state_dict."""
-
-    def __init__(self, model: nn.Module, optim: torch.optim.Optimizer) -> None:
-        self.model, self.optim = model, optim
-
-    def state_dict(self) -> dict:
-        model, optim = get_state_dict(self.model, self.optim)
-        return {"model": model, "optim": optim}
-
-    def load_state_dict(self, state: dict) -> None:
-        set_state_dict(
-            self.model, self.optim, model_state_dict=state["model"], optim_state_dict=state["optim"]
-        )
 
 
 def state_tensors(model: nn.Module, optim: torch.optim.Optimizer) -> list[torch.Tensor]:

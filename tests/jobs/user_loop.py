@@ -129,9 +129,9 @@ def masked_collate(items: list) -> list:
 
 
 class AppState:
-    """As in the DCP tutorial: model and optimizers saved through get/set_state_dict."""
+    """As in the DCP tutorial: model and optimizer(s) saved through get/set_state_dict."""
 
-    def __init__(self, model: nn.Module, optimizers: list) -> None:
+    def __init__(self, model: nn.Module, optimizers: torch.optim.Optimizer | list) -> None:
         self.model, self.optimizers = model, optimizers
 
     def state_dict(self) -> dict:
