@@ -60,6 +60,7 @@ MAX_COORDINATOR_RESTARTS = 10
 # it stops everything: below the grace period of SLURM's and Kubernetes' SIGTERM (30 s).
 STOP_FLUSH_S = 25.0
 TAIL_NOTICE_S = 10.0  # a script still running after its training is said to be waited for
+TAIL_GRACE_S = 10.0  # after one rank failed there, the others' time before they are stopped
 
 
 class LocalLauncher(Launcher):
@@ -350,7 +351,7 @@ class LocalLauncher(Launcher):
                 failed_at = time.monotonic()  # the others may wait for it in a collective
             if all(p.poll() is not None for p in running):
                 break
-            if failed_at is not None and time.monotonic() - failed_at > TAIL_NOTICE_S:
+            if failed_at is not None and time.monotonic() - failed_at > TAIL_GRACE_S:
                 break  # ``stop`` ends them
             if not said and time.monotonic() - waited > TAIL_NOTICE_S:
                 said = True

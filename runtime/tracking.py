@@ -363,7 +363,8 @@ class EpochTracking:
                 if step == start and watch is not None:
                     self._audit.pending = self._audit.pending and not watch.audit
                     # the first step is done: the hooks go, the audit speaks
-                    found = watch.finish(carry.loader_iterators() if carry is not None else [])
+                    iterators = carry.loader_iterators() if carry and watch.audit else []
+                    found = watch.finish(iterators)
                     if found:  # the job's report says so too
                         self.channel.notify(InexactState(a.epoch, a.rank, found))
                 if self.engine.committed_step is not None and self.engine.committed_step >= start:
