@@ -22,6 +22,7 @@ import atexit
 import contextlib
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -30,7 +31,13 @@ from typing import Any
 import torch
 
 from peerckpt import faults as fault_hooks
-from peerckpt.errors import MembershipChanged, PeerckptError
+from peerckpt.errors import (
+    CheckpointError,
+    ConfigurationError,
+    MembershipChanged,
+    PeerckptError,
+    StateMismatch,
+)
 from peerckpt.manifest import ChunkRecord
 from peerckpt.messages import Dispatch, Message
 from peerckpt.messages.control import Commit, Shutdown
@@ -561,14 +568,21 @@ class RankRuntime:
                 raise MembershipChanged("the job's membership changed")
 
 
+# Words of a failed collective's error (gloo's "Connection reset by peer", NCCL's, a
+# DistBackendError, a timeout), as words: "peer" inside "peerckpt" named in one of this
+# package's own refusals made a ZeroRedundancyOptimizer refused at ctx.track wait out the
+# suspect window (30 s) before the job failed.
+_COMM_WORDS = re.compile(r"\b(gloo|connection|timed out|distbackenderror|nccl|peers?|socket)\b")
+
+
 def _looks_like_comm_error(exc: BaseException) -> bool:
+    """Could ``exc`` come from a collective whose peer died (worth waiting up to the suspect
+    window for the abort notice)? peerckpt's own refusals never do, whatever they say."""
     if isinstance(exc, MembershipChanged):
         return True
-    text = f"{type(exc).__name__} {exc}".lower()
-    return any(
-        s in text
-        for s in ("gloo", "connection", "timed out", "distbackenderror", "nccl", "peer", "socket")
-    )
+    if isinstance(exc, (ConfigurationError, StateMismatch, CheckpointError)):
+        return False
+    return _COMM_WORDS.search(f"{type(exc).__name__} {exc}".lower()) is not None
 
 
 _CALLBACK = "Got the following error when running the callback: "  # torch's Future.then

@@ -9,8 +9,9 @@ import logging
 import pytest
 import torch
 
+from peerckpt.errors import ConfigurationError, MembershipChanged
 from peerckpt.runtime.inflight import InFlight
-from peerckpt.runtime.rank import _short
+from peerckpt.runtime.rank import _looks_like_comm_error, _short
 
 
 def _released_collective_error() -> BaseException:
@@ -55,3 +56,20 @@ def test_a_c10_trace_is_cut_and_a_one_line_error_is_left_as_it_is(caplog) -> Non
         assert len(_short(ValueError("x" * 500))) == 160
     full = [r.getMessage() for r in caplog.records]
     assert len(full) == 2 and "Exception raised from" in full[0] and "At:" in full[1]
+
+
+@pytest.mark.parametrize(
+    ("exc", "comm"),
+    [
+        (RuntimeError("[pair.cc:537] Read error [127.0.0.2]:8614: Connection reset by peer"), True),
+        (RuntimeError("Connection closed by peer [127.0.0.3]:41062"), True),
+        (MembershipChanged("epoch 0 was aborted"), True),
+        (ValueError("expected a batch of 16 rows, got 15"), False),
+        (RuntimeError("peerckpt.resilient: the function returned early"), False),
+        (ConfigurationError("the connection string names no socket"), False),
+    ],
+)
+def test_only_a_collective_s_error_waits_for_the_abort_notice(exc, comm) -> None:
+    """The suspect window (30 s) is waited for only by errors a dead peer causes, told by
+    their words; never by peerckpt's own refusals, whatever words they use."""
+    assert _looks_like_comm_error(exc) is comm
