@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -128,6 +129,67 @@ def _result(proc: subprocess.Popen[str], wait_s: float) -> dict[str, Any]:
     assert proc.returncode == 0 and lines, out[-3000:]
     result: dict[str, Any] = json.loads(lines[-1])
     return result
+
+
+# The thread that completes a collective (gloo's; here a daemon thread) runs its callback on;
+# the waiter, woken, exits the script while that thread is still inside (``slow``: as a
+# thread the scheduler has not run again yet). The callback leaves a mark when it returns.
+_EXIT_WHILE_A_CALLBACK_RUNS = """
+import sys, threading, time, torch
+from peerckpt.runtime.inflight import IN_FLIGHT
+
+work = torch.futures.Future()
+woken = threading.Event()
+def slow(outcome):
+    woken.set()
+    time.sleep(1.5)
+    open(sys.argv[1], "w").close()
+    return outcome.value()
+waited = IN_FLIGHT.issue(lambda: work, lambda value: value).then(slow)  # as DDP's reducer
+threading.Thread(target=lambda: work.set_result(1), daemon=True).start()
+woken.wait(30)
+"""
+
+
+def test_a_script_exits_only_once_a_collectives_callback_has_returned(tmp_path) -> None:
+    """Seen in CI: a rank killed by SIGABRT ("terminate called without an active exception")
+    as its script exited after training: the callback's thread took the GIL back once the
+    interpreter was finalizing (reproduced by hand in this script, with an object whose
+    ``__del__`` makes the finalization last: 2 runs of 3 aborted). The exit now waits for
+    the callback (``InFlight.quiesce`` at exit): without it, the mark is never made."""
+    mark = tmp_path / "callback-returned"
+    result = subprocess.run(
+        [sys.executable, "-c", _EXIT_WHILE_A_CALLBACK_RUNS, str(mark)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert mark.exists()
+
+
+def test_quiesce_waits_for_a_running_callback_not_for_a_collective_stuck_in_gloo() -> None:
+    in_flight = InFlight()
+    _issue(in_flight)  # never completes, as a send gloo never ends: not waited for
+    assert in_flight.quiesce(0.0)
+    work, waited = _issue(in_flight)
+    inside, leave = threading.Event(), threading.Event()
+
+    def blocked(outcome: torch.futures.Future[Any]) -> Any:
+        inside.set()
+        leave.wait(30)
+        return outcome.value()
+
+    chained = waited.then(blocked)
+    completer = threading.Thread(target=lambda: work.set_result([torch.ones(1)]), daemon=True)
+    completer.start()
+    assert inside.wait(30)
+    assert not in_flight.quiesce(0.2)  # its callback is still running
+    leave.set()
+    assert in_flight.quiesce(30.0)
+    assert torch.equal(chained.wait(), torch.ones(1))
+    completer.join(30)
 
 
 def test_an_abort_releases_a_ddp_backward_whose_send_gloo_never_ends() -> None:
