@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from peerckpt.errors import ConfigurationError, PeerckptError, PeerUnavailable
 from peerckpt.faults import ENV as FAULTS_ENV
 from peerckpt.launch.base import JobOutcome, JobResult, JobSpec, Launcher, stopped_by
+from peerckpt.launch.crashes import Crashes
 from peerckpt.launch.gpus import visible_gpus
 from peerckpt.launch.jobfile import JobClaim, user_dir
 from peerckpt.launch.monitor import JobMonitor, MonitorServer
@@ -92,6 +93,7 @@ class LocalLauncher(Launcher):
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.address = ""
         self._ranks: dict[int, Proc] = {}  # the first epoch's rank processes
+        self.crashes = Crashes()  # rank processes that died of their own signal
         self._interrupted = threading.Event()
         self._hurry = threading.Event()  # a second signal: stop without waiting for a flush
         self.rpc: RpcClient | None = None
@@ -312,10 +314,13 @@ class LocalLauncher(Launcher):
             state, events = status.state, status.events
             self._flushes = list(status.flushes)
             self._observe(status)
+            self.crashes.observe(status.ranks, self.procs.training())
             if state.ended:
                 outcome, reason = JobOutcome.of(state), status.reason
                 if outcome is JobOutcome.SUCCEEDED:
                     outcome, reason = self._after_training(status, reason)
+                elif outcome is JobOutcome.FAILED and self.crashes.recurring():
+                    reason = f"{reason} — {self.crashes.recurring()}"
                 return outcome, reason, self._all_events(events)
             refusal = self.chaos.refusal if self.chaos is not None else None
             if refusal is not None:

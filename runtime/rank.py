@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import logging
 import os
 import re
@@ -86,6 +87,10 @@ class RankRuntime:
         env: LaunchEnv,
         config: ResilientConfig = DEFAULTS,
     ) -> None:
+        if not faulthandler.is_enabled():
+            # A crash in native code (SIGSEGV, SIGABRT…) prints every thread's Python stack
+            # before the process dies: the launcher names the signal, this says where.
+            faulthandler.enable(all_threads=True)
         self._unwound = -1  # the last epoch whose function this process has left
         self.env = env
         self.state = RankState.WAITING if env.role is ProcRole.RANK else RankState.SPARE

@@ -242,6 +242,29 @@ def test_an_error_in_the_script_fails_the_job_and_stops_everything(tmp_path) -> 
     assert "rank 1 raised: ValueError: injected failure at step 3" in run.report["reason"]
 
 
+def test_a_rank_that_crashes_after_every_restore_is_named_with_its_signal_and_stack(
+    tmp_path,
+) -> None:
+    """Rank 1 dies of SIGSEGV at step 3, and again after its restart in place: the launcher
+    names the signal each time, faulthandler printed where, and the failure says the crash
+    recurs (the coordinator's advice alone was to add spares)."""
+    run = run_job(
+        tmp_path,
+        script_args=["--steps", "6", "--segfault-rank", "1", "--segfault-at", "3"],
+        nodes=1,
+        extra=["--max-restarts", "1"],
+    )
+    assert run.returncode == 1, run.log[-3000:]
+    assert run.log.count("Fatal Python error: Segmentation fault") == 2, run.log[-3000:]
+    assert 'ddp_job.py", line' in run.log.split("Fatal Python error")[1]
+    crashed = re.findall(r"rank 1 \(pid \d+\) on node 0 crashed: killed by SIGSEGV", run.log)
+    assert len(crashed) == 2, run.log[-3000:]
+    assert (
+        "rank 1 crashed 2 times, each by SIGSEGV (segmentation fault): a crash that "
+        in (run.report["reason"])
+    )
+
+
 def test_an_error_in_the_script_after_the_function_returned_fails_the_job(tmp_path) -> None:
     """Training succeeds; then rank 1's evaluation, after the decorated function, raises.
     The launcher waited for it, and says so (it used to report success, exit status 0)."""

@@ -2,7 +2,8 @@
 a resumable data loader, and a record of the model+optimizer digest after every step.
 
 usage: ddp_job.py OUT_DIR [--steps N] [--sleep S] [--slow-rank R --slow-s S]
-                 [--raise-rank R --raise-at STEP] [--pg-timeout S]
+                 [--raise-rank R --raise-at STEP] [--segfault-rank R --segfault-at STEP]
+                 [--pg-timeout S]
                  [--stuck-rank R --stuck-at STEP --abort-grace S --abort-timeout S]
                  [--device cuda --backend gloo]
 Each rank appends ``{"step", "epoch", "digest", "loss"}`` lines to OUT_DIR/rank<r>.jsonl and
@@ -10,6 +11,7 @@ rank 0 writes OUT_DIR/final.json at the end.
 """
 
 import argparse
+import ctypes
 import hashlib
 import json
 import os
@@ -137,6 +139,8 @@ def run_steps(ctx, model, optim, data, log, args) -> None:
             time.sleep(600)  # stands for a collective that aborting the epoch does not release
         if ctx.rank == args.raise_rank and step == args.raise_at:
             raise ValueError(f"injected failure at step {step}")
+        if ctx.rank == args.segfault_rank and step == args.segfault_at:
+            ctypes.string_at(0)  # a bug in native code: every time this step is reached
         loss.backward()
         optim.step()
         optim.zero_grad()
@@ -170,6 +174,8 @@ if __name__ == "__main__":
     parser.add_argument("--slow-s", type=float, default=0.0)
     parser.add_argument("--raise-rank", type=int, default=-1)
     parser.add_argument("--raise-at", type=int, default=-1)
+    parser.add_argument("--segfault-rank", type=int, default=-1)
+    parser.add_argument("--segfault-at", type=int, default=-1)
     parser.add_argument("--pg-timeout", type=float, default=1800.0)
     parser.add_argument(
         "--stuck-rank", type=int, default=-1, help="never leaves --stuck-at in epoch 0"

@@ -1,0 +1,72 @@
+"""The launcher names a rank process's crash (the signal its own code raised) and, when the
+same rank crashes the same way after each restore, says so with the job's failure."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from peerckpt.launch.crashes import Crashes, crash_of
+
+SEGFAULT = "import ctypes; ctypes.string_at(0)"
+KILLED = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+
+
+def _ended(code: str) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.DEVNULL)
+    proc.wait(timeout=60)
+    return proc
+
+
+def test_a_crash_is_told_from_an_exit_and_a_kill_from_outside() -> None:
+    assert crash_of(_ended(SEGFAULT).returncode) == "SIGSEGV (segmentation fault)"
+    assert crash_of(_ended(KILLED).returncode) is None  # chaos, the OOM killer: not its own
+    assert crash_of(_ended("raise SystemExit(3)").returncode) is None
+    assert crash_of(None) is None
+
+
+def test_each_crash_is_logged_once_under_the_rank_the_process_held(caplog) -> None:
+    crashes = Crashes()
+    first, second = _ended(SEGFAULT), _ended(SEGFAULT)
+    with caplog.at_level(logging.WARNING, logger="peerckpt.launcher"):
+        crashes.observe({1: (0, first.pid)}, [(0, first)])
+        crashes.observe({1: (0, first.pid)}, [(0, first)])  # seen already: said once
+        # The restarted process took rank 1 and crashed too; the status names it now.
+        crashes.observe({1: (0, second.pid)}, [(0, first), (0, second)])
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        f"rank 1 (pid {p.pid}) on node 0 crashed: killed by SIGSEGV (segmentation fault); its "
+        "Python stack, if it had one, is above"
+        for p in (first, second)
+    ]
+    assert crashes.recurring().startswith(
+        "rank 1 crashed 2 times, each by SIGSEGV (segmentation fault): a crash that recurs "
+        "after every restore comes from the job's code"
+    )
+
+
+@pytest.mark.parametrize(
+    ("codes", "recurs"),
+    [
+        ([SEGFAULT], False),  # once: a machine may have failed
+        ([SEGFAULT, KILLED], False),  # then killed from outside: not the same way
+        ([KILLED, KILLED], False),  # killed twice (chaos): not a crash
+        ([SEGFAULT, SEGFAULT, SEGFAULT], True),
+    ],
+)
+def test_only_the_same_crash_every_time_is_called_recurring(codes, recurs) -> None:
+    crashes = Crashes()
+    for code in codes:
+        proc = _ended(code)
+        crashes.observe({2: (1, proc.pid)}, [(1, proc)])
+    assert bool(crashes.recurring()) is recurs
+
+
+def test_a_process_that_held_no_rank_is_not_counted() -> None:
+    crashes = Crashes()
+    spare = _ended(SEGFAULT)
+    crashes.observe({0: (0, 1)}, [(1, spare)])  # a spare that never took a rank
+    assert crashes.by_rank == {}
