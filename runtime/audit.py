@@ -106,8 +106,11 @@ class FirstStepWatch:
         self._handles.clear()
         self._versions, self._modules = {}, []  # and these, the user's modules
 
-    def finish(self, iterators: list[tuple[str, Any]] | None = None) -> list[str]:
-        """Stop watching; when auditing, log each new finding once and return them all."""
+    def finish(
+        self, iterators: list[tuple[str, Any]] | None = None, notes: list[str] | None = None
+    ) -> list[str]:
+        """Stop watching; when auditing, log each new finding once (``notes``: found by the
+        caller) and return them all."""
         taken, self._taken = self._taken, []
         versions, modules = self._versions, self._modules
         self.remove()
@@ -123,6 +126,7 @@ class FirstStepWatch:
         )
         found += taken
         found += changed_modules(versions, set(self._ran), modules)
+        found += notes or []
         for text in found:
             if text not in _WARNED:
                 _WARNED.add(text)

@@ -19,6 +19,15 @@ carries are saved and put back the same way: word_language_model's learning rate
 on a plateau in a local float, and its best validation loss change what is trained (a timer
 comes back as the committed step left it: one log line's time after a restore is off).
 
+An iterator of a tracked StatefulDataLoader that the loop carries (the distributed tutorial's
+epochs ported onto ``ctx.steps``: ``if step % per_epoch == 0: batches = iter(train_set)``, then
+``next(batches)``) cannot travel, but need not: the loader's position does. Its snapshot
+records whose iterator the name held, and a restored loop gets ``iter(loader)`` of the restored
+loader there (which resumes after the committed step's batch), unless the code before the loop
+already made one. Any other value the loop carries that the code before the loop does not make
+(a generator, an object) is named at the first snapshot: after a restore the first step would
+find the name unbound.
+
 Writing a function's locals from outside is what debuggers do: Python 3.13's ``f_locals`` is
 a write-through proxy; before it, the frame's snapshot dict is written and copied back with
 ``PyFrame_LocalsToFast``. After a topology change nothing is put back: a rank's batch belongs
@@ -58,6 +67,7 @@ _GOTOS = frozenset(  # always go to their argval
 )
 _ENDS = frozenset({"RETURN_VALUE", "RETURN_CONST", "RAISE_VARARGS", "RERAISE"})  # go nowhere
 CARRIED = "__carried__"  # the snapshot's name for them (never a ctx.track name: it is refused)
+ITERATOR_OF = "__iterator_of__"  # a carried value: {ITERATOR_OF: the tracked loader's name}
 _PLAIN_ITERATORS = (_SingleProcessDataLoaderIter, _MultiProcessingDataLoaderIter)
 
 
@@ -67,6 +77,8 @@ class Carry:
     def __init__(self, frame: types.FrameType, names: set[str]) -> None:
         self._frame: types.FrameType | None = frame
         self.names = names
+        # carried names the code before the loop left unbound (a restore leaves them so)
+        self.unbound = names - set(_read(frame, names)) if names else set()
 
     @classmethod
     def at_loop_start(cls, frame: types.FrameType | None = None) -> Carry | None:
@@ -85,29 +97,65 @@ class Carry:
         found = _read(self._frame, set(self._frame.f_code.co_varnames))
         return [(n, v) for n, v in found.items() if isinstance(v, _PLAIN_ITERATORS)]
 
-    def values(self, covered: set[int]) -> dict[str, Any]:
+    def values(self, covered: set[int], tracked: dict[str, Any]) -> dict[str, Any]:
         """The carried names that hold numbers or tensors now, less those whose tensors
-        are tracked state (storage addresses in ``covered``). Called between two steps."""
+        are tracked state (storage addresses in ``covered``), and those that hold the
+        iterator of a loader in ``tracked`` (as ``{ITERATOR_OF: its name}``). Called between
+        two steps."""
         if self._frame is None:
             return {}
         found = _read(self._frame, self.names)
-        return {
-            n: v
-            for n, v in found.items()
-            if isinstance(v, (int, float)) or (_tensors(v) and not _aliases(v, covered))
-        }
+        out: dict[str, Any] = {}
+        for n, v in found.items():
+            if isinstance(v, (int, float)) or (_tensors(v) and not _aliases(v, covered)):
+                out[n] = v
+            elif (loader := _iterated(v, tracked)) is not None:
+                out[n] = {ITERATOR_OF: loader}
+        return out
 
-    def put_back(self, saved: dict[str, Any]) -> list[str]:
+    def unsaved(self, tracked: dict[str, Any]) -> list[str]:
+        """What the first snapshot's audit says of carried names that the code before the
+        loop leaves unbound and whose value now travels in no snapshot."""
+        if self._frame is None or not self.unbound:
+            return []
+        found = _read(self._frame, self.unbound)
+        saved = self.values(set(), tracked)
+        return [
+            f"the loop carries `{n}` (a {type(v).__name__}) from one step into the next, and the "
+            f"code before the loop does not make it: after a restore the first step finds `{n}` "
+            "unbound (UnboundLocalError). Tensors, numbers and iterators of a tracked "
+            "StatefulDataLoader are carried across a restore; make anything else before the loop"
+            for n, v in sorted(found.items())
+            if n not in saved and not isinstance(v, _PLAIN_ITERATORS)
+        ]
+
+    def put_back(self, saved: dict[str, Any], tracked: dict[str, Any]) -> list[str]:
         """Write ``saved`` into the loop's frame, each tensor moved to the device of the one
-        the name holds now; return the names written."""
+        the name holds now, and a new iterator of the (restored) tracked loader for an
+        iterator of it; return the names written."""
         if self._frame is None:
             return []
         wanted = {n: v for n, v in saved.items() if n in self.names}
         if not wanted:
             return []
         now = _read(self._frame, set(wanted))
-        _write(self._frame, {n: _placed_like(v, now.get(n)) for n, v in wanted.items()})
-        return sorted(wanted)
+        values: dict[str, Any] = {}
+        for n, v in wanted.items():
+            if isinstance(v, dict) and set(v) == {ITERATOR_OF}:
+                loader = tracked.get(v[ITERATOR_OF])
+                current = getattr(loader, "_iterator", None)
+                if loader is None or (current is not None and now.get(n) is current):
+                    continue  # gone, or the code before the loop made it: its place is right
+                # The restored loader resumes its epoch's order from its own state, but
+                # iter() draws a seed for a shuffling sampler from torch's generator, which
+                # the fault-free run did not do here: that draw must not move it.
+                with torch.random.fork_rng(devices=[]):
+                    values[n] = iter(loader)
+            else:
+                values[n] = _placed_like(v, now.get(n))
+        if values:
+            _write(self._frame, values)
+        return sorted(values)
 
     def close(self) -> None:
         self._frame = None
@@ -128,6 +176,17 @@ def _placed_like(saved: Any, now: Any) -> Any:
         items = [_placed_like(v, now[i] if same else None) for i, v in enumerate(saved)]
         return type(saved)(items)
     return saved
+
+
+def _iterated(value: Any, tracked: dict[str, Any]) -> str | None:
+    """The name of the tracked loader (one that keeps its place: torchdata's
+    StatefulDataLoader) whose live iterator ``value`` is."""
+    if value is None:
+        return None
+    for name, obj in tracked.items():
+        if hasattr(obj, "state_dict") and getattr(obj, "_iterator", None) is value:
+            return name
+    return None
 
 
 def _aliases(value: Any, covered: set[int]) -> bool:

@@ -309,7 +309,7 @@ class EpochTracking:
             start = a.restore_step + 1
         carry = Carry.at_loop_start() if self.tracked else None
         if carry is not None and carry.names and self._carried:
-            put = carry.put_back(self._carried)
+            put = carry.put_back(self._carried, self.tracked)
             if put:
                 log.info(
                     "%s put back as the loop carried %s into step %d",
@@ -353,7 +353,11 @@ class EpochTracking:
                     extra: dict[str, Any] = {"ddp": watch.ddp.layouts()}
                     if policy.every is not None:
                         extra["every"] = policy.every
-                    carried = carry.values(covered) if carry is not None and carry.names else {}
+                    carried = (
+                        carry.values(covered, self.tracked)
+                        if carry is not None and carry.names
+                        else {}
+                    )
                     captured = capture.capture(self.tracked, step, extra, carried)
                     if self.engine.dedup:
                         captured.twins = twins.declared_keys(self.tracked, watch.ddp.found())
@@ -364,7 +368,8 @@ class EpochTracking:
                     self._audit.pending = self._audit.pending and not watch.audit
                     # the first step is done: the hooks go, the audit speaks
                     iterators = carry.loader_iterators() if carry and watch.audit else []
-                    found = watch.finish(iterators)
+                    unsaved = carry.unsaved(self.tracked) if carry and watch.audit else []
+                    found = watch.finish(iterators, unsaved)
                     if found:  # the job's report says so too
                         self.channel.notify(InexactState(a.epoch, a.rank, found))
                 if self.engine.committed_step is not None and self.engine.committed_step >= start:
@@ -433,6 +438,15 @@ def refuse_unsupported(name: str, obj: Any) -> None:
     a tracked Stateful: an FSDP1 model (its state_dict() gives gathered copies, not its flat
     parameters: a restore wrote into the copies) and ZeroRedundancyOptimizer (its state is
     sharded over inner optimizers that its state_dict() gathers to one rank only)."""
+    loader = getattr(sys.modules.get("torch.utils.data"), "DataLoader", None)
+    if loader is not None and isinstance(obj, loader) and not hasattr(obj, "state_dict"):
+        raise StateMismatch(
+            f"ctx.track: {name} is a torch DataLoader, which keeps no position to restore "
+            "(a new iterator starts its data epoch again): use torchdata's StatefulDataLoader "
+            "instead (from torchdata.stateful_dataloader import StatefulDataLoader; the same "
+            "arguments) and track that, or give the DataLoader a peerckpt.ResumableSampler and "
+            "track the sampler"
+        )
     fsdp1 = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
     zero = getattr(sys.modules.get("torch.distributed.optim"), "ZeroRedundancyOptimizer", None)
     for path, held_obj in [(name, obj), *held({name: obj}).values()]:

@@ -28,11 +28,11 @@ from .torchrun_hosts import TorchrunJob, runtime_dirs
 ARGS = ["--steps", "30"]
 
 
-def _recovers_a_rank_then_a_node(tmp_path: Path, script: str) -> JobRun:
+def _recovers_a_rank_then_a_node(tmp_path: Path, script: str, args: list[str] = ARGS) -> JobRun:
     """``script`` under ``kill rank=1 at=10; kill node=1 at=20`` with 3 spares: both losses
     recovered, every step bit-exact against its fault-free run."""
     reference, run = run_with_reference(
-        tmp_path, ARGS, script=script, spares=3, chaos="kill rank=1 at=10; kill node=1 at=20"
+        tmp_path, args, script=script, spares=3, chaos="kill rank=1 at=10; kill node=1 at=20"
     )
     assert run.returncode == 0, run.log[-4000:]
     rank_loss, node_loss = run.report["events"]
@@ -47,6 +47,17 @@ def test_a_tutorial_script_recovers_bit_exact_from_a_rank_then_a_node(tmp_path) 
     run = _recovers_a_rank_then_a_node(tmp_path, "tutorial_job.py")
     assert "dist.init_process_group() in the script: peerckpt already formed" in run.log
     assert "dist.destroy_process_group() in the script" in run.log
+
+
+def test_the_dist_tutorials_loop_makes_its_iterator_again_where_a_restore_resumes(
+    tmp_path,
+) -> None:
+    """The iterator the loop makes at each data epoch's first step (12 steps here) is made
+    again when a restore resumes mid-epoch: it raised UnboundLocalError; then, made with
+    torch's generator moving as it drew the shuffle's seed, dropout differed from step 7."""
+    run = _recovers_a_rank_then_a_node(tmp_path, "tutorial_job.py", [*ARGS, "--epoch-steps", "12"])
+    assert "`batches` put back as the loop carried it into step" in run.log, run.log[-4000:]
+    assert PREFIX not in run.log
 
 
 def _assert_top_level_read_the_rank_trained(run: JobRun) -> None:

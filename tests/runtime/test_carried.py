@@ -24,14 +24,18 @@ from peerckpt.runtime.carried import Carry, carried_names
 
 
 class Steps:
-    """Yields ``range(n)``. ``saved[s]``: what the loop carried after step ``s``; with
+    """Yields ``range(start, n)``. ``saved[s]``: what the loop carried after step ``s``; with
     ``put``, those values are written into the loop before its first step."""
 
-    def __init__(self, n: int, tracked: dict[str, Any] | None = None, put: Any = None) -> None:
-        self.n, self.tracked, self.put = n, tracked or {}, put
+    def __init__(
+        self, n: int, tracked: dict[str, Any] | None = None, put: Any = None, start: int = 0
+    ) -> None:
+        self.n, self.tracked, self.put, self.start = n, tracked or {}, put, start
         self.saved: dict[int, dict[str, Any]] = {}
         self.names: set[str] = set()
         self.written: list[str] = []
+        self.unsaved: list[str] = []
+        self.rng: torch.Tensor | None = None
 
     def __iter__(self) -> Iterator[int]:
         carry = Carry.at_loop_start(sys._getframe(1))
@@ -40,11 +44,13 @@ class Steps:
             return
         self.names = carry.names
         if self.put is not None:
-            self.written = carry.put_back(self.put)
+            self.written = carry.put_back(self.put, self.tracked)
         try:
-            for step in range(self.n):
+            for step in range(self.start, self.n):
                 yield step
-                self.saved[step] = carry.values(covered_storages(self.tracked))
+                self.saved[step] = carry.values(covered_storages(self.tracked), self.tracked)
+                if step == self.start:
+                    self.unsaved = carry.unsaved(self.tracked)
         finally:
             carry.close()
 
@@ -184,3 +190,72 @@ def test_numbers_the_loop_carries_are_saved_too() -> None:
         lr = lr / 4.0 if step == 1 else lr
     assert steps.saved[1] == {"lr": 5.0, "seen": steps.saved[1]["seen"]}
     assert torch.equal(steps.saved[1]["seen"], torch.tensor([40.0]))
+
+
+def _tutorial_loop(steps: Steps, loader: Any, per_epoch: int) -> list[torch.Tensor]:
+    """The distributed tutorial's epochs over ``ctx.steps``: a new iterator at each epoch's
+    first step, made in the loop only. ``steps.rng``: torch's generator as the first step
+    began."""
+    seen = []
+    for step in steps:
+        if not seen:
+            steps.rng = torch.get_rng_state()
+        if step % per_epoch == 0:
+            batches = iter(loader)
+        seen.append(next(batches)[0])
+    return seen
+
+
+def test_an_iterator_of_a_tracked_stateful_loader_is_made_again_where_the_loop_left_it() -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def loader() -> Any:
+        return StatefulDataLoader(TensorDataset(torch.arange(12.0)), batch_size=2, shuffle=True)
+
+    torch.manual_seed(0)
+    fault_free = _tutorial_loop(Steps(6), loader(), per_epoch=6)
+    torch.manual_seed(0)
+    first = loader()
+    steps = Steps(4, {"data": first})
+    _tutorial_loop(steps, first, per_epoch=6)
+    assert steps.names == {"batches"} and steps.unsaved == []
+    assert steps.saved[3] == {"batches": {"__iterator_of__": "data"}}
+
+    # Restored after step 3: the loader's position came back with ctx.track; the code before
+    # the loop made no iterator, and the loop resumes mid-epoch (it raised UnboundLocalError).
+    restored = loader()
+    restored.load_state_dict(first.state_dict())
+    resumed = Steps(6, {"data": restored}, put=steps.saved[3], start=4)
+    before = torch.get_rng_state()  # as restored for step 4
+    seen = _tutorial_loop(resumed, restored, per_epoch=6)
+    assert resumed.written == ["batches"]
+    assert [int(t[0]) for t in seen] == [int(t[0]) for t in fault_free[4:6]]
+    # iter() drew a shuffling seed from torch's generator: the step's dropout must not see it
+    assert torch.equal(resumed.rng, before)
+
+
+def test_an_iterator_the_code_before_the_loop_made_after_the_restore_is_kept() -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = StatefulDataLoader(TensorDataset(torch.arange(12.0)), batch_size=2)
+    steps = Steps(2, {"data": data}, put={"batches": {"__iterator_of__": "data"}})
+    batches = iter(data)  # already where the restored loader is: a second iter() restarts it
+    made = batches
+    for _ in steps:
+        batch = next(batches)
+        batches = made  # carried: read at the top of the next step, written in this one
+    assert steps.written == [] and int(batch[0][0]) == 2
+
+
+def test_a_carried_value_a_restore_cannot_bring_back_is_named() -> None:
+    def numbers() -> Iterator[torch.Tensor]:
+        yield from (torch.full((1,), float(i)) for i in itertools.count())
+
+    steps = Steps(2)
+    for step in steps:
+        if step == 0:
+            stream = numbers()
+        next(stream)
+    [note] = steps.unsaved
+    assert note.startswith("the loop carries `stream` (a generator) from one step into the next")
+    assert "UnboundLocalError" in note

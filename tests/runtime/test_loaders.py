@@ -209,3 +209,19 @@ def test_the_first_snapshots_audit_names_a_plain_loaders_workers() -> None:
     found = findings({}, [], [], [], [plain, it])
     assert [f for f in found if "iterates with 1 worker process:" in f], found
     del it
+
+
+def test_a_plain_dataloader_tracked_is_refused_at_track_naming_the_loaders_that_keep_a_place() -> (
+    None
+):
+    """The distributed tutorial's loop, ported as written: ``ctx.track(data=train_set)`` on a
+    torch DataLoader failed at the first snapshot, saying only that it has no state_dict()."""
+    from peerckpt.errors import StateMismatch
+    from peerckpt.runtime.tracking import refuse_unsupported
+
+    with pytest.raises(StateMismatch) as refused:
+        refuse_unsupported("data", DataLoader(Noisy(), batch_size=4))
+    assert str(refused.value).startswith("ctx.track: data is a torch DataLoader, which keeps no")
+    assert "StatefulDataLoader" in str(refused.value)
+    assert "peerckpt.ResumableSampler" in str(refused.value)
+    refuse_unsupported("data", StatefulDataLoader(Noisy(), batch_size=4))  # keeps its place
