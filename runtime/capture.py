@@ -209,6 +209,23 @@ def _stable_pointers(tracked: dict[str, Any]) -> set[int]:
     return pointers
 
 
+def sampler_epoch(loader: Any) -> int | None:
+    """The epoch of a tracked loader's sampler where that sampler keeps no state of its own
+    (``DistributedSampler``: what ``set_epoch`` set, which orders its shuffle); None for
+    anything else. torchdata's StatefulDataLoader saves how far the sampler's iterator got,
+    and after a restore makes a new one and skips as far: in the order of the sampler's epoch
+    as the code before the loop left it (0), not as the loop had set it. Measured: a
+    DistributedSampler job whose loop calls ``set_epoch`` at each data epoch's first step
+    differed from the step after a restore in the second data epoch on, with nothing said."""
+    if not (callable(getattr(loader, "load_state_dict", None)) and hasattr(loader, "sampler")):
+        return None
+    sampler = loader.sampler
+    epoch = getattr(sampler, "epoch", None)
+    if hasattr(sampler, "state_dict") or type(epoch) is not int:
+        return None
+    return epoch
+
+
 def capture(
     tracked: dict[str, Any],
     step: int,
@@ -256,6 +273,9 @@ def capture(
                 "load_state_dict(); track modules, optimizers, tensors or Stateful objects"
             )
     meta = {"step": step, "rng": capture_rng(), "objects": objects, **extra}
+    epochs = {n: e for n, obj in tracked.items() if (e := sampler_epoch(obj)) is not None}
+    if epochs:
+        meta["sampler_epochs"] = epochs
     saved = {n: v for n, v in (carried or {}).items() if _plain(v)}
     if saved:
         meta["carried"] = private.walk(saved, CARRIED)

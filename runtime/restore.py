@@ -26,7 +26,7 @@ from peerckpt.dtypes import dtype_name, dtype_of
 from peerckpt.errors import StateMismatch
 from peerckpt.manifest import META_KEY, ChunkRecord
 from peerckpt.runtime import live
-from peerckpt.runtime.capture import boxes, param_fqns
+from peerckpt.runtime.capture import boxes, param_fqns, sampler_epoch
 from peerckpt.runtime.layouts import (
     FlatShard,
     Shard,
@@ -450,6 +450,9 @@ def restore_objects(
             obj.load_resharded_state(states, rank, world_size)
         else:
             obj.load_state_dict(_resolve(tree, _stateful(name, obj, source, primary, step)))
+            epoch = meta.get("sampler_epochs", {}).get(name)
+            if epoch is not None and sampler_epoch(obj) is not None:
+                obj.sampler.epoch = epoch  # as set_epoch sets it (capture.sampler_epoch)
     return adopted[0]
 
 

@@ -136,3 +136,29 @@ def test_restore_into_fresh_objects_matches_the_snapshot() -> None:
     fresh = _objects()  # a survivor builds its objects again in the new epoch
     restore_from_slot(fresh, slot, chunks)
     _assert_same(_state(fresh), expected)
+
+
+def test_a_distributed_samplers_epoch_comes_back_with_its_loader() -> None:
+    """The loop sets the DistributedSampler's epoch at each data epoch's first step; the
+    restored loader, made again before the loop with epoch 0, must go on in the saved epoch's
+    order (torchdata saves how far the sampler's iterator got, not the epoch it ran in)."""
+    from torch.utils.data import DistributedSampler
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = list(range(64))
+
+    def loader() -> StatefulDataLoader:
+        return StatefulDataLoader(data, batch_size=4, sampler=DistributedSampler(data, 2, 1))
+
+    running = loader()
+    running.sampler.set_epoch(3)
+    batches = iter(running)
+    next(batches)
+    slot, chunks = snapshot({"data": running}, step=7)
+    expected = [next(batches).tolist() for _ in range(3)]
+
+    fresh = loader()  # the code before the loop, again: epoch 0
+    meta = restore_from_slot({"data": fresh}, slot, chunks)
+    assert meta["sampler_epochs"] == {"data": 3} and fresh.sampler.epoch == 3
+    again = iter(fresh)
+    assert [next(again).tolist() for _ in range(3)] == expected
