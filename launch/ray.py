@@ -47,6 +47,7 @@ from peerckpt.chaos import FiredAction
 from peerckpt.errors import ConfigurationError, PeerckptError
 from peerckpt.launch.base import JobOutcome, JobResult, JobSpec, Launcher, stopped_by
 from peerckpt.launch.checks import check_ray_address
+from peerckpt.launch.local import TAIL_NOTICE_S
 from peerckpt.launch.rayactor import RayHost
 from peerckpt.launch.rayenv import forwarded
 from peerckpt.launch.rayhost import spec_to_json
@@ -278,6 +279,8 @@ class RayLauncher(Launcher):
                 return JobOutcome.FAILED, "the Ray node of host 0 (the coordinator) died"
             if done is not None:
                 self._host0 = done
+                if int(done["code"]) == ExitCode.OK:
+                    self._await_tails()
                 ended = int(done["code"]) == ExitCode.INTERRUPTED
                 return JobOutcome.INTERRUPTED if ended else JobOutcome.FAILED, ""
             if time.monotonic() >= next_nodes:
@@ -288,6 +291,47 @@ class RayLauncher(Launcher):
                     return JobOutcome.FAILED, problem
                 self._replenish()
         return JobOutcome.INTERRUPTED, stopped_by(self._signal)[1]
+
+    def _await_tails(self) -> None:
+        """Training succeeded and host 0's ranks finished the script: each other host's
+        launcher waits for its ranks to run the script's code after the decorated function
+        (saving the model, an evaluation) as long as it takes, as torchrun does; so does the
+        driver, for every host still running, until they end or a signal (``stop`` then
+        interrupts them). What they end with is judged in ``_result``."""
+        import ray
+
+        waited, said = time.monotonic(), False
+        while not self._interrupted.wait(POLL_S):
+            running = [
+                h for h in self.hosts.values() if h.rank != 0 and not h.lost and h.done is None
+            ]
+            for host in running:
+                try:
+                    self._poll_host(host)
+                except ray.exceptions.RayError as exc:  # not its actor's death: unreachable
+                    self._lost(host, type(exc).__name__)
+            running = [h for h in running if h.done is None and not h.lost]
+            if not running:
+                return
+            if not said and time.monotonic() - waited > TAIL_NOTICE_S:
+                said = True
+                log.info(
+                    "training ended; waiting for host(s) %s to finish the script after the "
+                    "decorated function (Ctrl-C stops them)",
+                    ", ".join(str(h.rank) for h in running),
+                )
+
+    def _failed_tail(self) -> str:
+        """Why the first host other than host 0 failed after training succeeded, or ""."""
+        for host in sorted(self.hosts.values(), key=lambda h: h.rank):
+            done = host.done or {}
+            if host.rank == 0 or host.lost or int(done.get("code", ExitCode.OK)) == ExitCode.OK:
+                continue
+            reason = (done.get("result") or {}).get("reason") or (
+                f"its launcher exited with status {done.get('code')}"
+            )
+            return f"host {host.rank}: {reason}"
+        return ""
 
     def _check_hosts(self) -> None:
         """Note hosts whose Ray node (and so actor) is gone: lost hosts, for the coordinator
@@ -423,6 +467,13 @@ class RayLauncher(Launcher):
         if report is not None:
             result = JobResult.from_json(report)
             fired += result.chaos
+            failed = self._failed_tail() if result.state is JobOutcome.SUCCEEDED else ""
+            if failed:  # host 0's ranks finished the script; another host's did not
+                result.state, result.exit_code, result.reason = (
+                    JobOutcome.FAILED,
+                    int(ExitCode.FAILED),
+                    failed,
+                )
         else:
             code = int(self._host0["code"]) if self._host0 is not None else outcome.exit_code
             if self._host0 is None and outcome is JobOutcome.INTERRUPTED:

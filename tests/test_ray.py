@@ -377,3 +377,23 @@ def test_the_launching_environment_reaches_the_ranks_on_every_ray_node(
         assert values["TEST_RAY_FROM_SHELL"] == "shell value", record
         assert values["TEST_RAY_OVERRIDE"] == "from --env", record
         assert values["DISPLAY"] == os.environ.get("DISPLAY"), record  # the node's own
+
+
+def test_a_ray_job_waits_for_every_host_to_finish_the_script_and_judges_it(
+    tmp_path, ray_cluster
+) -> None:
+    """Training succeeds; then rank 3, on host 1, fails in the script's code after the
+    decorated function. The driver used to end on host 0's result alone ("succeeded"),
+    stopping host 1 while its ranks ran that code."""
+    cluster = ray_cluster(1)
+    job = RayJob(
+        tmp_path, cluster.address, "--nodes", "2", steps=4, script_args=("--fail-after", "3")
+    )
+    run = job.finish()
+    assert run.returncode == 1, run.log[-4000:]
+    assert run.report["state"] == "failed"
+    assert run.report["reason"].startswith(
+        "host 1: training succeeded, but the script failed after the decorated function "
+        "returned: rank 3 (pid "
+    ), run.report["reason"]
+    assert "the evaluation after training failed" in run.log
