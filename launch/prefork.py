@@ -87,13 +87,19 @@ def _preload() -> None:
 
 
 def _listen(path: str) -> socket.socket:
+    """A listening Unix socket at ``path``. The launcher takes the path's existence for "ready":
+    the socket is bound under another name and renamed to ``path`` once it listens (bound at
+    ``path`` itself, a launcher that looked between ``bind`` and ``listen`` was refused, and
+    its spares started without the server: seen in CI under load)."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    binding = path + ".binding"
     old = os.umask(0o177)  # 0600 from the start: never a moment others could connect
     try:
-        listener.bind(path)
+        listener.bind(binding)
     finally:
         os.umask(old)
     listener.listen(16)
+    os.rename(binding, path)
     return listener
 
 

@@ -202,3 +202,28 @@ def test_the_server_exits_when_its_launcher_dies(tmp_path: Path) -> None:
         launcher.wait(timeout=10)
         assert launcher.stdout is not None
         launcher.stdout.close()
+
+
+def test_the_servers_socket_appears_only_once_it_listens(tmp_path, monkeypatch) -> None:
+    """The launcher connects as soon as the path exists: bound there before ``listen``, a
+    connection in between was refused and the spares started without the server (CI)."""
+    from peerckpt.launch import prefork
+
+    path = str(tmp_path / "prefork.sock")
+    seen: list[bool] = []
+    listen = socket.socket.listen
+
+    def watched(sock: socket.socket, backlog: int) -> None:
+        seen.append(os.path.exists(path))
+        listen(sock, backlog)
+
+    monkeypatch.setattr(socket.socket, "listen", watched)
+    listener = prefork._listen(path)
+    try:
+        assert seen == [False]
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.connect(path)  # listening at the moment it appears
+        client.close()
+        assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    finally:
+        listener.close()
