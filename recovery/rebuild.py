@@ -120,9 +120,12 @@ def adopt(c: Coordinator, node: int, state: RejoinState) -> None:
             if proc.role is ProcRole.SPARE:
                 c.spares.joined += 1
                 c.spares.started = max(c.spares.started, c.spares.joined)
-        if proc.rank == 0 and proc.role is ProcRole.RANK:
+        if proc.role is ProcRole.RANK:
+            # As when rank 0 first joined; every rank runs the same decorator, and rank 0's
+            # node may be the one that does not come back (its settings were then lost: the
+            # epochs after kept one buddy where the script asked for two).
             c.config_from_script(proc.replicas, proc.persist)
-            script_erasure(c.settings, proc.erasure)  # as when rank 0 first joined
+            script_erasure(c.settings, proc.erasure)
     if c.life.state is JobState.STARTING:
         epochs.open_first()  # it went away before the first epoch opened
     if epochs.membership is not None:

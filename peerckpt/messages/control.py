@@ -92,8 +92,8 @@ class ProcReport(Message):
     role: ProcRole
     rank: int | None
     replicas: int | None = None
-    persist: dict[str, Any] | None = None  # rank 0's @resilient(persist=…), PersistConfig form
-    erasure: str | None = None  # rank 0's @resilient(erasure="K+M")
+    persist: dict[str, Any] | None = None  # its @resilient(persist=…), PersistConfig form
+    erasure: str | None = None  # its @resilient(erasure="K+M")
 
 
 @message("rejoin_state")

@@ -145,6 +145,18 @@ def test_a_coordinator_restarted_applies_the_scripts_erasure_again() -> None:
     assert isinstance(c.settings.placement, ErasurePlacement)
 
 
+def test_a_restarted_coordinator_takes_the_scripts_replicas_from_any_rank() -> None:
+    """@resilient(replicas=2), given by every rank's decorator; rank 0's node (2) does not
+    come back after the coordinator's restart. Only rank 0's settings were read: the job
+    went on with one buddy per rank."""
+    c = Coordinator("j", world_size=4, replicas=None, store_addr="127.0.0.1:1")
+    procs = [ProcReport(PIDS[r], ProcRole.RANK, r, replicas=2) for r in (2, 3)]
+    held = [HeldCopy(r, 3, 0, 10) for r in (2, 3)]
+    rejoin = RejoinState(_epoch_one(), 3, held, {r: LAYOUT for r in (2, 3)}, procs)
+    c.register_agent(RegisterAgent(1, "127.0.0.1:1001", False, 0, rejoin))
+    assert c.settings.replicas == 2
+
+
 def _erasure_coordinator() -> Coordinator:
     placement = ErasurePlacement(ErasureSpec(3, 1), RingPlacement())
     return Coordinator(
