@@ -39,8 +39,9 @@ Not covered (the abort watchdog's restart in place remains their way out): the g
 all-reduce of a DDP with a communication hook of its own or with ``gradient_as_bucket_view=True``
 (DDP divides aliased gradients differently there; a hook would change the bits), a DDP on a
 GPU, a DDP the runtime never sees run a forward in an epoch's first step, DDP's broadcasts at
-construction and its ``_find_common_rank`` (``Join``), a buffer communication hook, and
-collectives the user's code waits on itself.
+construction and its ``_find_common_rank`` (``Join``), a buffer communication hook, and the
+script's collectives called with ``async_op=True`` (its blocking ones go through ``InFlight``
+too: ``runtime/usercoll.py``).
 """
 
 from __future__ import annotations

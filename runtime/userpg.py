@@ -25,6 +25,9 @@ After the job's training succeeded, the last epoch's group is left to the script
 the decorated function (a barrier, its evaluation's collectives), as under torchrun
 (``runtime/rank.py``), and its ``destroy_process_group()`` is torch's own.
 
+Its blocking collectives (``dist.all_reduce`` …) are put where the script finds them the same
+way, so that an epoch's abort releases a rank waiting in one (``runtime/usercoll.py``).
+
 The runtime calls torch's own functions (``ORIGINAL_INIT``, ``ORIGINAL_DESTROY``).
 """
 
@@ -41,6 +44,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from peerckpt.errors import ConfigurationError
+from peerckpt.runtime import usercoll
 
 log = logging.getLogger("peerckpt.rank")
 
@@ -172,6 +176,7 @@ _REPLACED = (  # torch's function, and the one put where a script finds it
     (ORIGINAL_DESTROY, destroy_process_group),
     (ORIGINAL_GET_RANK, get_rank),
     (ORIGINAL_GET_WORLD_SIZE, get_world_size),
+    *((usercoll.ORIGINALS[name], ours) for name, ours in usercoll.REPLACED.items()),
 )
 _scanned: set[str] = set()  # modules whose names were rebound (each is looked at once)
 
@@ -207,6 +212,8 @@ def _rebind(remember: bool) -> None:
     dist.destroy_process_group = destroy_process_group
     dist.get_rank = get_rank
     dist.get_world_size = get_world_size
+    for name, collective in usercoll.REPLACED.items():  # released by an abort (usercoll.py)
+        setattr(dist, name, collective)
     for name, module in list(sys.modules.items()):
         if name in _scanned or module is None or name.split(".")[0] in ("torch", "peerckpt"):
             continue

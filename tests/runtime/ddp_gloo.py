@@ -23,6 +23,13 @@ behind the queued one. Rank 0's abort then cuts the connections. With ``broadcas
 rank's DDP goes through ``release_on_abort``. Rank 0 prints how the forward ended, how long
 it took and how many groups its lifecycle kept.
 
+``user-hook`` / ``user-plain``: the same queued send to rank 2, then rank 0 runs the script's
+own blocking ``dist.all_reduce`` (the distributed tutorial's gradient averaging), whose ring
+sends to rank 2 behind it; ranks 1 and 2 run it too (rank 2 stops itself first). With
+``user-hook`` it is the one a job's training process finds (``runtime/usercoll.py``); with
+``user-plain``, torch's own. Rank 0 prints how the call ended, how long it took and how many
+groups its lifecycle kept.
+
 ``bits-hook`` / ``bits-plain``: three steps of a small DDP with and without the hook; every
 rank prints the digest of its gradients and of its BatchNorm buffers as each forward's
 broadcast left them (they must be equal: neither the hook nor the broadcast changes a bit).
@@ -46,6 +53,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from peerckpt.runtime import usercoll
 from peerckpt.runtime.inflight import release_on_abort
 from peerckpt.runtime.pg import ProcessGroupLifecycle
 
@@ -138,6 +146,24 @@ def stuck_broadcast(rank: int, store: dist.TCPStore, pg: ProcessGroupLifecycle, 
     _behind_a_queued_send(store, pg, torch.zeros(16 << 20), "forward", lambda: ddp(x))
 
 
+def stuck_user(rank: int, store: dist.TCPStore, pg: ProcessGroupLifecycle, hook: bool) -> None:
+    all_reduce = (usercoll.REPLACED if hook else usercoll.ORIGINALS)["all_reduce"]
+    grad = torch.ones(1 << 18)  # a layer's gradient, 1 MiB
+    if rank in (1, 2):
+        if rank == 2:
+            dist.irecv(torch.zeros(16 << 20), src=0)
+
+            def stop_once_posted() -> None:
+                time.sleep(1.0)  # its all-reduce's receive from rank 0 is posted by then
+                store.set("pid2", str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+            threading.Thread(target=stop_once_posted, daemon=True).start()
+        all_reduce(grad)  # never returns: rank 0's segments never get through
+        time.sleep(3600)  # the test kills it
+    _behind_a_queued_send(store, pg, torch.zeros(16 << 20), "all_reduce", lambda: all_reduce(grad))
+
+
 def bits(rank: int, hook: bool) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -186,6 +212,8 @@ def main() -> None:
         stuck(rank, store, pg, variant == "hook")  # rank 0 then exits as any process does
     elif kind == "broadcast":
         stuck_broadcast(rank, store, pg, variant == "hook")
+    elif kind == "user":
+        stuck_user(rank, store, pg, variant == "hook")
     else:
         bits(rank, variant == "hook")
         # gloo processes here now and then abort at exit ("terminate called without an active

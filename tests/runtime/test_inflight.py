@@ -219,9 +219,22 @@ def test_an_abort_releases_a_ddp_buffer_broadcast_whose_send_gloo_never_ends() -
     assert result["kept"] == 1, result  # the broadcast is still inside gloo
 
 
-@pytest.mark.slow  # waits out a 10 s process-group timeout, twice
+def test_an_abort_releases_the_scripts_own_all_reduce_whose_send_gloo_never_ends() -> None:
+    """The distributed tutorial's ``dist.all_reduce`` of a gradient, behind a send to a peer
+    that stopped reading; the abort (3 s in) cuts the connections. torch's own call stays
+    until the group's timeout (a job's rank: 40 s, until the watchdog restarted it in place);
+    the one a job's process finds raises ``MembershipChanged`` at the abort."""
+    with _three_ranks("user-hook", pg_timeout_s=120.0) as (rank0, _, _):
+        result = _result(rank0, wait_s=60.0)
+    assert result["all_reduce"] == "MembershipChanged: epoch 0 was aborted", result
+    assert result["seconds"] < 3.0 + 2.0, result
+    assert result["kept"] == 1, result  # the all-reduce is still inside gloo
+
+
+@pytest.mark.slow  # waits out a 10 s process-group timeout, three times
 @pytest.mark.parametrize(
-    ("mode", "waiter"), [("stuck-plain", "backward"), ("broadcast-plain", "forward")]
+    ("mode", "waiter"),
+    [("stuck-plain", "backward"), ("broadcast-plain", "forward"), ("user-plain", "all_reduce")],
 )
 def test_gloo_still_never_ends_a_queued_send_when_its_connection_closes(
     mode: str, waiter: str
