@@ -34,6 +34,7 @@ from peerckpt.messages.control import JobStatus, Status
 from peerckpt.states import JobState
 
 log = logging.getLogger("peerckpt.chaos")
+SETTLE_S = 10.0  # the longest a corruption waits for the snapshot in flight to commit
 
 
 class FaultTarget(Protocol):
@@ -311,7 +312,26 @@ class ChaosMonkey:
         return record
 
     def _corrupt_rank(self, action: ChaosAction, record: FiredAction) -> FiredAction:
+        self._settle(self.reached)
         return replace(record, segments=tuple(self._target.corrupt_replicas(action.target)))
+
+    def _settle(self, step: int) -> None:
+        """Before a corruption: wait until ``step``'s snapshot is committed (the ranks hold
+        after it until its actions fired), at most ``SETTLE_S`` (a job that snapshots less
+        often). Flipped while it was still being replicated, its copy on a buddy was written
+        whole afterwards and committed: a corruption that asked to leave no valid copy left
+        one (seen in CI under load: the job recovered from it)."""
+        deadline = time.monotonic() + SETTLE_S
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            try:
+                status = self._status.call(Status(), timeout=2.0)
+            except PeerckptError:
+                return
+            if status.state is not JobState.RUNNING:
+                return
+            if status.committed_step is not None and status.committed_step >= step:
+                return
+            time.sleep(0.02)
 
     def _kill_node(self, action: ChaosAction, record: FiredAction) -> FiredAction:
         assert record.node is not None

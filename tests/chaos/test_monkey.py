@@ -57,6 +57,10 @@ class FakeTarget:
     def kill_pid(self, pid: int) -> None:
         self.killed.append(pid)
 
+    def corrupt_replicas(self, rank: int) -> list[str]:
+        self.killed.append(-rank)  # in the order of what was done
+        return [f"n0-r{rank}-g1"]
+
 
 def _wait(predicate: Any, timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
@@ -141,5 +145,25 @@ def test_an_action_after_seconds_lets_the_ranks_go_on_and_fires_later(tmp_path) 
         assert _wait(lambda: (tmp_path / "released-4").exists(), timeout=0.4)
         assert target.killed == []
         assert _wait(lambda: target.killed == [101])
+    finally:
+        monkey.stop()
+
+
+def test_a_corruption_waits_for_the_snapshot_in_flight_to_commit(tmp_path) -> None:
+    """The ranks hold after step 12 once it came; its snapshot is still being replicated.
+    Flipped before it committed, a buddy's copy was written whole after the flip (CI: the
+    job recovered from it). The corruption, and the kill after it, wait for the commit."""
+    job, target = FakeJob(), FakeTarget(str(tmp_path))
+    job.committed = 11
+    spec = parse_chaos("corrupt rank=1 at=12; kill rank=1 at=12")
+    monkey = ChaosMonkey(spec, job, target)  # type: ignore[arg-type]
+    monkey.start()
+    try:
+        (tmp_path / "reached-12").write_text(json.dumps({"rank": 0, "step": 12}))
+        time.sleep(0.5)
+        assert target.killed == []  # step 12's snapshot is not committed yet
+        with job.lock:
+            job.committed = 12
+        assert _wait(lambda: target.killed == [-1, 101])
     finally:
         monkey.stop()
