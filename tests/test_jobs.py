@@ -41,6 +41,7 @@ def test_fault_free_job_runs_every_step_with_identical_models_on_every_rank(
     assert reference_run.report["state"] == "succeeded" and reference_run.report["events"] == []
 
 
+@pytest.mark.slow  # make test: kill rank with spares in test_user_loops and test_script_habits
 def test_a_killed_rank_is_replaced_by_a_spare_from_peer_memory(tmp_path, reference_run) -> None:
     run = run_job(tmp_path, script_args=["--steps", "30"], spares=1, chaos="kill rank=2 at=10")
     assert run.returncode == 0, run.log[-4000:]
@@ -131,6 +132,7 @@ def test_a_killed_rank_with_no_spare_is_restarted_in_place_from_its_nodes_memory
     assert "rank 1 restarted in place on node 0, from its node's memory (its restart 1" in run.log
 
 
+@pytest.mark.slow  # make test: the crash test below runs out of --max-restarts
 def test_with_max_restarts_0_a_killed_rank_and_no_spare_fail_the_job_naming_the_flag(
     tmp_path,
 ) -> None:
@@ -203,6 +205,7 @@ def test_a_rank_then_a_whole_node_lost_in_one_run(tmp_path, reference_run) -> No
     assert second["resumed_at"] is not None
 
 
+@pytest.mark.slow  # make test: two ranks lost in one recovery by a node kill, the campaign
 def test_two_ranks_killed_at_once_are_repaired_together(tmp_path, reference_run) -> None:
     """The second kill lands while the first recovery is under way (its epoch is superseded:
     ranks already joining it must be released, and rejoin the next one together)."""

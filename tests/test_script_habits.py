@@ -41,6 +41,7 @@ def _recovers_a_rank_then_a_node(tmp_path: Path, script: str, args: list[str] = 
     return run
 
 
+@pytest.mark.slow  # make test: the same script's setup in the dist tutorial's loop, below
 def test_a_tutorial_script_recovers_bit_exact_from_a_rank_then_a_node(tmp_path) -> None:
     # Every entry drew its dataset from the RNG as the first did (a survivor's global RNG was
     # where the last epoch left it: 28 of 40 steps of the tutorial's trainer differed).
@@ -58,6 +59,10 @@ def test_the_dist_tutorials_loop_makes_its_iterator_again_where_a_restore_resume
     run = _recovers_a_rank_then_a_node(tmp_path, "tutorial_job.py", [*ARGS, "--epoch-steps", "12"])
     assert "`batches` put back as the loop carried it into step" in run.log, run.log[-4000:]
     assert PREFIX not in run.log
+    # its setup is the DDP tutorial's: its own init/destroy_process_group, a dataset drawn
+    # from the RNG seeded once at program start (the same on every entry)
+    assert "dist.init_process_group() in the script: peerckpt already formed" in run.log
+    assert "dist.destroy_process_group() in the script" in run.log
 
 
 def _assert_top_level_read_the_rank_trained(run: JobRun) -> None:

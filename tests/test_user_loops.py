@@ -74,6 +74,7 @@ def test_every_pattern_at_once_recovers_bit_exact_from_a_rank_and_a_node_loss(tm
     _recover_bit_exact(tmp_path, "all")
 
 
+@pytest.mark.slow  # make test: an AppState job over FSDP2 (test_reshard_jobs), DDP's in tests/runtime
 def test_a_dcp_app_state_holding_ddp_and_two_optimizers_recovers_bit_exact(tmp_path) -> None:
     """The DCP tutorial's AppState (get/set_state_dict) holds the model, wrapped in DDP after
     the track, and two optimizers; a scheduler and accumulation under no_sync beside it. The
