@@ -184,11 +184,8 @@ class ChaosMonkey:
         pending = list(enumerate(self.actions))
         due_since: dict[int, float] = {}  # step → when actions at it became due (for after=)
         while pending and not self._stop.wait(self._poll_s):
-            try:
-                status = self._status.call(Status(), timeout=2.0)
-            except PeerckptError:
-                continue
-            if status.state is not JobState.RUNNING:
+            status = self._running_status()
+            if status is None:
                 continue
             self.reached = self._seen(status)
             if self.total is not None and pending[-1][1].at >= self.total:
@@ -323,15 +320,21 @@ class ChaosMonkey:
         one (seen in CI under load: the job recovered from it)."""
         deadline = time.monotonic() + SETTLE_S
         while not self._stop.is_set() and time.monotonic() < deadline:
-            try:
-                status = self._status.call(Status(), timeout=2.0)
-            except PeerckptError:
-                return
-            if status.state is not JobState.RUNNING:
+            status = self._running_status()
+            if status is None:
                 return
             if status.committed_step is not None and status.committed_step >= step:
                 return
             time.sleep(0.02)
+
+    def _running_status(self) -> JobStatus | None:
+        """The coordinator's status while the job runs; None if it did not answer or the
+        job is not running."""
+        try:
+            status = self._status.call(Status(), timeout=2.0)
+        except PeerckptError:
+            return None
+        return status if status.state is JobState.RUNNING else None
 
     def _kill_node(self, action: ChaosAction, record: FiredAction) -> FiredAction:
         assert record.node is not None

@@ -319,8 +319,8 @@ class LocalLauncher(Launcher):
                 outcome, reason = JobOutcome.of(state), status.reason
                 if outcome is JobOutcome.SUCCEEDED:
                     outcome, reason = self._after_training(status, reason)
-                elif outcome is JobOutcome.FAILED and self.crashes.recurring():
-                    reason = f"{reason} — {self.crashes.recurring()}"
+                elif outcome is JobOutcome.FAILED and (recurring := self.crashes.recurring()):
+                    reason = f"{reason} — {recurring}"
                 return outcome, reason, self._all_events(events)
             refusal = self.chaos.refusal if self.chaos is not None else None
             if refusal is not None:

@@ -298,18 +298,13 @@ class RayLauncher(Launcher):
         (saving the model, an evaluation) as long as it takes, as torchrun does; so does the
         driver, for every host still running, until they end or a signal (``stop`` then
         interrupts them). What they end with is judged in ``_result``."""
-        import ray
-
         waited, said = time.monotonic(), False
         while not self._interrupted.wait(POLL_S):
             running = [
                 h for h in self.hosts.values() if h.rank != 0 and not h.lost and h.done is None
             ]
             for host in running:
-                try:
-                    self._poll_host(host)
-                except ray.exceptions.RayError as exc:  # not its actor's death: unreachable
-                    self._lost(host, type(exc).__name__)
+                self._poll_or_lose(host)
             running = [h for h in running if h.done is None and not h.lost]
             if not running:
                 return
@@ -355,6 +350,16 @@ class RayLauncher(Launcher):
         # that its launcher (which watches the raylet) ended without a result.
         if host.done and host.done.get("node_lost"):
             self._lost(host)
+
+    def _poll_or_lose(self, host: _Host) -> None:
+        """``_poll_host``; a host whose actor cannot be reached (not its death: Ray's other
+        errors) is lost as well."""
+        import ray
+
+        try:
+            self._poll_host(host)
+        except ray.exceptions.RayError as exc:
+            self._lost(host, type(exc).__name__)
 
     def _lost(self, host: _Host, cause: str = "") -> None:
         host.lost = True
@@ -438,12 +443,8 @@ class RayLauncher(Launcher):
             # A host whose Ray node died after the driver's last look is found lost here, so
             # that every lost host is named even when the job ended within a second of it.
             while host.done is None and not host.lost and time.monotonic() < deadline:
-                try:
-                    self._poll_host(host)
-                except ray.exceptions.RayError as exc:  # not its actor's death: unreachable
-                    self._lost(host, type(exc).__name__)
-                    break
-                if host.done is None:
+                self._poll_or_lose(host)
+                if host.done is None and not host.lost:
                     time.sleep(POLL_S)
             if host.done is None and not host.lost:
                 with contextlib.suppress(ray.exceptions.RayError):

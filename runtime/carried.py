@@ -105,13 +105,8 @@ class Carry:
         if self._frame is None:
             return {}
         found = _read(self._frame, self.names)
-        out: dict[str, Any] = {}
-        for n, v in found.items():
-            if isinstance(v, (int, float)) or (_tensors(v) and not _aliases(v, covered)):
-                out[n] = v
-            elif (loader := _iterated(v, tracked)) is not None:
-                out[n] = {ITERATOR_OF: loader}
-        return out
+        saved = {n: _saved_as(v, covered, tracked) for n, v in found.items()}
+        return {n: v for n, v in saved.items() if v is not None}
 
     def unsaved(self, tracked: dict[str, Any]) -> list[str]:
         """What the first snapshot's audit says of carried names that the code before the
@@ -119,14 +114,13 @@ class Carry:
         if self._frame is None or not self.unbound:
             return []
         found = _read(self._frame, self.unbound)
-        saved = self.values(set(), tracked)
         return [
             f"the loop carries `{n}` (a {type(v).__name__}) from one step into the next, and the "
             f"code before the loop does not make it: after a restore the first step finds `{n}` "
             "unbound (UnboundLocalError). Tensors, numbers and iterators of a tracked "
             "StatefulDataLoader are carried across a restore; make anything else before the loop"
             for n, v in sorted(found.items())
-            if n not in saved and not isinstance(v, _PLAIN_ITERATORS)
+            if _saved_as(v, set(), tracked) is None and not isinstance(v, _PLAIN_ITERATORS)
         ]
 
     def put_back(self, saved: dict[str, Any], tracked: dict[str, Any]) -> list[str]:
@@ -176,6 +170,16 @@ def _placed_like(saved: Any, now: Any) -> Any:
         items = [_placed_like(v, now[i] if same else None) for i, v in enumerate(saved)]
         return type(saved)(items)
     return saved
+
+
+def _saved_as(value: Any, covered: set[int], tracked: dict[str, Any]) -> Any:
+    """What a snapshot saves for a carried ``value``: the value itself (a number, or tensors
+    that are not tracked state: storage addresses in ``covered``), ``{ITERATOR_OF: name}`` for
+    the iterator of a loader in ``tracked``; None for anything else."""
+    if isinstance(value, (int, float)) or (_tensors(value) and not _aliases(value, covered)):
+        return value
+    loader = _iterated(value, tracked)
+    return {ITERATOR_OF: loader} if loader is not None else None
 
 
 def _iterated(value: Any, tracked: dict[str, Any]) -> str | None:
