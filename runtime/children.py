@@ -8,7 +8,16 @@ handler, once per process, that in every child forked from the rank's main threa
 
 - asks the kernel to SIGKILL the child when the rank dies (``PR_SET_PDEATHSIG``), and exits at
   once if the rank died between the fork and that call;
-- closes the child's copy of the control socket (the child never speaks to the agent).
+- closes the child's copy of the control socket (the child never speaks to the agent);
+- freezes the garbage collector's view of what it inherited (``gc.freeze``), so that the
+  child never collects the rank's garbage. After a membership change the previous epoch's
+  objects (the function's frames, held in a cycle by the exception that ended them, its DDP,
+  its process group) are garbage until the rank's collector runs; a DataLoader worker forked
+  before then collected them itself, and ``ProcessGroupGloo``'s destructor, waiting for gloo
+  threads that do not exist in a child, hung the worker (or crashed it: "Unexpected
+  segmentation fault encountered in worker") and with it the rank. The collector is off
+  across the fork, so no collection can run in the child before the freeze; what the child
+  itself makes is collected as usual.
 
 ``PR_SET_PDEATHSIG`` fires when the *thread* that forked exits, so a child forked from any
 other thread is left alone here: the launcher ends the rank's whole process group when the
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import signal
 import socket
@@ -35,6 +45,7 @@ _installed = False
 _sockets: list[socket.socket] = []
 _parent = 0
 _from_main = False
+_gc_was_enabled = False
 _prctl: Any = None  # libc's prctl, looked up before any fork
 
 
@@ -48,17 +59,27 @@ def install(control: socket.socket) -> None:
         _prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         _prctl = None
-    os.register_at_fork(before=_before_fork, after_in_child=_in_child)
+    os.register_at_fork(before=_before_fork, after_in_parent=_in_parent, after_in_child=_in_child)
     _installed = True
 
 
 def _before_fork() -> None:
-    global _parent, _from_main
+    global _parent, _from_main, _gc_was_enabled
+    _gc_was_enabled = gc.isenabled()
+    gc.disable()  # the fork handlers registered before ours run in the child before ours does
     _parent = os.getpid()
     _from_main = threading.current_thread() is threading.main_thread()
 
 
+def _in_parent() -> None:
+    if _gc_was_enabled:
+        gc.enable()
+
+
 def _in_child() -> None:
+    gc.freeze()  # the rank's garbage is the rank's to collect: never in this child
+    if _gc_was_enabled:
+        gc.enable()
     for sock in _sockets:
         with contextlib.suppress(OSError):
             sock.close()  # this process's copy only: the rank's own stays open

@@ -141,10 +141,14 @@ class EpochTracking:
         self._watch: FirstStepWatch | None = None  # this epoch's first-step hooks
 
     def close(self) -> None:
-        """The epoch is left: remove every hook it installed."""
+        """The epoch is left: remove every hook it installed and let go of what the function
+        tracked, so that the last epoch's model and optimizer are freed before the function
+        builds the next epoch's (``step`` stays, for the heartbeats until then)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        self.tracked.clear()  # the dict the epoch's watch and audit hold too
+        self._restored = self._carried = None
 
     def track(self, state: dict[str, Any]) -> None:
         clash = sorted(set(state) & set(self.tracked))

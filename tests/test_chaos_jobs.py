@@ -160,6 +160,7 @@ def test_a_second_rank_killed_while_the_first_is_being_repaired(tmp_path, refere
     assert_same_digests(run, reference_run)
 
 
+@pytest.mark.slow  # make test: the coordinator killed just after an agent (next), and test_rebuild
 def test_a_killed_coordinator_is_restarted_and_the_job_goes_on(tmp_path, reference_run) -> None:
     run = run_job(tmp_path, script_args=["--steps", "30"], chaos="kill coordinator at=10")
     assert run.returncode == 0, run.log[-4000:]

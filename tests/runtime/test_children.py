@@ -62,3 +62,60 @@ def test_a_forked_worker_drops_the_socket_and_dies_with_its_rank() -> None:
         if worker and _alive(worker):
             os.kill(worker, signal.SIGKILL)
         rank.stdout.close()
+
+
+# A rank after a membership change: the last epoch's process group is garbage, held in a
+# cycle (as the frames of the function that a MembershipChanged ended hold its DDP), not yet
+# collected. A worker forked now runs a collection, as any allocation in it may start one.
+_GARBAGE = """
+import gc, multiprocessing, socket
+import torch, torch.distributed as dist
+from peerckpt.runtime import children
+
+control, _peer = socket.socketpair()
+if {install}:
+    children.install(control)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+group = dist.new_group([0])
+dist.all_reduce(torch.ones(3), group=group)  # gloo's threads now wait on its condition
+class Frame: pass
+frame = Frame(); frame.cycle = frame; frame.group = group
+gc.collect()  # old, as after some training: only a full collection, rarely run, frees it
+dist.destroy_process_group(group)
+del frame, group
+
+def worker(out):
+    class Mine:
+        def __del__(self): out.put("own garbage collected")
+    mine = Mine(); mine.cycle = mine; del mine
+    gc.collect()  # without the freeze: ProcessGroupGloo's destructor, in a child
+    out.put(f"gc enabled {{gc.isenabled()}}")
+
+out = multiprocessing.get_context("fork").SimpleQueue()
+child = multiprocessing.get_context("fork").Process(target=worker, args=(out,))
+child.start()
+print("parent gc enabled", gc.isenabled(), flush=True)
+child.join(timeout={wait})
+print("worker", "hung" if child.is_alive() else f"exited {{child.exitcode}}", flush=True)
+while not out.empty():
+    print(out.get(), flush=True)
+if child.is_alive():
+    child.kill()
+dist.destroy_process_group()
+"""
+
+
+def _run_garbage(install: bool, wait: float) -> str:
+    code = _GARBAGE.format(install=install, wait=wait)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    ).stdout
+
+
+def test_a_worker_forked_after_a_membership_change_never_collects_the_ranks_process_group() -> None:
+    out = _run_garbage(install=True, wait=30.0)
+    assert "worker exited 0" in out, out
+    assert "own garbage collected" in out  # what the child makes is collected as usual
+    assert "gc enabled True" in out and "parent gc enabled True" in out  # back on, both sides
+    # Without the fork handler the same worker hangs in the destructor (or crashes in it).
+    assert "worker exited 0" not in _run_garbage(install=False, wait=3.0)
