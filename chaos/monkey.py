@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
-from peerckpt.chaos.points import ENDED, LOOP, read_json, released_path
+from peerckpt.chaos.points import ENDED, HOLD_S, LOOP, read_json, released_path
 from peerckpt.chaos.spec import ActionKind, ChaosAction, FiredAction
 from peerckpt.errors import NotReshardable, PeerckptError
 from peerckpt.messages.control import JobStatus, Status
@@ -35,6 +35,9 @@ from peerckpt.states import JobState
 
 log = logging.getLogger("peerckpt.chaos")
 SETTLE_S = 10.0  # the longest a corruption waits for the snapshot in flight to commit
+JOIN_S = (
+    HOLD_S  # the longest an added node's step stays held for its ranks to join (as a rank holds)
+)
 
 
 class FaultTarget(Protocol):
@@ -107,6 +110,11 @@ class ChaosMonkey:
         self._armed: dict[int, float] = {}  # action index → when its phase point was armed
         self._released: set[int] = set()
         self._records: dict[int, FiredAction] = {}  # action index → what firing it did
+        # "add node" actions whose node's ranks are not in the job yet: index → (node, since).
+        # Their step stays held until they are (the job grows at the step asked for), at
+        # most JOIN_S; one that never joined is named by ``unfired``.
+        self._joining: dict[int, tuple[int, float]] = {}
+        self._not_joined: dict[int, str] = {}
         self._thread = threading.Thread(target=self._run, name="peerckpt-chaos", daemon=True)
 
     def start(self) -> None:
@@ -124,6 +132,14 @@ class ChaosMonkey:
         lines = []
         for index, action in enumerate(self.actions):
             record = self._records.get(index)
+            if index in self._not_joined or index in self._joining:
+                why = self._not_joined.get(index) or "the job ended before they did"
+                lines.append(
+                    f"chaos action '{action.text}' never took effect: node "
+                    f"{record.node if record else '?'} started, but its ranks never joined the "
+                    f"job: {why}"
+                )
+                continue
             if record is not None and record.fired_at is not None:
                 continue
             if self.refusal is not None and action.at >= (self.total or 0):
@@ -183,12 +199,13 @@ class ChaosMonkey:
     def _run(self) -> None:
         pending = list(enumerate(self.actions))
         due_since: dict[int, float] = {}  # step → when actions at it became due (for after=)
-        while pending and not self._stop.wait(self._poll_s):
+        while (pending or self._joining) and not self._stop.wait(self._poll_s):
             status = self._running_status()
             if status is None:
                 continue
             self.reached = self._seen(status)
-            if self.total is not None and pending[-1][1].at >= self.total:
+            self._watch_joins(status)
+            if pending and self.total is not None and pending[-1][1].at >= self.total:
                 action = pending[-1][1]
                 self.refusal = (
                     f"chaos action '{action.text}' can never fire: the script's loop is "
@@ -215,11 +232,34 @@ class ChaosMonkey:
                 self._records[index] = record
                 self.fired.append(record)
                 pending.pop(0)
+                if action.kind is ActionKind.ADD_NODE and record.fired_at is not None:
+                    assert record.node is not None
+                    self._joining[index] = (record.node, time.monotonic())
             # A step's ranks go on once none of its actions is left to fire (an armed phase
             # point waits for its phase, and an action ``after=T`` lands T seconds later
-            # wherever the job is by then: both only if the ranks go on).
+            # wherever the job is by then: both only if the ranks go on) and the nodes its
+            # actions added are in the job.
             waiting = {a.at for i, a in pending if i not in self._armed and not a.after}
+            waiting |= {self.actions[i].at for i in self._joining}
             self._release({a.at for a in self.actions if a.at <= self.reached} - waiting)
+
+    def _watch_joins(self, status: JobStatus) -> None:
+        """Added nodes whose ranks are in the job now, or that waited too long."""
+        for index, (node, since) in list(self._joining.items()):
+            ranks = sorted(r for r, (n, _pid) in status.ranks.items() if n == node)
+            if ranks:
+                log.warning(
+                    "chaos: node %d joined the job as rank(s) %s: the world is %d ranks",
+                    node,
+                    ", ".join(map(str, ranks)),
+                    len(status.ranks),
+                )
+                del self._joining[index]
+            elif time.monotonic() - since > JOIN_S:
+                why = f"not within {JOIN_S:.0f} s"
+                log.error("chaos: node %d started but its ranks did not join: %s", node, why)
+                self._not_joined[index] = why
+                del self._joining[index]
 
     def _release(self, steps: set[int]) -> None:
         """Let the ranks held after ``steps`` go on (``chaos/points.py``, step points)."""

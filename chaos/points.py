@@ -37,6 +37,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from peerckpt.errors import PeerUnavailable
@@ -90,8 +91,8 @@ class ChaosHooks(FaultHooks):
     def strike(self, phase: str, **where: Any) -> bool:
         return strike_point(self.directory, phase, **where)
 
-    def reach(self, step: int, **where: Any) -> None:
-        self.gates.reach(step, **where)
+    def reach(self, step: int, check: Callable[[], None] | None = None, **where: Any) -> None:
+        self.gates.reach(step, check, **where)
 
 
 class StepGates:
@@ -115,7 +116,7 @@ class StepGates:
                 self._steps = frozenset()
         return self._steps
 
-    def reach(self, step: int, **where: Any) -> None:
+    def reach(self, step: int, check: Callable[[], None] | None = None, **where: Any) -> None:
         """About to run ``step``: first wait for the release of a gated step run before (a
         re-entry after a restore waits too: the fault that caused it may have been only the
         first of its step's), then announce ``step`` if an action waits for it. The loop's
@@ -126,7 +127,7 @@ class StepGates:
             self._told = True
             _write_json(os.path.join(self.directory, LOOP), {"total": total})
         if self._owed is not None and self._owed != step:
-            self._await_release(self._owed)
+            self._await_release(self._owed, check)
             self._owed = None
         if total is not None and step >= total:
             _write_json(os.path.join(self.directory, ENDED), {"step": step - 1})
@@ -140,13 +141,17 @@ class StepGates:
             log.info("chaos: step %d reached; the faults of that step fire now", step)
         self._owed = step
 
-    def _await_release(self, step: int) -> None:
+    def _await_release(self, step: int, check: Callable[[], None] | None = None) -> None:
+        """Hold until the monkey released ``step``, at most ``hold_s``; ``check`` raises
+        (MembershipChanged) when the epoch ends meanwhile, and the step is still owed."""
         path = released_path(self.directory, step)
         deadline = time.monotonic() + self.hold_s
         if os.path.exists(path):
             return
         log.info("chaos: holding at the end of step %d until its faults have fired", step)
         while not os.path.exists(path):
+            if check is not None:
+                check()
             if time.monotonic() >= deadline:
                 log.warning(
                     "chaos: the faults of step %d did not fire within %.0f s; going on",

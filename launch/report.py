@@ -157,7 +157,12 @@ def format_failures(events: list[RecoveryEvent], chaos: list[FiredAction]) -> li
         head = f"- {row.cause}: lost {where}" if where else f"- {row.cause}"
         lines.append(head + (f"; {row.change}" if row.change else ""))
         if row.detected_s is not None:
-            lines.append(f"    detected {row.detected_s * 1000:.0f} ms after the kill")
+            if row.cause.startswith("add node"):
+                lines.append(
+                    f"    joined {row.detected_s * 1000:.0f} ms after the node was started"
+                )
+            else:
+                lines.append(f"    detected {row.detected_s * 1000:.0f} ms after the kill")
         if row.fallback:
             lines.append(f"    no memory copy survived: {row.fallback}")
         since = (

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
@@ -77,11 +78,13 @@ class FaultHooks:
         waits for it. True if one was struck."""
         return False
 
-    def reach(self, step: int, **where: Any) -> None:
+    def reach(self, step: int, check: Callable[[], None] | None = None, **where: Any) -> None:
         """A rank is about to run ``step`` (``step`` = the total: the loop ended). A fault
         injector that strikes at steps learns here that the job reached one, and holds the
         rank at the boundary after it until the fault was fired, so that a fault asked for
-        at step S lands while the job runs S, however short the steps."""
+        at step S lands while the job runs S, however short the steps. ``check`` raises
+        once the rank's epoch has ended: a hold ends with it (a node added at S joins while
+        the ranks hold after S)."""
 
     def close(self) -> None:
         """Stop whatever the hooks started."""

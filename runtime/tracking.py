@@ -337,7 +337,7 @@ class EpochTracking:
             for step in range(start, total):
                 self.check()
                 if self.faults.active:
-                    self.faults.reach(step, **where)
+                    self.faults.reach(step, self.check, **where)
                 if policy.quiet_before(step) and self.engine.last_taken is not None:
                     # the plain steps about to be measured must not share the cores with the
                     # replication of the last one; the measured snapshot's work is done, and
@@ -379,7 +379,8 @@ class EpochTracking:
                 if self.engine.committed_step is not None and self.engine.committed_step >= start:
                     self.pg.release_retired()  # this epoch committed: the old groups are idle
             if self.faults.active:
-                self.faults.reach(total, **where)  # the last step's faults fire before the end
+                # the last step's faults fire before the end
+                self.faults.reach(total, self.check, **where)
         finally:
             if carry is not None:
                 carry.close()  # it holds the loop's frame

@@ -22,6 +22,7 @@ class FakeJob:
         self.committed: int | None = None
         self.live: dict[int, int] = {}
         self.total: int | None = None
+        self.ranks: dict[int, list[int]] = {0: [0, 100], 1: [0, 101]}
 
     def call(self, msg: Status, timeout: float = 10.0) -> JobStatus:
         with self.lock:
@@ -35,7 +36,7 @@ class FakeJob:
                 min_nodes=None,
                 committed_step=self.committed,
                 last_replicated={},
-                ranks={0: [0, 100], 1: [0, 101]},
+                ranks={r: list(v) for r, v in self.ranks.items()},
                 spares=[],
                 nodes={0: True},
                 events=[],
@@ -56,6 +57,10 @@ class FakeTarget:
 
     def kill_pid(self, pid: int) -> None:
         self.killed.append(pid)
+
+    def add_node(self) -> int:
+        self.killed.append(1000)  # "node added", in the order of what was done
+        return 2
 
     def corrupt_replicas(self, rank: int) -> list[str]:
         self.killed.append(-rank)  # in the order of what was done
@@ -167,3 +172,36 @@ def test_a_corruption_waits_for_the_snapshot_in_flight_to_commit(tmp_path) -> No
         assert _wait(lambda: target.killed == [-1, 101])
     finally:
         monkey.stop()
+
+
+def test_an_added_nodes_step_is_held_until_its_ranks_are_in_the_job(tmp_path) -> None:
+    # The job grows at the step asked for: without the hold its last steps ran on while the
+    # node's processes started, the job ended first, and it "succeeded" never having grown.
+    job, target = FakeJob(), FakeTarget(str(tmp_path))
+    monkey = ChaosMonkey(parse_chaos("add node at=5"), job, target)  # type: ignore[arg-type]
+    monkey.start()
+    try:
+        (tmp_path / "reached-5").write_text(json.dumps({"rank": 0, "step": 5}))
+        assert _wait(lambda: target.killed == [1000])
+        time.sleep(0.3)
+        assert not (tmp_path / "released-5").exists()  # its ranks are not in the job yet
+        with job.lock:
+            job.ranks[2] = [2, 200]
+        assert _wait(lambda: (tmp_path / "released-5").exists())
+    finally:
+        monkey.stop()
+    assert monkey.unfired() == []
+
+
+def test_an_added_node_whose_ranks_never_joined_fails_the_run(tmp_path) -> None:
+    job, target = FakeJob(), FakeTarget(str(tmp_path))
+    monkey = ChaosMonkey(parse_chaos("add node at=5"), job, target)  # type: ignore[arg-type]
+    monkey.start()
+    try:
+        (tmp_path / "reached-5").write_text(json.dumps({"rank": 0, "step": 5}))
+        assert _wait(lambda: target.killed == [1000])
+    finally:
+        monkey.stop()  # the job ended: the held ranks go on
+    assert (tmp_path / "released-5").exists()
+    [line] = monkey.unfired()
+    assert "'add node at=5' never took effect: node 2 started, but its ranks never joined" in line

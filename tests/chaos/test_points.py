@@ -12,7 +12,7 @@ import pytest
 
 from peerckpt import faults
 from peerckpt.chaos.points import ChaosHooks, NetFaults, StepGates
-from peerckpt.errors import PeerUnavailable
+from peerckpt.errors import MembershipChanged, PeerUnavailable
 from peerckpt.faults import NetHooks
 from peerckpt.wire import Connection
 
@@ -168,3 +168,30 @@ def test_the_last_step_holds_the_loop_end_and_a_hold_is_bounded(tmp_path) -> Non
     gates.reach(5, **where)  # the end of the loop waits too, but never longer than hold_s
     assert 0.3 <= time.monotonic() - started < 5.0
     assert not (tmp_path / "released-4").exists()
+
+
+def test_a_hold_ends_when_the_epoch_does_and_the_step_stays_owed(tmp_path) -> None:
+    # A node added at step 4 joins while the ranks hold after it: the new epoch's abort must
+    # reach them there, and the re-entered loop holds again until the monkey saw the join.
+    _gates(tmp_path, [4])
+    gates = StepGates(str(tmp_path), hold_s=30.0)
+    where = {"rank": 0, "node": 0, "epoch": 0, "total": 10}
+    gates.reach(4, **where)
+    ended = threading.Event()
+
+    def check() -> None:
+        if ended.is_set():
+            raise MembershipChanged("epoch 0 ended")
+
+    threading.Timer(0.2, ended.set).start()
+    started = time.monotonic()
+    with pytest.raises(MembershipChanged):
+        gates.reach(5, check, **where)
+    assert time.monotonic() - started < 5.0
+    holder = threading.Thread(target=gates.reach, args=(3,), kwargs=where)  # re-entered
+    holder.start()
+    time.sleep(0.2)
+    assert holder.is_alive()
+    (tmp_path / "released-4").write_text("")
+    holder.join(5.0)
+    assert not holder.is_alive()

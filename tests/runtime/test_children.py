@@ -66,15 +66,13 @@ def test_a_forked_worker_drops_the_socket_and_dies_with_its_rank() -> None:
 
 # A rank after a membership change: the last epoch's process group is garbage, held in a
 # cycle (as the frames of the function that a MembershipChanged ended hold its DDP), not yet
-# collected. A worker forked now runs a collection, as any allocation in it may start one.
+# collected. A worker forked now runs a collection, as any allocation in it may start one. The
+# rank forks one worker before it installs the fork handler, then one after.
 _GARBAGE = """
 import gc, multiprocessing, socket
 import torch, torch.distributed as dist
 from peerckpt.runtime import children
 
-control, _peer = socket.socketpair()
-if {install}:
-    children.install(control)
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 group = dist.new_group([0])
 dist.all_reduce(torch.ones(3), group=group)  # gloo's threads now wait on its condition
@@ -89,33 +87,36 @@ def worker(out):
         def __del__(self): out.put("own garbage collected")
     mine = Mine(); mine.cycle = mine; del mine
     gc.collect()  # without the freeze: ProcessGroupGloo's destructor, in a child
-    out.put(f"gc enabled {{gc.isenabled()}}")
+    out.put(f"gc enabled {gc.isenabled()}")
 
-out = multiprocessing.get_context("fork").SimpleQueue()
-child = multiprocessing.get_context("fork").Process(target=worker, args=(out,))
-child.start()
-print("parent gc enabled", gc.isenabled(), flush=True)
-child.join(timeout={wait})
-print("worker", "hung" if child.is_alive() else f"exited {{child.exitcode}}", flush=True)
-while not out.empty():
-    print(out.get(), flush=True)
-if child.is_alive():
-    child.kill()
-dist.destroy_process_group()
+def fork(wait):
+    out = multiprocessing.get_context("fork").SimpleQueue()
+    child = multiprocessing.get_context("fork").Process(target=worker, args=(out,))
+    child.start()
+    child.join(timeout=wait)
+    said = ["hung" if child.is_alive() else f"exited {child.exitcode}"]
+    if child.is_alive():
+        child.kill()
+        child.join()
+    while not out.empty():
+        said.append(out.get())
+    return said
+
+print("without:", fork(3.0), flush=True)
+control, _peer = socket.socketpair()
+children.install(control)
+print("with:", fork(30.0), "parent gc enabled", gc.isenabled(), flush=True)
 """
 
 
-def _run_garbage(install: bool, wait: float) -> str:
-    code = _GARBAGE.format(install=install, wait=wait)
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
-    ).stdout
-
-
 def test_a_worker_forked_after_a_membership_change_never_collects_the_ranks_process_group() -> None:
-    out = _run_garbage(install=True, wait=30.0)
-    assert "worker exited 0" in out, out
-    assert "own garbage collected" in out  # what the child makes is collected as usual
-    assert "gc enabled True" in out and "parent gc enabled True" in out  # back on, both sides
-    # Without the fork handler the same worker hangs in the destructor (or crashes in it).
-    assert "worker exited 0" not in _run_garbage(install=False, wait=3.0)
+    out = subprocess.run(
+        [sys.executable, "-c", _GARBAGE], capture_output=True, text=True, timeout=120
+    ).stdout
+    without = next(line for line in out.splitlines() if line.startswith("without:"))
+    with_ = next(line for line in out.splitlines() if line.startswith("with:"))
+    # Without the fork handler the worker hangs in the destructor (or crashes in it).
+    assert "exited 0" not in without, out
+    assert "exited 0" in with_, out
+    assert "own garbage collected" in with_  # what the child makes is collected as usual
+    assert "gc enabled True" in with_ and "parent gc enabled True" in with_  # on, both sides
