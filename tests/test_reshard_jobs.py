@@ -69,6 +69,7 @@ def test_a_node_lost_without_spares_shrinks_two_nodes_to_one(tmp_path) -> None:
     assert "per snapshot step not mirrored" in run.log
 
 
+@pytest.mark.slow  # make test: the 'flat' case below (a rank lost, four ranks to three)
 def test_a_rank_lost_without_spares_shrinks_four_ranks_to_three(tmp_path) -> None:
     run = run_job(
         tmp_path,
