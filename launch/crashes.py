@@ -11,11 +11,19 @@ received by PID …"), and the rank's Python stack is above it (the rank runtime
 A crash that recurs after every restore is the job's own, not a lost machine's: a job that
 then fails for want of spares or restarts gets that said with the reason, instead of only the
 coordinator's advice to start it with more of them.
+
+SIGKILL is what peerckpt's own kills send (chaos, fencing, the end of a job), and also what
+the kernel's out-of-memory killer sends. A rank process found killed by SIGKILL while the
+kernel's count of OOM kills grew (``OomKills``: its cgroup's ``memory.events`` or
+``memory.oom_control``, and ``/proc/vmstat``) is named as killed for memory: host memory is
+what peerckpt's slots and replicas add to a job's, and a rank killed for it after every
+restore needs a smaller footprint, not more spares.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from collections.abc import Iterable, Mapping
 
@@ -45,10 +53,69 @@ def crash_of(returncode: int | None) -> str | None:
     return f"{sig.name} ({what})" if what is not None else None
 
 
+OOM = "SIGKILL (out of memory)"
+
+
+def _cgroup_oom_files(
+    proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
+) -> list[str]:
+    """This process's cgroup files that count OOM kills: v2 ``memory.events``, v1
+    ``memory.oom_control`` (at its path and at the namespace's root)."""
+    found = []
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        _id, controllers, path = line.split(":", 2)
+        path = path.lstrip("/")
+        if controllers == "":
+            found.append(os.path.join(root, path, "memory.events"))
+        elif "memory" in controllers.split(","):
+            found.append(os.path.join(root, "memory", path, "memory.oom_control"))
+            found.append(os.path.join(root, "memory", "memory.oom_control"))
+    return [p for p in dict.fromkeys(found) if os.path.exists(p)]
+
+
+class OomKills:
+    """The kernel's counts of OOM kills where this process can read them (``oom_kill`` lines);
+    ``grew`` says which grew since it last looked."""
+
+    def __init__(self, paths: list[str] | None = None) -> None:
+        self.paths = paths if paths is not None else ["/proc/vmstat", *_cgroup_oom_files()]
+        self._last = self._read()
+
+    def _read(self) -> dict[str, int]:
+        counts = {}
+        for path in self.paths:
+            try:
+                with open(path) as f:
+                    for line in f:
+                        key, _, value = line.partition(" ")
+                        if key == "oom_kill" and value.strip().isdigit():
+                            counts[path] = int(value)
+            except OSError:
+                continue
+        return counts
+
+    def grew(self) -> str:
+        """``"PATH N → M"`` for each count that grew since the last call, or ""."""
+        now = self._read()
+        grown = [
+            f"oom_kill in {p} {self._last[p]} → {n}"
+            for p, n in now.items()
+            if p in self._last and n > self._last[p]
+        ]
+        self._last.update(now)
+        return ", ".join(grown)
+
+
 class Crashes:
     """The crashes of a job's rank processes, as the launcher sees its children end."""
 
-    def __init__(self) -> None:
+    def __init__(self, oom: OomKills | None = None) -> None:
+        self._oom = oom if oom is not None else OomKills()
         self._rank_of: dict[tuple[int, int], int] = {}  # (node, pid) → the rank it last held
         self._seen: set[int] = set()
         # rank → how each of its processes that ended crashed (None: it did not)
@@ -61,6 +128,7 @@ class Crashes:
         every training process. Logs each rank process that crashed since the last call."""
         for rank, (node, pid) in ranks.items():
             self._rank_of[(node, pid)] = rank
+        oom: str | None = None  # read once per call: OOM kills of several ranks count once
         for node, proc in procs:
             if proc.pid in self._seen:
                 continue
@@ -72,15 +140,20 @@ class Crashes:
             crash = crash_of(code)
             if held is None:
                 continue  # a spare that never held a rank, or one this job never placed
+            said = "; its Python stack, if it had one, is above"
+            if code == -signal.SIGKILL:
+                oom = self._oom.grew() if oom is None else oom
+                if oom:
+                    crash, said = OOM, f": the kernel's OOM killer ({oom})"
             self.by_rank.setdefault(held, []).append(crash)
             if crash is not None:
                 log.warning(
-                    "rank %d (pid %d) on node %d crashed: killed by %s; its Python stack, "
-                    "if it had one, is above",
+                    "rank %d (pid %d) on node %d crashed: killed by %s%s",
                     held,
                     proc.pid,
                     node,
                     crash,
+                    said,
                 )
 
     def recurring(self) -> str:
@@ -94,6 +167,12 @@ class Crashes:
         if not found:
             return ""
         said = "; ".join(f"rank {r} crashed {len(e)} times, each by {e[0]}" for r, e in found)
+        if all(e[0] == OOM for _r, e in found):
+            return (
+                f"{said}: the machine runs out of memory after every restore, and more spares "
+                "or restarts end the same way; give each node more memory or need less of it "
+                "(a smaller batch or model per rank, fewer DataLoader workers, --replicas 1)"
+            )
         return (
             f"{said}: a crash that recurs after every restore comes from the job's code or a "
             "library it calls, not from a lost machine, and more spares or restarts end the "
