@@ -174,15 +174,21 @@ def test_a_corruption_waits_for_the_snapshot_in_flight_to_commit(tmp_path) -> No
         monkey.stop()
 
 
-def test_an_added_nodes_step_is_held_until_its_ranks_are_in_the_job(tmp_path) -> None:
-    # The job grows at the step asked for: without the hold its last steps ran on while the
-    # node's processes started, the job ended first, and it "succeeded" never having grown.
+def _node_added_at_5(tmp_path) -> tuple[FakeJob, ChaosMonkey]:
+    """A running monkey that has added a node at step 5 (its ranks not in the job yet)."""
     job, target = FakeJob(), FakeTarget(str(tmp_path))
     monkey = ChaosMonkey(parse_chaos("add node at=5"), job, target)  # type: ignore[arg-type]
     monkey.start()
+    (tmp_path / "reached-5").write_text(json.dumps({"rank": 0, "step": 5}))
+    assert _wait(lambda: target.killed == [1000])
+    return job, monkey
+
+
+def test_an_added_nodes_step_is_held_until_its_ranks_are_in_the_job(tmp_path) -> None:
+    # The job grows at the step asked for: without the hold its last steps ran on while the
+    # node's processes started, the job ended first, and it "succeeded" never having grown.
+    job, monkey = _node_added_at_5(tmp_path)
     try:
-        (tmp_path / "reached-5").write_text(json.dumps({"rank": 0, "step": 5}))
-        assert _wait(lambda: target.killed == [1000])
         time.sleep(0.3)
         assert not (tmp_path / "released-5").exists()  # its ranks are not in the job yet
         with job.lock:
@@ -194,14 +200,8 @@ def test_an_added_nodes_step_is_held_until_its_ranks_are_in_the_job(tmp_path) ->
 
 
 def test_an_added_node_whose_ranks_never_joined_fails_the_run(tmp_path) -> None:
-    job, target = FakeJob(), FakeTarget(str(tmp_path))
-    monkey = ChaosMonkey(parse_chaos("add node at=5"), job, target)  # type: ignore[arg-type]
-    monkey.start()
-    try:
-        (tmp_path / "reached-5").write_text(json.dumps({"rank": 0, "step": 5}))
-        assert _wait(lambda: target.killed == [1000])
-    finally:
-        monkey.stop()  # the job ended: the held ranks go on
+    _job, monkey = _node_added_at_5(tmp_path)
+    monkey.stop()  # the job ended: the held ranks go on
     assert (tmp_path / "released-5").exists()
     [line] = monkey.unfired()
     assert "'add node at=5' never took effect: node 2 started, but its ranks never joined" in line
