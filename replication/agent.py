@@ -84,6 +84,7 @@ from peerckpt.names import RUN_ENV
 from peerckpt.pidwatch import ProcessWatch
 from peerckpt.replication import nccl
 from peerckpt.replication.arena import Arena
+from peerckpt.replication.busy import BusyWatch
 from peerckpt.replication.control import ControlServer, ProcLink
 from peerckpt.replication.coordlink import CoordinatorLink
 from peerckpt.replication.dedup import twin_digest
@@ -244,6 +245,7 @@ class Agent:
         self.mirroring.retry_s = 2 * self.heartbeat_timeout
         self.mirroring.record_digests = config.record_digests
         self.heartbeat_interval = max(0.05, min(0.5, self.heartbeat_timeout / 5))
+        self._busy = BusyWatch()  # silent processes that compute are not hung
         for target, name in ((self._watch, "watch"), (self._heartbeat, "heartbeat")):
             thread = threading.Thread(target=target, name=f"peerckpt-agent-{name}", daemon=True)
             thread.start()
@@ -400,11 +402,25 @@ class Agent:
                 log.debug("heartbeat failed: %s", exc)
 
     def _fence_silent(self) -> None:
-        """Declare lost, and fence, every local process silent for a heartbeat timeout."""
+        """Declare lost, and fence, every local process silent for a heartbeat timeout that
+        does not compute (``replication/busy.py``)."""
         if self._ending.is_set():
             return
+        self._busy.note(link.pid for link in self.control.silent(self.heartbeat_timeout / 2))
         for link in self.control.silent(self.heartbeat_timeout):
             silent_s = time.monotonic() - link.last_seen
+            share = self._busy.busy(link.pid, self.heartbeat_timeout / 2)
+            if share is not None:
+                if self._busy.first(link.pid):
+                    log.warning(
+                        "%r sent no heartbeat for %.1f s but runs on a CPU (%.0f%% of a core): "
+                        "a call that holds the GIL (json.loads of a large file, a C extension) "
+                        "or an overloaded machine; not declared hung while it computes",
+                        link,
+                        silent_s,
+                        share * 100,
+                    )
+                continue
             reason = (
                 f"{link!r} sent no heartbeat for {silent_s:.1f} s "
                 f"(timeout {self.heartbeat_timeout:g} s): hung or stopped; it is fenced"

@@ -17,18 +17,29 @@ on the same tensors: no bit changes. Left as they are: a call with ``async_op=Tr
 script waits on torch's ``Work``), a call on a GPU tensor (NCCL's abort ends those), a barrier
 on a group with NCCL, a call while ``torch.compile`` traces, and ``send``/``recv``,
 ``monitored_barrier`` and the object collectives (torch runs them inside the call).
+
+Before the decorated function runs there is no group (peerckpt forms it when the function
+starts; the script's own ``init_process_group`` did nothing). A collective there — torchvision's
+``init_distributed_mode`` calls ``dist.barrier()`` right after ``init_process_group``, and
+"rank 0 prepares the data, the others wait at a barrier" is a common top level — got torch's
+"Default process group has not been initialized, please make sure to call
+init_process_group", which contradicts the script. It is refused instead (``early``), naming
+why and where it belongs: a spare or a restarted process runs the script's top level alone,
+when it takes a rank, so a collective there could never have a partner.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from peerckpt.errors import ConfigurationError
 from peerckpt.runtime.inflight import IN_FLIGHT, outcome_of
 
 NAMES = (
@@ -45,6 +56,37 @@ NAMES = (
     "scatter",
     "barrier",
 )
+
+
+# Run as torch's, but refused like the others before any group exists.
+EARLY_ONLY = (
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "monitored_barrier",
+)
+
+
+def early(name: str) -> None:
+    """Refuse ``dist.<name>()`` called before any group exists in a job's training process
+    (the script's top level, before the decorated function runs)."""
+    if dist.is_initialized() or not os.environ.get("PEERCKPT_JOB"):
+        return
+    raise ConfigurationError(
+        f"dist.{name}() before the decorated function runs: there is no process group yet. "
+        "peerckpt forms it when the function starts (the script's init_process_group does "
+        "nothing), because a spare or a restarted process runs the script's top level alone "
+        f"when it takes a rank, where a collective could never have a partner. Move the "
+        f"{name}() into the decorated function, before ctx.track, where every rank of each "
+        "epoch runs it (a barrier after rank 0 prepares the data belongs there too, the "
+        "preparation skipped when its files exist); a barrier right after "
+        "init_process_group, as torchvision's init_distributed_mode has, can go"
+    )
 
 
 def _tensors(values: Iterator[Any]) -> Iterator[torch.Tensor]:
@@ -74,6 +116,7 @@ def released_on_abort(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def collective(*args: Any, **kwargs: Any) -> Any:
+        early(original.__name__)
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError:
@@ -98,7 +141,22 @@ def released_on_abort(original: Callable[..., Any]) -> Callable[..., Any]:
     return collective
 
 
-ORIGINALS: dict[str, Callable[..., Any]] = {name: getattr(dist, name) for name in NAMES}
+def refused_early(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` itself, refused before any group exists (``early``)."""
+
+    @functools.wraps(original)
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        early(original.__name__)
+        return original(*args, **kwargs)
+
+    collective.__peerckpt_original__ = original  # type: ignore[attr-defined]
+    return collective
+
+
+ORIGINALS: dict[str, Callable[..., Any]] = {
+    name: getattr(dist, name) for name in (*NAMES, *EARLY_ONLY)
+}
 REPLACED: dict[str, Callable[..., Any]] = {
-    name: released_on_abort(original) for name, original in ORIGINALS.items()
+    name: released_on_abort(original) if name in NAMES else refused_early(original)
+    for name, original in ORIGINALS.items()
 }

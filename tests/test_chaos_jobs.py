@@ -45,6 +45,22 @@ def test_a_hung_rank_is_declared_lost_replaced_and_fenced_when_it_wakes(tmp_path
     assert f"fenced rank pid {hang['pid']} exited" in run.log
 
 
+def test_a_rank_that_holds_the_gil_computing_is_not_declared_hung(tmp_path, reference_run) -> None:
+    # Rank 1 computes in one C call that never lets its heartbeat thread run (json.loads of a
+    # large annotation file, in a detection script) for longer than the heartbeat timeout.
+    # It was declared hung and fenced (every rank of a job parsing a 208 MB file at start:
+    # the job failed); it computes, so it is named and left to finish.
+    run = run_job(
+        tmp_path,
+        script_args=["--steps", "30", "--busy-rank", "1", "--busy-at", "5", "--busy-s", "4"],
+        extra=["--heartbeat-timeout", "1.5"],
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    assert "not declared hung while it computes" in run.log
+    assert "hung or stopped" not in run.log and run.report["events"] == []
+    assert_same_digests(run, reference_run)
+
+
 @pytest.mark.slow  # make test: tests/launch/test_processes.py (a live process killed first)
 def test_a_hung_rank_with_no_spare_is_killed_and_restarted_in_place(tmp_path) -> None:
     """No spare: rank 2, stopped, is declared lost while alive. Its launcher SIGKILLs it

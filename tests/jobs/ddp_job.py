@@ -3,6 +3,7 @@ a resumable data loader, and a record of the model+optimizer digest after every 
 
 usage: ddp_job.py OUT_DIR [--steps N] [--sleep S] [--slow-rank R --slow-s S]
                  [--raise-rank R --raise-at STEP] [--segfault-rank R --segfault-at STEP]
+                 [--busy-rank R --busy-at STEP --busy-s S]
                  [--pg-timeout S]
                  [--stuck-rank R --stuck-at STEP --abort-grace S --abort-timeout S]
                  [--device cuda --backend gloo]
@@ -88,6 +89,15 @@ def digest(model: nn.Module, optim: torch.optim.Optimizer) -> str:
     return h.hexdigest()
 
 
+def _hold_the_gil(seconds: float) -> None:
+    """One C call that computes for about ``seconds`` without letting another thread run, as
+    json.loads of a large annotation file does: sum() over a range, sized on a short one."""
+    started = time.perf_counter()
+    sum(range(2_000_000))
+    rate = 2_000_000 / max(time.perf_counter() - started, 1e-6)
+    sum(range(int(rate * seconds)))
+
+
 def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
     model = DistributedDataParallel(build().to(args.device))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -141,6 +151,8 @@ def run_steps(ctx, model, optim, data, log, args) -> None:
             raise ValueError(f"injected failure at step {step}")
         if ctx.rank == args.segfault_rank and step == args.segfault_at:
             ctypes.string_at(0)  # a bug in native code: every time this step is reached
+        if ctx.rank == args.busy_rank and step == args.busy_at and ctx.epoch == 0:
+            _hold_the_gil(args.busy_s)
         loss.backward()
         optim.step()
         optim.zero_grad()
@@ -176,6 +188,9 @@ if __name__ == "__main__":
     parser.add_argument("--raise-at", type=int, default=-1)
     parser.add_argument("--segfault-rank", type=int, default=-1)
     parser.add_argument("--segfault-at", type=int, default=-1)
+    parser.add_argument("--busy-rank", type=int, default=-1, help="holds the GIL, computing")
+    parser.add_argument("--busy-at", type=int, default=-1)
+    parser.add_argument("--busy-s", type=float, default=0.0)
     parser.add_argument("--pg-timeout", type=float, default=1800.0)
     parser.add_argument(
         "--stuck-rank", type=int, default=-1, help="never leaves --stuck-at in epoch 0"

@@ -8,6 +8,7 @@ import types
 from collections.abc import Iterator
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from peerckpt.errors import ConfigurationError
@@ -126,3 +127,29 @@ def test_rank_and_world_size_before_any_group_come_from_the_environment(
             userpg.ORIGINAL_DESTROY()
     finally:
         del sys.modules["a_script"]
+
+
+@pytest.mark.parametrize("name", ["barrier", "all_reduce", "broadcast_object_list", "send"])
+def test_a_collective_before_the_function_is_refused_naming_where_it_belongs(
+    monkeypatch, name
+) -> None:
+    # torchvision's init_distributed_mode: init_process_group, then a barrier at once. torch's
+    # own said "Default process group has not been initialized, please make sure to call
+    # init_process_group", which the script had just done.
+    from peerckpt.runtime import usercoll
+
+    call = usercoll.REPLACED[name]
+    args: dict[str, tuple[object, ...]] = {
+        "barrier": (),
+        "all_reduce": (torch.ones(2),),
+        "broadcast_object_list": ([1],),
+        "send": (torch.ones(2), 1),
+    }
+    with pytest.raises(ValueError, match="Default process group has not been initialized"):
+        call(*args[name])  # outside a job: torch's own error
+    monkeypatch.setenv("PEERCKPT_JOB", "j")
+    with pytest.raises(ConfigurationError) as refused:
+        call(*args[name])
+    said = str(refused.value)
+    assert said.startswith(f"dist.{name}() before the decorated function runs")
+    assert f"Move the {name}() into the decorated function, before ctx.track" in said

@@ -1,0 +1,88 @@
+"""A rank process silent for a heartbeat timeout that runs on a CPU is busy, not hung.
+
+A rank's heartbeats come from a Python thread of its own (``runtime/channel.py``), which runs
+only when it gets the GIL. A C call that holds the GIL for seconds silences it: ``json.loads``
+of a detection dataset's annotation file (COCO's is 450 MB; 208 MB took ~7 s here), a large
+``pickle.load``, a C extension that never releases it. A machine loaded past its cores delays
+it too. The agent declared such a rank hung and fenced it: in a test job whose ranks each
+parsed a 208 MB JSON file at the start, every rank was fenced and the job failed, having
+done nothing wrong.
+
+What the heartbeat's silence is there to find is a process that does not run: stopped
+(SIGSTOP, a debugger, a frozen VM), or deadlocked in C holding the GIL, waiting on a lock. So
+a silent process whose CPU time grows by at least ``BUSY_SHARE`` of a core over the window
+since it was first seen half a timeout silent (and is not stopped) is computing: it is named
+once, and not declared lost while it computes. A stopped or blocked one uses no CPU and is
+fenced as before, as late as before.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import psutil
+
+BUSY_SHARE = 0.1  # of one core, over the window: what a computing process uses at the least
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """The process's CPU time, or None if it is stopped or gone."""
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+            return None
+        times = proc.cpu_times()
+    except (psutil.Error, OSError):
+        return None
+    return float(times.user + times.system)
+
+
+class BusyWatch:
+    """The CPU time of processes silent for half a heartbeat timeout, to tell busy from hung."""
+
+    def __init__(self) -> None:
+        self._marks: dict[int, tuple[float, float]] = {}  # pid → (CPU seconds, when)
+        self._named: set[int] = set()
+        self._verdicts: dict[int, float | None] = {}  # pid → its last window's share, if busy
+
+    def note(self, pids: Iterable[int]) -> None:
+        """``pids`` are silent for half a timeout: mark the CPU time of each newly silent one;
+        forget those that spoke again."""
+        silent = set(pids)
+        for pid in list(self._marks):
+            if pid not in silent:
+                del self._marks[pid]
+                self._named.discard(pid)
+                self._verdicts.pop(pid, None)
+        for pid in silent - set(self._marks):
+            cpu = _cpu_seconds(pid)
+            if cpu is not None:
+                self._marks[pid] = (cpu, time.monotonic())
+
+    def busy(self, pid: int, window: float) -> float | None:
+        """The share of a core ``pid`` used since its mark if it computes (at least
+        ``BUSY_SHARE``, not stopped), else None. Judged over at least ``window`` seconds (a
+        process's CPU time may be counted in coarse steps): sooner, the last verdict stands.
+        The mark then moves to now, so a process that stops computing is found a window
+        later."""
+        mark = self._marks.get(pid)
+        if mark is None:
+            return None
+        now = time.monotonic()
+        if now - mark[1] < window:
+            return self._verdicts.get(pid)
+        cpu = _cpu_seconds(pid)
+        share = None if cpu is None else (cpu - mark[0]) / (now - mark[1])
+        verdict = share if share is not None and share >= BUSY_SHARE else None
+        if cpu is not None:
+            self._marks[pid] = (cpu, now)
+        self._verdicts[pid] = verdict
+        return verdict
+
+    def first(self, pid: int) -> bool:
+        """True the first time ``pid`` is found busy in this silence (to name it once)."""
+        if pid in self._named:
+            return False
+        self._named.add(pid)
+        return True
