@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from peerckpt import exitnote
 from peerckpt.errors import ConfigurationError, PeerckptError, PeerUnavailable
 from peerckpt.faults import ENV as FAULTS_ENV
 from peerckpt.launch.base import JobOutcome, JobResult, JobSpec, Launcher, stopped_by
@@ -559,9 +560,14 @@ class LocalLauncher(Launcher):
 
     def _start_problem(self, waited: float) -> str:
         """Why the first epoch cannot open, if it cannot (a rank died or never connected)."""
-        dead = {r: p.returncode for r, p in self._ranks.items() if p.poll() is not None}
+        dead = {r: p for r, p in self._ranks.items() if p.poll() is not None}
         if dead:
-            ranks = ", ".join(f"rank {r} (exit status {c})" for r, c in sorted(dead.items()))
+            ranks = ", ".join(
+                f"rank {r} (exit status {p.returncode})" for r, p in sorted(dead.items())
+            )
+            said = {exitnote.read(self.rundir, p.pid) for p in dead.values()} - {None}
+            if len(said) == 1:  # the same error in each: say it once
+                return f"{ranks} exited before the job started: {said.pop()}"
             return f"{ranks} exited before the job started; see the script's output above"
         if waited > self.spec.start_timeout:
             return (

@@ -27,6 +27,7 @@ import logging
 import multiprocessing
 import os
 
+from peerckpt import exitnote
 from peerckpt.errors import ConfigurationError, PeerUnavailable
 from peerckpt.runtime import children, userpg
 from peerckpt.runtime.config import DEFAULTS, ResilientConfig
@@ -46,6 +47,8 @@ def on_import() -> None:
     userpg.install_early()
     if _waiting is not None or multiprocessing.parent_process() is not None:
         return
+    if os.environ.get("PEERCKPT_AGENT"):  # an uncaught exception is named by the launcher
+        exitnote.install(os.path.dirname(os.environ["PEERCKPT_AGENT"]))
     role = os.environ.get("PEERCKPT_ROLE")
     if role not in (ProcRole.SPARE.value, ProcRole.JOINER.value):
         return

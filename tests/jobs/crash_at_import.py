@@ -1,5 +1,6 @@
-"""A training script that dies before its decorated function ever runs."""
+"""A training script that dies before its decorated function ever runs: its top level reads
+a data file that is not there, as a first run of an adapted script often does."""
 
 import peerckpt  # noqa: F401
 
-raise SystemExit("boom at import")
+raise FileNotFoundError("[Errno 2] No such file or directory: 'data/train.bin'")
