@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
+import types
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -64,7 +66,14 @@ class Context:
         After an iteration the runtime snapshots the tracked state (in the background): every
         iteration, every n-th as ``resilient(every=n)`` fixes, or as the overhead budget chooses.
         """
-        for step in self._tracking.steps(total):
+        # The frame that asked for the steps is the one whose loop runs them, also where a
+        # wrapper iterates them for it (``for step in tqdm(ctx.steps(n))``): its loop carries
+        # the values a snapshot saves (runtime/carried.py). Held in a list the generator
+        # empties, so that it does not keep that frame alive.
+        return self._steps(total, [sys._getframe(1)])
+
+    def _steps(self, total: int, made_in: list[types.FrameType]) -> Iterator[int]:
+        for step in self._tracking.steps(total, made_in):
             self.step = step
             yield step
 

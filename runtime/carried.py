@@ -81,9 +81,16 @@ class Carry:
         self.unbound = names - set(_read(frame, names)) if names else set()
 
     @classmethod
-    def at_loop_start(cls, frame: types.FrameType | None = None) -> Carry | None:
-        """The frame looping over ``ctx.steps`` (by default the first above the runtime's),
-        as its first ``next()`` runs; None if it is no function's."""
+    def at_loop_start(
+        cls, frame: types.FrameType | None = None, made_in: types.FrameType | None = None
+    ) -> Carry | None:
+        """The frame looping over ``ctx.steps``, as its first ``next()`` runs: ``made_in``
+        (the frame that called ``ctx.steps``) when it is at a ``for`` loop's head now, as it
+        is also while a wrapper such as ``tqdm`` iterates the steps for it (before, the
+        wrapper's own frame was taken, and the loop's carried values were never saved); else
+        the first frame above the runtime's. None if it is no function's."""
+        if frame is None and made_in is not None and _at_for_iter(made_in):
+            frame = made_in
         frame = frame or _user_frame()
         if frame is None or not frame.f_code.co_flags & inspect.CO_OPTIMIZED:
             return None  # a module's or class's namespace: not a loop's locals
@@ -288,6 +295,14 @@ def _read(frame: types.FrameType, names: set[str]) -> dict[str, Any]:
     if type(values) is dict:  # 3.13's write-through proxy is not a snapshot: left alone
         values.clear()
     return out
+
+
+def _at_for_iter(frame: types.FrameType) -> bool:
+    """Whether ``frame`` is at a ``FOR_ITER`` (the head of the loop it runs)."""
+    return any(
+        i.offset == frame.f_lasti and i.opname == "FOR_ITER"
+        for i in dis.get_instructions(frame.f_code)
+    )
 
 
 def _user_frame() -> types.FrameType | None:

@@ -21,6 +21,7 @@ import resource
 import socket
 import sys
 import time
+import types
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -300,7 +301,9 @@ class EpochTracking:
         self.engine.guard_step()
         self.live.dirty()  # the step runs now: the live tensors leave the captured step
 
-    def steps(self, total: int) -> Iterator[int]:
+    def steps(self, total: int, made_in: list[types.FrameType] | None = None) -> Iterator[int]:
+        """The loop's steps; ``made_in`` holds the frame that called ``ctx.steps`` (taken)."""
+        asker = made_in.pop() if made_in else None
         a = self.assignment
         start = 0
         if a.restore_step is not None:
@@ -311,7 +314,8 @@ class EpochTracking:
                 )
             capture.restore_rng(self._restored["rng"])
             start = a.restore_step + 1
-        carry = Carry.at_loop_start() if self.tracked else None
+        carry = Carry.at_loop_start(made_in=asker) if self.tracked else None
+        del asker  # the carry holds the loop's frame, until it is closed
         if carry is not None and carry.names and self._carried:
             put = carry.put_back(self._carried, self.tracked)
             if put:

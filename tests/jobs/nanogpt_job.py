@@ -4,8 +4,8 @@ everything nanoGPT does at its top level stays there — the config, DDP detecte
 rank, local rank and world size read from the environment, ``seed_offset = ddp_rank``,
 ``gradient_accumulation_steps //= ddp_world_size``, ``torch.manual_seed(1337 + seed_offset)``,
 the data as a NumPy memmap made here — and the loop over ``ctx.steps`` is the decorated
-function (``get_batch`` with ``torch.randint``, the first batch fetched before the loop and
-each next one prefetched in the step, accumulation under ``require_backward_grad_sync``,
+function (under a tqdm-shaped progress wrapper; ``get_batch`` with ``torch.randint``, the first batch
+fetched before the loop and each next one prefetched in the step, accumulation under ``require_backward_grad_sync``,
 ``get_lr`` setting each group's lr, gradient clipping).
 
 usage: nanogpt_job.py OUT_DIR [--steps N] [--sleep S]
@@ -20,6 +20,7 @@ import math
 import os
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -92,6 +93,20 @@ def get_lr(it: int, max_iters: int) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
+class Progress:
+    """tqdm's shape (its ``__iter__`` is a generator over the iterable, bar or no bar), as
+    forks of nanoGPT wrap the loop: ``for it in tqdm(range(max_iters), disable=…)``. It
+    iterates ``ctx.steps`` for the loop, whose carried batch must still be found."""
+
+    def __init__(self, iterable: Any, disable: bool = False) -> None:
+        self.iterable, self.disable, self.n = iterable, disable, 0
+
+    def __iter__(self) -> Any:
+        for obj in self.iterable:
+            yield obj
+            self.n += 1
+
+
 @peerckpt.resilient()
 def train(ctx: peerckpt.Context) -> str:
     model = TinyLM()
@@ -102,7 +117,7 @@ def train(ctx: peerckpt.Context) -> str:
     rank = int(os.environ["RANK"])
     X, Y = get_batch()  # fetch the very first batch
     with open(os.path.join(args.out, f"rank{rank}.jsonl"), "a") as log:
-        for it in ctx.steps(args.steps):
+        for it in Progress(ctx.steps(args.steps), disable=not master_process):
             lr = get_lr(it, args.steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr

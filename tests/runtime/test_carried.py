@@ -259,3 +259,36 @@ def test_a_carried_value_a_restore_cannot_bring_back_is_named() -> None:
     [note] = steps.unsaved
     assert note.startswith("the loop carries `stream` (a generator) from one step into the next")
     assert "UnboundLocalError" in note
+
+
+def test_the_loop_that_asked_for_the_steps_is_found_through_a_wrapper_that_iterates_them() -> None:
+    # `for step in tqdm(ctx.steps(n))`: tqdm's __iter__, a generator, resumes the steps, so
+    # the frame above them is tqdm's. Its loop carries nothing, and nanoGPT's prefetched batch
+    # was never saved: a restore resumed on batch 0, MISMATCH, nothing said.
+    found: dict[str, set[str]] = {}
+
+    def steps(made_in: list[Any]) -> Iterator[int]:  # ctx.steps's shape (runtime/api.py)
+        frame = made_in.pop()
+        above = Carry.at_loop_start(sys._getframe(1))
+        asked = Carry.at_loop_start(made_in=frame)
+        assert above is not None and asked is not None
+        found["above"], found["asked"] = above.names, asked.names
+        above.close()
+        asked.close()
+        yield from range(3)
+
+    class Tqdm:  # tqdm's shape
+        def __init__(self, iterable: Iterator[int]) -> None:
+            self.iterable, self.n = iterable, 0
+
+        def __iter__(self) -> Iterator[int]:
+            for obj in self.iterable:
+                yield obj
+                self.n += 1
+
+    model = torch.nn.Linear(3, 1)
+    X, Y = get_batch(0)
+    for step in Tqdm(steps([sys._getframe()])):
+        ((model(X) - Y) ** 2).mean().backward()
+        X, Y = get_batch(step + 1)
+    assert found["above"] == set() and found["asked"] == {"X", "Y"}
