@@ -120,10 +120,13 @@ def adopt(c: Coordinator, node: int, state: RejoinState) -> None:
             if proc.role is ProcRole.SPARE:
                 c.spares.joined += 1
                 c.spares.started = max(c.spares.started, c.spares.joined)
-        if proc.role is ProcRole.RANK:
+        settings = (proc.replicas, proc.persist, proc.erasure) != (None, None, None)
+        if proc.role is ProcRole.RANK or settings:
             # As when rank 0 first joined; every rank runs the same decorator, and rank 0's
             # node may be the one that does not come back (its settings were then lost: the
-            # epochs after kept one buddy where the script asked for two).
+            # epochs after kept one buddy where the script asked for two). A spare that took
+            # a rank is reported as the spare it said hello as, with the settings its
+            # decorator gave since (ProcSettings); one that took none has none.
             c.config_from_script(proc.replicas, proc.persist)
             script_erasure(c.settings, proc.erasure)
     if c.life.state is JobState.STARTING:

@@ -33,6 +33,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 from peerckpt import faults as fault_hooks
@@ -69,6 +70,7 @@ from peerckpt.messages.local import (
     AllocSlot,
     Granted,
     InexactState,
+    ProcSettings,
     RankDone,
     RankError,
     RankResumed,
@@ -224,6 +226,7 @@ class Agent:
                 RankError: self._on_rank_error,
                 UnreshardableState: self._on_unreshardable,
                 InexactState: self._on_inexact,
+                ProcSettings: self._on_settings,
                 WantChunks: self._on_wants,
                 ReleaseStaging: self._on_release,
             },
@@ -505,6 +508,12 @@ class Agent:
         # Replayed to a restarted coordinator: the job's report still says it.
         self.coordinator.remember(("Inexact", msg.rank), report)
         self.coordinator.report(report)
+
+    def _on_settings(self, msg: ProcSettings, link: ProcLink) -> None:
+        """A spare's decorator settings: its report to a restarted coordinator says them."""
+        link.hello = replace(
+            link.hello, replicas=msg.replicas, persist=msg.persist, erasure=msg.erasure
+        )
 
     def _on_rank_error(self, msg: RankError, link: ProcLink) -> None:
         self.coordinator.report(RankFailed(self.node, msg.epoch, msg.rank, msg.error, msg.message))

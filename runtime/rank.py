@@ -52,6 +52,7 @@ from peerckpt.messages.local import (
     Fenced,
     Granted,
     ProcHello,
+    ProcSettings,
     RankDone,
     RankError,
     Restarting,
@@ -342,6 +343,9 @@ class RankRuntime:
             self._initial_rng = capture.capture_rng()
             userpg.rescan()  # the script's module ran on since the runtime was created
             self._settings(config)
+        # Its hello said the defaults: a restarted coordinator reads the job's settings from
+        # the agents' reports of their processes (recovery/rebuild.py).
+        self.channel.notify(ProcSettings(config.replicas, config.persist_msg(), config.erasure))
 
     def _settings(self, config: ResilientConfig) -> None:
         """What the decorator's settings make: the snapshot policy (``runtime/policy.py``), the

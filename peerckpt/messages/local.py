@@ -9,6 +9,7 @@ handshake). Then::
     rank ── SnapshotTaken / RankResumed / RankDone / RankError / WantChunks / ReleaseStaging
     rank ── UnreshardableState (rank 0, at ctx.track, when it tracks a loader that cannot reshard)
     rank ── InexactState (after its first snapshot, when its audit found what cannot be restored)
+    rank ── ProcSettings (a spare, once it has the decorator's settings)
     rank ── Beat (every HEARTBEAT_S)
     agent ─ Abort / EpochStart / Arrived / Commit / Staging / Shutdown / Fenced ─▶ rank  (events)
 
@@ -157,6 +158,21 @@ class InexactState(ToAgent):
     epoch: int
     rank: int
     findings: list[str]
+
+
+@message("proc_settings")
+@dataclass(frozen=True)
+class ProcSettings(ToAgent):
+    """The decorator's settings of a process that said hello with the defaults: a spare, a
+    restarted or a joining process waits for its rank at ``import peerckpt``, before the
+    decorator runs (``runtime/standby.py``). The agent keeps them as its hello's, which it
+    reports to a restarted coordinator: after every first-epoch process was replaced, a
+    restarted coordinator learnt the job's ``replicas``, ``persist`` and ``erasure`` from the
+    defaults the spares said hello with."""
+
+    replicas: int | None = None
+    persist: dict[str, Any] | None = None
+    erasure: str | None = None
 
 
 @message("rank_error")

@@ -157,6 +157,18 @@ def test_a_restarted_coordinator_takes_the_scripts_replicas_from_any_rank() -> N
     assert c.settings.replicas == 2
 
 
+def test_a_restarted_coordinator_takes_the_scripts_settings_from_spares_that_took_ranks() -> None:
+    """Every first-epoch process of node 1 was replaced by spares, which said hello with the
+    defaults before their decorator ran; their agent reports the settings it gave since."""
+    c = Coordinator("j", world_size=4, replicas=None, store_addr="127.0.0.1:1")
+    procs = [ProcReport(PIDS[r], ProcRole.SPARE, None, replicas=2, erasure=None) for r in (2, 3)]
+    procs.append(ProcReport(9999, ProcRole.SPARE, None))  # a spare that took no rank
+    held = [HeldCopy(r, 3, 0, 10) for r in (2, 3)]
+    rejoin = RejoinState(_epoch_one(), 3, held, {r: LAYOUT for r in (2, 3)}, procs)
+    c.register_agent(RegisterAgent(1, "127.0.0.1:1001", False, 0, rejoin))
+    assert c.settings.replicas == 2
+
+
 def _erasure_coordinator() -> Coordinator:
     placement = ErasurePlacement(ErasureSpec(3, 1), RingPlacement())
     return Coordinator(

@@ -123,3 +123,22 @@ def test_an_agent_started_while_the_coordinator_is_away_waits_for_it_and_registe
         starting.join(10.0)
         server.stop()
         coordinator.close()
+
+
+def test_a_spares_settings_replace_the_defaults_it_said_hello_with() -> None:
+    # A spare says hello at `import peerckpt`, before its decorator runs; once it has taken a
+    # rank it sends the decorator's settings, and its agent's report (to a restarted
+    # coordinator) says them.
+    import types
+
+    from peerckpt.messages.local import ProcHello, ProcSettings
+    from peerckpt.replication.agent import _proc_report
+    from peerckpt.states import ProcRole
+
+    link = types.SimpleNamespace(
+        pid=7, role=ProcRole.SPARE, rank=None, hello=ProcHello(ProcRole.SPARE, 7)
+    )
+    assert _proc_report(link).replicas is None  # type: ignore[arg-type]
+    Agent._on_settings(None, ProcSettings(2, None, "3+1"), link)  # type: ignore[arg-type]
+    report = _proc_report(link)  # type: ignore[arg-type]
+    assert (report.replicas, report.persist, report.erasure) == (2, None, "3+1")
