@@ -8,7 +8,7 @@ function (under a tqdm-shaped progress wrapper; ``get_batch`` with ``torch.randi
 fetched before the loop and each next one prefetched in the step, accumulation under ``require_backward_grad_sync``,
 ``get_lr`` setting each group's lr, gradient clipping).
 
-usage: nanogpt_job.py OUT_DIR [--steps N] [--sleep S]
+usage: nanogpt_job.py OUT_DIR [--steps N] [--sleep S] [--top-s S]
 Each rank appends ``{"step", "epoch", "digest", "pid", "top_rank"}`` lines to
 OUT_DIR/rank<r>.jsonl (``top_rank``: the RANK the top level read); rank 0 writes
 OUT_DIR/final.json.
@@ -36,7 +36,9 @@ parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--sleep", type=float, default=0.0)
+parser.add_argument("--top-s", type=float, default=0.0, help="top-level work after the import")
 args = parser.parse_args()
+time.sleep(args.top_s)  # stands for top-level work after `import peerckpt` (a dataset built)
 
 # -- nanoGPT's config and DDP setup, at the top level -------------------------------------
 gradient_accumulation_steps = 4
