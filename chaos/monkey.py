@@ -247,7 +247,12 @@ class ChaosMonkey:
         """Added nodes whose ranks are in the job now, or that waited too long."""
         for index, (node, since) in list(self._joining.items()):
             ranks = sorted(r for r, (n, _pid) in status.ranks.items() if n == node)
-            if ranks:
+            refused = status.refused_joins.get(node)
+            if refused is not None:  # the job may not grow (a loader that cannot reshard)
+                log.error("chaos: node %d may not join: %s", node, refused)
+                self._not_joined[index] = f"the job refused it: {refused}"
+                del self._joining[index]
+            elif ranks:
                 log.warning(
                     "chaos: node %d joined the job as rank(s) %s: the world is %d ranks",
                     node,

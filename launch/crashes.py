@@ -83,7 +83,9 @@ class OomKills:
     ``grew`` says which grew since it last looked."""
 
     def __init__(self, paths: list[str] | None = None) -> None:
-        self.paths = paths if paths is not None else ["/proc/vmstat", *_cgroup_oom_files()]
+        # The job's own cgroup where it has one; the machine's count (every OOM kill on the
+        # host) only without.
+        self.paths = paths if paths is not None else (_cgroup_oom_files() or ["/proc/vmstat"])
         self._last = self._read()
 
     def _read(self) -> dict[str, int]:
@@ -116,6 +118,7 @@ class Crashes:
 
     def __init__(self, oom: OomKills | None = None) -> None:
         self._oom = oom if oom is not None else OomKills()
+        self._oom_polls = ["", ""]  # what grew at the last two calls of ``observe``
         self._rank_of: dict[tuple[int, int], int] = {}  # (node, pid) → the rank it last held
         self._seen: set[int] = set()
         # rank → how each of its processes that ended crashed (None: it did not)
@@ -128,7 +131,11 @@ class Crashes:
         every training process. Logs each rank process that crashed since the last call."""
         for rank, (node, pid) in ranks.items():
             self._rank_of[(node, pid)] = rank
-        oom: str | None = None  # read once per call: OOM kills of several ranks count once
+        # Read at every call (every status poll), so that only an OOM kill since the last
+        # poll or the one before (a death may be reaped a poll after the count grew) names a
+        # SIGKILL: not one of hours ago, nor of a DataLoader worker.
+        self._oom_polls = [self._oom_polls[-1], self._oom.grew()]
+        oom = self._oom_polls[-1] or self._oom_polls[0]
         for node, proc in procs:
             if proc.pid in self._seen:
                 continue
@@ -141,10 +148,8 @@ class Crashes:
             if held is None:
                 continue  # a spare that never held a rank, or one this job never placed
             said = "; its Python stack, if it had one, is above"
-            if code == -signal.SIGKILL:
-                oom = self._oom.grew() if oom is None else oom
-                if oom:
-                    crash, said = OOM, f": the kernel's OOM killer ({oom})"
+            if code == -signal.SIGKILL and oom:
+                crash, said = OOM, f": the kernel's OOM killer ({oom})"
             self.by_rank.setdefault(held, []).append(crash)
             if crash is not None:
                 log.warning(

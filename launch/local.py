@@ -565,8 +565,8 @@ class LocalLauncher(Launcher):
             ranks = ", ".join(
                 f"rank {r} (exit status {p.returncode})" for r, p in sorted(dead.items())
             )
-            said = {exitnote.read(self.rundir, p.pid) for p in dead.values()} - {None}
-            if len(said) == 1:  # the same error in each: say it once
+            said = {exitnote.read(self.rundir, p.pid) for p in dead.values()}
+            if len(said) == 1 and None not in said:  # each said the same error: say it once
                 return f"{ranks} exited before the job started: {said.pop()}"
             return f"{ranks} exited before the job started; see the script's output above"
         if waited > self.spec.start_timeout:

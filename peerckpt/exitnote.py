@@ -34,12 +34,12 @@ def install(directory: str) -> None:
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         if not issubclass(kind, KeyboardInterrupt):
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(Exception):  # the traceback is printed whatever happens
                 lines = traceback.format_exception_only(kind, value)
                 words = (ln.strip() for part in lines for ln in part.splitlines())
                 line = " ".join(w for w in words if w)[:LIMIT]
                 path = _path(directory, os.getpid())
-                with open(path + ".tmp", "w") as f:
+                with open(path + ".tmp", "w", encoding="utf-8", errors="replace") as f:
                     f.write(line)
                 os.replace(path + ".tmp", path)
         previous(kind, value, tb)
@@ -50,7 +50,7 @@ def install(directory: str) -> None:
 def read(directory: str, pid: int) -> str | None:
     """The line process ``pid`` left in ``directory``, if it left one."""
     try:
-        with open(_path(directory, pid)) as f:
+        with open(_path(directory, pid), encoding="utf-8", errors="replace") as f:
             return f.read(LIMIT).strip() or None
     except OSError:
         return None

@@ -409,7 +409,7 @@ class Agent:
         does not compute (``replication/busy.py``)."""
         if self._ending.is_set():
             return
-        self._busy.note(link.pid for link in self.control.silent(self.heartbeat_timeout / 2))
+        self._busy.note(link.pid for link in self.control.silent(self.heartbeat_timeout / 3))
         for link in self.control.silent(self.heartbeat_timeout):
             silent_s = time.monotonic() - link.last_seen
             share = self._busy.busy(link.pid, self.heartbeat_timeout / 2)

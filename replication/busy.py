@@ -10,14 +10,17 @@ done nothing wrong.
 
 What the heartbeat's silence is there to find is a process that does not run: stopped
 (SIGSTOP, a debugger, a frozen VM), or deadlocked in C holding the GIL, waiting on a lock. So
-a silent process whose CPU time grows by at least ``BUSY_SHARE`` of a core over the window
-since it was first seen half a timeout silent (and is not stopped) is computing: it is named
-once, and not declared lost while it computes. A stopped or blocked one uses no CPU and is
+a silent process whose main thread's CPU time grows by at least ``BUSY_SHARE`` of a core over
+the window since it was first seen a third of a timeout silent (then over each half-timeout
+window), and that is not stopped, is computing: it is named once, and not declared lost while
+it computes. The main thread's alone: the runtime's and gloo's threads may run while the
+script's is blocked. A stopped or blocked one uses no CPU and is
 fenced as before, as late as before.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable
 
@@ -26,8 +29,24 @@ import psutil
 BUSY_SHARE = 0.1  # of one core, over the window: what a computing process uses at the least
 
 
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+
 def _cpu_seconds(pid: int) -> float | None:
-    """The process's CPU time, or None if it is stopped or gone."""
+    """The CPU time of the process's main thread (the one that runs the script: its other
+    threads, gloo's or the runtime's, may use CPU while it is blocked), or None if it is
+    stopped or gone."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return _process_cpu_seconds(pid)  # no /proc: the whole process's
+    if fields[0] in ("T", "t"):  # stopped (SIGSTOP, a debugger)
+        return None
+    return (int(fields[11]) + int(fields[12])) * _TICK_S
+
+
+def _process_cpu_seconds(pid: int) -> float | None:
     try:
         proc = psutil.Process(pid)
         if proc.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
@@ -70,8 +89,8 @@ class BusyWatch:
         if mark is None:
             return None
         now = time.monotonic()
-        if now - mark[1] < window:
-            return self._verdicts.get(pid)
+        if now - mark[1] < window and pid in self._verdicts:
+            return self._verdicts[pid]  # the first verdict is over whatever time has passed
         cpu = _cpu_seconds(pid)
         share = None if cpu is None else (cpu - mark[0]) / (now - mark[1])
         verdict = share if share is not None and share >= BUSY_SHARE else None

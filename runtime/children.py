@@ -43,9 +43,10 @@ from typing import Any
 _PR_SET_PDEATHSIG = 1
 _installed = False
 _sockets: list[socket.socket] = []
-_parent = 0
-_from_main = False
-_gc_was_enabled = False
+_forking = threading.local()  # the forking thread's: its parent pid, whether it is the main one
+_gc_lock = threading.Lock()
+_gc_depth = 0  # forks under way (threads may fork at once)
+_gc_was_enabled = False  # the collector's state before the first of them
 _prctl: Any = None  # libc's prctl, looked up before any fork
 
 
@@ -64,28 +65,37 @@ def install(control: socket.socket) -> None:
 
 
 def _before_fork() -> None:
-    global _parent, _from_main, _gc_was_enabled
-    _gc_was_enabled = gc.isenabled()
-    gc.disable()  # the fork handlers registered before ours run in the child before ours does
-    _parent = os.getpid()
-    _from_main = threading.current_thread() is threading.main_thread()
+    global _gc_depth, _gc_was_enabled
+    with _gc_lock:  # threads may fork at once: the collector's state is saved by the first
+        if _gc_depth == 0:
+            _gc_was_enabled = gc.isenabled()
+        _gc_depth += 1
+        gc.disable()  # the fork handlers registered before ours run in the child before ours
+    _forking.parent = os.getpid()
+    _forking.from_main = threading.current_thread() is threading.main_thread()
 
 
 def _in_parent() -> None:
-    if _gc_was_enabled:
-        gc.enable()
+    global _gc_depth
+    with _gc_lock:
+        _gc_depth -= 1
+        if _gc_depth == 0 and _gc_was_enabled:
+            gc.enable()
 
 
 def _in_child() -> None:
+    global _gc_depth, _gc_lock
     gc.freeze()  # the rank's garbage is the rank's to collect: never in this child
+    _gc_lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    _gc_depth = 0
     if _gc_was_enabled:
         gc.enable()
     for sock in _sockets:
         with contextlib.suppress(OSError):
             sock.close()  # this process's copy only: the rank's own stays open
     _sockets.clear()
-    if _prctl is None or not _from_main:
+    if _prctl is None or not getattr(_forking, "from_main", False):
         return
     _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != _parent:  # the rank died before the call above took effect
+    if os.getppid() != _forking.parent:  # the rank died before the call above took effect
         os._exit(1)

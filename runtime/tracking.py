@@ -150,6 +150,9 @@ class EpochTracking:
         self._hooks.clear()
         self.tracked.clear()  # the dict the epoch's watch and audit hold too
         self._restored = self._carried = None
+        if self._watch is not None:  # it holds the optimizers that stepped, the DDPs it saw
+            self._watch.remove()
+            self._watch = None
 
     def track(self, state: dict[str, Any]) -> None:
         clash = sorted(set(state) & set(self.tracked))
@@ -341,7 +344,7 @@ class EpochTracking:
             for step in range(start, total):
                 self.check()
                 if self.faults.active:
-                    self.faults.reach(step, self.check, **where)
+                    self.faults.reach(step, check=self.check, **where)
                 if policy.quiet_before(step) and self.engine.last_taken is not None:
                     # the plain steps about to be measured must not share the cores with the
                     # replication of the last one; the measured snapshot's work is done, and
@@ -384,7 +387,7 @@ class EpochTracking:
                     self.pg.release_retired()  # this epoch committed: the old groups are idle
             if self.faults.active:
                 # the last step's faults fire before the end
-                self.faults.reach(total, self.check, **where)
+                self.faults.reach(total, check=self.check, **where)
         finally:
             if carry is not None:
                 carry.close()  # it holds the loop's frame

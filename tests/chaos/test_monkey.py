@@ -23,6 +23,7 @@ class FakeJob:
         self.live: dict[int, int] = {}
         self.total: int | None = None
         self.ranks: dict[int, list[int]] = {0: [0, 100], 1: [0, 101]}
+        self.refused_joins: dict[int, str] = {}
 
     def call(self, msg: Status, timeout: float = 10.0) -> JobStatus:
         with self.lock:
@@ -43,6 +44,7 @@ class FakeJob:
                 flushes=[],
                 flush_skipped=[],
                 node_stats={0: stats},
+                refused_joins=dict(self.refused_joins),
             )
 
 
@@ -205,3 +207,17 @@ def test_an_added_node_whose_ranks_never_joined_fails_the_run(tmp_path) -> None:
     assert (tmp_path / "released-5").exists()
     [line] = monkey.unfired()
     assert "'add node at=5' never took effect: node 2 started, but its ranks never joined" in line
+
+
+def test_an_added_node_the_job_refuses_fails_the_run_with_the_reason(tmp_path) -> None:
+    job, monkey = _node_added_at_5(tmp_path)
+    try:
+        with job.lock:
+            job.refused_joins[2] = "job j cannot grow: it tracks data (a StatefulDataLoader)"
+        assert _wait(lambda: (tmp_path / "released-5").exists())  # not held for 30 s
+    finally:
+        monkey.stop()
+    [line] = monkey.unfired()
+    assert line.endswith(
+        "the job refused it: job j cannot grow: it tracks data (a StatefulDataLoader)"
+    )

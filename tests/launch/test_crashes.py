@@ -118,3 +118,17 @@ def test_the_oom_counts_are_found_in_cgroup_v1_and_v2(tmp_path) -> None:
     (tmp_path / "job.slice" / "memory.events").write_text("low 0\noom 3\noom_kill 2\n")
     assert oom.grew() == f"oom_kill in {events} 1 → 2"
     assert oom.grew() == ""  # said once
+
+
+def test_an_oom_kill_of_polls_ago_does_not_name_a_later_sigkill(tmp_path) -> None:
+    # The count grew (a DataLoader worker killed for memory, another job's process): a rank
+    # SIGKILLed polls later by chaos or fencing is not said to have run out of memory.
+    vmstat = tmp_path / "vmstat"
+    _counts(vmstat, 1)
+    crashes = Crashes(OomKills([str(vmstat)]))
+    _counts(vmstat, 2)
+    for _ in range(3):
+        crashes.observe({}, [])  # the launcher's status polls
+    proc = _ended(KILLED)
+    crashes.observe({1: (0, proc.pid)}, [(0, proc)])
+    assert crashes.by_rank == {1: [None]}

@@ -292,3 +292,26 @@ def test_the_loop_that_asked_for_the_steps_is_found_through_a_wrapper_that_itera
         ((model(X) - Y) ** 2).mean().backward()
         X, Y = get_batch(step + 1)
     assert found["above"] == set() and found["asked"] == {"X", "Y"}
+
+
+def test_a_frame_left_inside_for_iters_inline_cache_is_at_its_for_iter() -> None:
+    # Python 3.12 leaves the loop's frame at FOR_ITER's inline cache entry (f_lasti two bytes
+    # on) while a generator runs: the loop was not found there, and on 3.12 nanoGPT's
+    # prefetched batch was never saved (checked by hand with 3.10-3.13's interpreters).
+    from peerckpt.runtime.carried import _at_for_iter, _instruction_at
+
+    seen: dict[str, Any] = {}
+
+    def steps() -> Iterator[int]:
+        frame = sys._getframe(1)
+        head = _instruction_at(frame)
+        seen["at_head"] = _at_for_iter(frame)
+        seen["inside"] = _instruction_at(frame, head + 1) == head  # as 3.12's cache entry is
+        seen["names"] = carried_names(frame.f_code, _instruction_at(frame, head + 1))
+        del frame
+        yield from range(2)
+
+    X = 0
+    for step in steps():
+        X = X + step
+    assert seen == {"at_head": True, "inside": True, "names": {"X"}}

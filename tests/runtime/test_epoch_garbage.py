@@ -9,6 +9,7 @@ import weakref
 import torch
 
 from peerckpt.runtime import rank as rank_mod
+from peerckpt.runtime.audit import FirstStepWatch
 from peerckpt.runtime.tracking import EpochTracking
 
 
@@ -18,21 +19,29 @@ class _Model(torch.nn.Module):
         self.lin = torch.nn.Linear(4, 4)
         self.me = self  # a cycle, as a module's hooks or an exception's frames make one
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
 
 def test_leaving_an_epoch_lets_go_of_what_the_function_tracked() -> None:
     model = _Model()
-    gone = weakref.ref(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    gone, optim_gone = weakref.ref(model), weakref.ref(optim)
+    tracked = {"model": model, "optim": optim}
+    watch = FirstStepWatch(tracked, audit=False)  # it keeps the optimizers that stepped
+    model(torch.ones(1, 4)).sum().backward()
+    optim.step()
     hooks: list[torch.utils.hooks.RemovableHandle] = []
     hooks.append(model.register_forward_hook(lambda *a: None))
     tracking = types.SimpleNamespace(
-        _hooks=hooks, tracked={"model": model}, _restored={"m": 1}, _carried={"x": model}
+        _hooks=hooks, tracked=tracked, _restored={"m": 1}, _carried={"x": model}, _watch=watch
     )
-    watch_view = tracking.tracked  # the epoch's watch and audit hold the same dict
-    del model
+    del model, optim
     EpochTracking.close(tracking)
-    assert watch_view == {} and tracking._restored is None and tracking._carried is None
+    assert tracked == {} and tracking._restored is None and tracking._watch is None
+    del watch
     gc.collect()
-    assert gone() is None
+    assert gone() is None and optim_gone() is None
 
 
 def test_on_a_gpu_the_last_epochs_cycles_are_collected_before_the_next_call(monkeypatch) -> None:
