@@ -10,7 +10,8 @@ Grammar (clauses separated by ``;``)::
     slow node=N at=S rate=MBPS   throttle node N's data links to MBPS megabytes/s (for=T: then heal)
     kill coordinator at=S        SIGKILL the coordinator; the launcher restarts it
     corrupt rank=R at=S          flip a byte in every replica of rank R's snapshot (on its buddies)
-    add node at=S                start a new node (an agent and --nproc-per-node ranks) that joins
+    add node at=S                start a new node (an agent and --nproc-per-node ranks) that joins;
+                                 the ranks hold after S until it has (the world grows at S)
     node=@R                      (any node action) the node rank R runs on when the action fires
     … after=T                    (any action but add) T seconds after the step came
     … during=PHASE               (kill actions) strike while a process is inside PHASE:

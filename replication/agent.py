@@ -414,7 +414,7 @@ class Agent:
             silent_s = time.monotonic() - link.last_seen
             share = self._busy.busy(link.pid, self.heartbeat_timeout / 2)
             if share is not None:
-                if self._busy.first(link.pid):
+                if self._busy.first(link.pid, silent_s):
                     log.warning(
                         "%r sent no heartbeat for %.1f s but runs on a CPU (%.0f%% of a core): "
                         "a call that holds the GIL (json.loads of a large file, a C extension) "

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 import psutil
 
 BUSY_SHARE = 0.1  # of one core, over the window: what a computing process uses at the least
+AGAIN_S = 60.0  # a silent process that computes is named again after this much more silence
 
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
@@ -62,7 +63,7 @@ class BusyWatch:
 
     def __init__(self) -> None:
         self._marks: dict[int, tuple[float, float]] = {}  # pid → (CPU seconds, when)
-        self._named: set[int] = set()
+        self._named: dict[int, float] = {}  # pid → its silence when last named
         self._verdicts: dict[int, float | None] = {}  # pid → its last window's share, if busy
 
     def note(self, pids: Iterable[int]) -> None:
@@ -72,7 +73,7 @@ class BusyWatch:
         for pid in list(self._marks):
             if pid not in silent:
                 del self._marks[pid]
-                self._named.discard(pid)
+                self._named.pop(pid, None)
                 self._verdicts.pop(pid, None)
         for pid in silent - set(self._marks):
             cpu = _cpu_seconds(pid)
@@ -99,9 +100,12 @@ class BusyWatch:
         self._verdicts[pid] = verdict
         return verdict
 
-    def first(self, pid: int) -> bool:
-        """True the first time ``pid`` is found busy in this silence (to name it once)."""
-        if pid in self._named:
+    def first(self, pid: int, silent_s: float = 0.0) -> bool:
+        """True the first time ``pid`` is found busy in this silence, and again each
+        ``AGAIN_S`` it stays silent (a process that computes for minutes, or never stops:
+        an endless C loop holding the GIL is not declared hung, but it is not kept quiet)."""
+        said = self._named.get(pid)
+        if said is not None and silent_s - said < AGAIN_S:
             return False
-        self._named.add(pid)
+        self._named[pid] = silent_s
         return True

@@ -43,7 +43,8 @@ def test_a_computing_process_is_busy_and_a_stopped_or_sleeping_one_is_not(spawn)
     assert share is not None and share >= 0.1
     assert watch.busy(stopped, window=0.5) is None
     assert watch.busy(sleeping, window=0.5) is None
-    assert watch.first(computing) and not watch.first(computing)  # named once
+    assert watch.first(computing, 5.2) and not watch.first(computing, 6.0)  # named once,
+    assert watch.first(computing, 65.3)  # and again a minute later: it is not kept quiet
     assert watch.busy(computing, window=5.0) == share  # too soon to judge again: it stands
     spawn[0].send_signal(signal.SIGSTOP)  # it stops computing: the next window finds it
     time.sleep(0.6)
