@@ -84,6 +84,7 @@ def test_a_replacement_builds_its_objects_while_its_state_is_pulled(
     assert float(arrived[0][1]) > 0.0
 
 
+@pytest.mark.slow  # make test: tests/runtime/test_abort.py (the escalation, restart in place)
 def test_a_rank_stuck_in_an_aborted_epoch_is_restarted_in_place(tmp_path, reference_run) -> None:
     """Rank 1 never leaves step 11 (as a collective that cutting its connections does not
     release): when rank 2's loss aborts the epoch a second later, rank 1 gives up after its
