@@ -35,9 +35,8 @@ from peerckpt.states import JobState
 
 log = logging.getLogger("peerckpt.chaos")
 SETTLE_S = 10.0  # the longest a corruption waits for the snapshot in flight to commit
-JOIN_S = (
-    HOLD_S  # the longest an added node's step stays held for its ranks to join (as a rank holds)
-)
+# The longest an added node's step stays held for its ranks to join (as long as a rank holds).
+JOIN_S = HOLD_S
 
 
 class FaultTarget(Protocol):

@@ -51,11 +51,18 @@ class ProcessWatch:
         self.close()
 
 
+def stat_fields(pid: int, thread: int | None = None) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` (of its thread ``thread``: ``task/TID/stat``) after
+    the command's name — state, ppid, …, utime (11), stime (12) — or None where unreadable."""
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
+    try:
+        with open(path) as f:
+            return f.read().rpartition(")")[2].split() or None
+    except OSError:
+        return None
+
+
 def alive(pid: int) -> bool:
     """Whether process ``pid`` exists and is not a zombie (read from /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] not in ("Z", "X")

@@ -26,6 +26,8 @@ from collections.abc import Iterable
 
 import psutil
 
+from peerckpt.pidwatch import stat_fields
+
 BUSY_SHARE = 0.1  # of one core, over the window: what a computing process uses at the least
 AGAIN_S = 60.0  # a silent process that computes is named again after this much more silence
 
@@ -37,10 +39,8 @@ def _cpu_seconds(pid: int) -> float | None:
     """The CPU time of the process's main thread (the one that runs the script: its other
     threads, gloo's or the runtime's, may use CPU while it is blocked), or None if it is
     stopped or gone."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+    fields = stat_fields(pid, thread=pid)
+    if fields is None:
         return _process_cpu_seconds(pid)  # no /proc: the whole process's
     if fields[0] in ("T", "t"):  # stopped (SIGSTOP, a debugger)
         return None
@@ -59,7 +59,7 @@ def _process_cpu_seconds(pid: int) -> float | None:
 
 
 class BusyWatch:
-    """The CPU time of processes silent for half a heartbeat timeout, to tell busy from hung."""
+    """The CPU time of silent processes, to tell busy from hung."""
 
     def __init__(self) -> None:
         self._marks: dict[int, tuple[float, float]] = {}  # pid → (CPU seconds, when)
@@ -67,8 +67,8 @@ class BusyWatch:
         self._verdicts: dict[int, float | None] = {}  # pid → its last window's share, if busy
 
     def note(self, pids: Iterable[int]) -> None:
-        """``pids`` are silent for half a timeout: mark the CPU time of each newly silent one;
-        forget those that spoke again."""
+        """``pids`` are silent (a third of a timeout, as the agent calls it): mark the CPU time
+        of each newly silent one; forget those that spoke again."""
         silent = set(pids)
         for pid in list(self._marks):
             if pid not in silent:

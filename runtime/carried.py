@@ -94,7 +94,7 @@ class Carry:
         frame = frame or _user_frame()
         if frame is None or not frame.f_code.co_flags & inspect.CO_OPTIMIZED:
             return None  # a module's or class's namespace: not a loop's locals
-        return cls(frame, carried_names(frame.f_code, _instruction_at(frame)))
+        return cls(frame, carried_names(frame.f_code, _loop_head(frame)))
 
     def loader_iterators(self) -> list[tuple[str, Any]]:
         """(name, iterator) of the loop's variables that hold an iterator of a plain torch
@@ -297,21 +297,29 @@ def _read(frame: types.FrameType, names: set[str]) -> dict[str, Any]:
     return out
 
 
-def _instruction_at(frame: types.FrameType, lasti: int | None = None) -> int:
-    """The offset of the instruction ``frame`` is at. ``f_lasti`` may point into the inline
-    cache that follows an instruction (Python 3.12 leaves a generator's loop at ``FOR_ITER``'s
-    cache entry, two bytes on): the instruction is the last one at or before it."""
+def _instruction_at(frame: types.FrameType, lasti: int | None = None) -> dis.Instruction | None:
+    """The instruction ``frame`` is at. ``f_lasti`` may point into the inline cache that
+    follows an instruction (Python 3.12 leaves a generator's loop at ``FOR_ITER``'s cache
+    entry, two bytes on): the instruction is the last one at or before it."""
     at = frame.f_lasti if lasti is None else lasti
-    offsets = [i.offset for i in dis.get_instructions(frame.f_code) if i.offset <= at]
-    return offsets[-1] if offsets else at
+    found = None
+    for ins in dis.get_instructions(frame.f_code):
+        if ins.offset > at:
+            break
+        found = ins
+    return found
+
+
+def _loop_head(frame: types.FrameType) -> int:
+    """The offset of the instruction ``frame`` is at (``carried_names`` wants a FOR_ITER)."""
+    ins = _instruction_at(frame)
+    return ins.offset if ins is not None else frame.f_lasti
 
 
 def _at_for_iter(frame: types.FrameType) -> bool:
     """Whether ``frame`` is at a ``FOR_ITER`` (the head of the loop it runs)."""
-    at = _instruction_at(frame)
-    return any(
-        i.offset == at and i.opname == "FOR_ITER" for i in dis.get_instructions(frame.f_code)
-    )
+    ins = _instruction_at(frame)
+    return ins is not None and ins.opname == "FOR_ITER"
 
 
 def _user_frame() -> types.FrameType | None:

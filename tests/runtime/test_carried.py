@@ -305,9 +305,10 @@ def test_a_frame_left_inside_for_iters_inline_cache_is_at_its_for_iter() -> None
     def steps() -> Iterator[int]:
         frame = sys._getframe(1)
         head = _instruction_at(frame)
+        inside = _instruction_at(frame, head.offset + 1) if head else None  # as 3.12's cache
         seen["at_head"] = _at_for_iter(frame)
-        seen["inside"] = _instruction_at(frame, head + 1) == head  # as 3.12's cache entry is
-        seen["names"] = carried_names(frame.f_code, _instruction_at(frame, head + 1))
+        seen["inside"] = inside is not None and head is not None and inside.offset == head.offset
+        seen["names"] = carried_names(frame.f_code, inside.offset) if inside else set()
         del frame
         yield from range(2)
 
