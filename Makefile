@@ -30,7 +30,7 @@ test-all: $(STAMP)
 # runs without make too) installs them and this
 # package, editable as in .venv, into that image's Python (a machine that starts bare each
 # time), runs tests/gpu (NCCL ranks sharing the GPU) and bench/gpu.py --nccl
-# (bench/results/gpu-nccl.json): about 6 minutes on one H100. Not a --target folder on
+# (bench/results/gpu-nccl.json): 3.5 + 4 minutes on an H200 (2026-11-28). Not a --target folder on
 # PYTHONPATH: the tests and benches start `python -m peerckpt.launch` from this folder, whose
 # peerckpt/ then shadows the installed package and lacks peerckpt.runtime & co. (mapped from
 # runtime/, ...), which only the editable install's finder resolves from here.

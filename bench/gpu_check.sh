@@ -18,10 +18,12 @@ log() { if [ -n "$OUTDIR" ]; then tee -a "$OUTDIR/gpu-check.log"; else cat; fi; 
 status=${PIPESTATUS[0]}
 [ "$status" -eq 0 ] || exit "$status"
 export PYTHONUNBUFFERED=1
-# A test that hangs is cut at 240 s, not at the device call's limit: the bench still runs.
-"$PY" -m pytest tests/gpu -q -rA -p no:cacheprovider --timeout 240 2>&1 | log
+# A test that hangs is cut at 120 s and the tests at 280 s together, not at the device call's
+# limit: the bench still runs, and writes each part as soon as it has it (GPU_BENCH_S caps it).
+timeout -k 5 "${GPU_TESTS_S:-280}" "$PY" -m pytest tests/gpu -q -rA -p no:cacheprovider \
+  --timeout 120 2>&1 | log
 tests=${PIPESTATUS[0]}
-"$PY" bench/gpu.py --nccl --runs 2 --steps 30 2>&1 | log
+timeout -k 5 "${GPU_BENCH_S:-240}" "$PY" bench/gpu.py --nccl --runs 1 --steps 24 2>&1 | log
 bench=${PIPESTATUS[0]}
 if [ -n "$OUTDIR" ] && [ -f bench/results/gpu-nccl.json ]; then
   cp bench/results/gpu-nccl.json bench/results/gpu.json "$OUTDIR"/ 2>/dev/null

@@ -103,6 +103,22 @@ REMEDIES: list[tuple[str, str]] = [
         "s) and at most one step: 1 − 0.5 s / 20 s ≈ 0.975. On these 2 cores the snapshots' "
         "own cost caps it, at Young/Daly's 1 − sqrt(2·C/MTBF) for the chosen interval",
     ),
+    (
+        r"gpu-nccl:4 NCCL ranks on one GPU.*bit-exact.*",
+        "a comparison that allows the survivors' step in flight: NCCL's all-reduce is "
+        "asynchronous, so a survivor's step finishes on what the aborted kernel left and the "
+        "job records it before the next step boundary discards it (gloo's raises instead). "
+        "bench/gpu.py and tests/gpu/digests.py now allow exactly that record and still require "
+        "every step trained again and the final state to equal the fault-free run's; not yet "
+        "re-run on a GPU",
+    ),
+    (
+        r"gpu-nccl:recovery pull .*NCCL / TCP",
+        "a transport faster than NCCL's sockets between the agents: on a cluster NCCL's "
+        "InfiniBand or NVLink paths (not available to two agents on one GPU, which NCCL "
+        "treats as two hosts); on one GPU more socket threads (NCCL_SOCKET_NTHREADS, "
+        "NCCL_NSOCKS_PERTHREAD), not yet tried",
+    ),
 ]
 
 

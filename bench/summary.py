@@ -248,6 +248,8 @@ def _derived_targets(name: str, r: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 "reason": "see docs/ray.md, “A lost Ray node”",
             }
         }
+    if name == "gpu-nccl":
+        return _nccl_targets(r)
     if name == "gpu":
         rows = {}
         for key, row in r.items():
@@ -260,6 +262,49 @@ def _derived_targets(name: str, r: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 }
         return rows
     return {}
+
+
+def _nccl_targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Issues 28 and 29's figures (``bench/gpu.py --nccl``): 4 NCCL ranks on one GPU."""
+    rows: dict[str, dict[str, Any]] = {}
+    job, pull = r.get("job") or {}, r.get("pull") or {}
+    prefix = "4 NCCL ranks on one GPU, a rank or a node killed"
+    if job.get("release_s") is not None:
+        rows[f"{prefix}: kill → the last survivor's groups aborted"] = {
+            "value": job["release_s"],
+            "target": "≤ 1 s",
+            "met": job["release_s"] <= 1,
+            "kind": "seconds",
+        }
+    if job.get("recovery_s") is not None:
+        rows[f"{prefix}: kill → every rank stepping"] = {
+            "value": job["recovery_s"],
+            "target": "≤ 2 s",
+            "met": job["recovery_s"] <= 2,
+            "kind": "seconds",
+        }
+    kills = [job[k] for k in ("kill_rank_bit_exact", "kill_node_bit_exact") if k in job]
+    if kills:
+        failed = [k for k in ("kill_rank", "kill_node") if job.get(f"{k}_bit_exact") is False]
+        rows[f"{prefix}: runs bit-exact against the fault-free run, fraction"] = {
+            "value": sum(kills) / len(kills),
+            "target": "= 1",
+            "met": all(kills),
+            "kind": "ratio",
+            "reason": job.get("reason")
+            or f"{', '.join(failed)}: a record differed from the fault-free run's",
+        }
+    if pull.get("ratio") is not None:
+        rows["recovery pull of 1 GiB between two agents on one GPU: NCCL / TCP"] = {
+            "value": pull["ratio"],
+            "target": "≥ 1",
+            "met": pull["ratio"] >= 1,
+            "kind": "ratio",
+            "reason": pull.get("reason")
+            or "the agents' NCCL link runs on NCCL's socket transport (each agent an NCCL host "
+            "of its own on one GPU)",
+        }
+    return rows
 
 
 def _ceiling_rows(r: dict[str, Any]) -> list[str]:

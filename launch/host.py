@@ -115,6 +115,13 @@ class HostLauncher(LocalLauncher):
         # this host runs its own ranks only: they share its GPUs if they outnumber them
         gpus = visible_gpus({**os.environ, **spec.env})
         self.procs.share_gpus = 0 < gpus < spec.nproc_per_node
+        if self.procs.share_gpus:
+            log.info(
+                "%d rank process(es) share %d GPU(s): each is an NCCL host of its own "
+                "(NCCL_HOSTID; shared memory and P2P off: NCCL's socket transport)",
+                spec.nproc_per_node,
+                gpus,
+            )
         try:
             self._check_chaos()
         except ConfigurationError:

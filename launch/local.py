@@ -91,6 +91,13 @@ class LocalLauncher(Launcher):
         # this machine's ranks (and spares) outnumber its GPUs: NCCL ranks share them
         gpus = visible_gpus({**os.environ, **spec.env})
         self.procs.share_gpus = 0 < gpus < spec.world + spec.spares
+        if self.procs.share_gpus:
+            log.info(
+                "%d rank process(es) share %d GPU(s): each is an NCCL host of its own "
+                "(NCCL_HOSTID; shared memory and P2P off: NCCL's socket transport)",
+                spec.world + spec.spares,
+                gpus,
+            )
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.address = ""
         self._ranks: dict[int, Proc] = {}  # the first epoch's rank processes

@@ -370,8 +370,7 @@ class ProcessGroupLifecycle:
                 self._keep(_Kept(groups, unfinished))
             else:
                 self._retired.extend(groups)
-            with contextlib.suppress(Exception):
-                ORIGINAL_DESTROY()
+            _destroy_groups(self.epoch)
         self.epoch = None
 
     def _keep(self, kept: _Kept) -> None:
@@ -401,6 +400,45 @@ class ProcessGroupLifecycle:
     def kept(self) -> int:
         """Process groups of ended epochs kept for a collective still inside gloo."""
         return sum(len(k.groups) for k in self._kept)
+
+
+def _destroy_groups(epoch: int | None) -> None:
+    """torch's ``destroy_process_group()``; where it raises, torch's tables of groups are
+    cleared here, so that the next epoch's ``init_process_group`` starts clean.
+
+    Shutting down an NCCL group whose communicators an abort ended can raise (seen on an H200,
+    torch 2.11: a survivor's next epoch then failed "trying to initialize the default process
+    group twice!"). The group objects stay referenced by ``_retired``/``_kept`` as before."""
+    try:
+        ORIGINAL_DESTROY()
+        return
+    except Exception as exc:  # the tables are cleared below, and the cause logged
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        log.warning(
+            "destroying the process groups of epoch %s raised %s: %s; forgetting them instead",
+            epoch,
+            type(exc).__name__,
+            first,
+        )
+    c10d = dist.distributed_c10d
+    world = c10d._world
+    c10d._update_default_pg(None)
+    for name in (
+        "pg_map",
+        "pg_names",
+        "pg_group_ranks",
+        "pg_backend_config",
+        "pg_to_tag",
+        "tags_to_pg",
+        "pg_coalesce_state",
+        "comms",
+    ):
+        table = getattr(world, name, None)
+        if table is not None:
+            table.clear()
+    with contextlib.suppress(Exception):
+        c10d._unregister_all_process_groups()
+    world.group_count = 0
 
 
 _plain_excepthook: Any = None  # sys.excepthook before torch's first group in this process
