@@ -53,6 +53,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -100,10 +101,11 @@ class InFlight:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._settled = threading.Condition(self._lock)  # a collective's callback returned
         self._open: dict[int, _Watched] = {}
-        self._callbacks: dict[int, torch.futures.Future[Any]] = {}  # key → work, until its
-        # callback has returned (``quiesce``)
+        # A weak reference to each collective's callback → its work, until the thread that
+        # ran the callback has let go of it (``quiesce``): the reference's own callback is
+        # this dict's ``pop``, C code run as the callback is freed, with no bytecode after it.
+        self._callbacks: dict[weakref.ref[Any], torch.futures.Future[Any]] = {}
         self._keys = itertools.count()
         self._released: str | None = None  # why, once this epoch's collectives were released
 
@@ -129,22 +131,22 @@ class InFlight:
                 return outcome
             work = start()
             self._open[key] = _Watched(work, outcome)
-            self._callbacks[key] = work
-
-        def done(finished: torch.futures.Future[Any]) -> None:
-            try:
-                value = pick(finished.value())
-            except Exception as exc:
-                self._settle(key, error=exc)
-            else:
-                self._settle(key, value=value)
-            finally:
-                with self._lock:
-                    del self._callbacks[key]
-                    self._settled.notify_all()
-
+            done = functools.partial(self._done, key, pick)
+            self._callbacks[weakref.ref(done, self._callbacks.pop)] = work
         work.add_done_callback(done)
+        del done  # from now on only the work holds it, and then the thread that runs it
         return outcome
+
+    def _done(self, key: int, pick: Callable[[Any], Any], finished: Any) -> None:
+        """A watched collective's callback, run by the thread that completed it (one of
+        gloo's): settles its outcome. Frames of this method never keep the callback (a
+        ``partial``) alive, so an error's traceback does not hold up ``quiesce``."""
+        try:
+            value = pick(finished.value())
+        except Exception as exc:
+            self._settle(key, error=exc)
+        else:
+            self._settle(key, value=value)
 
     def _settle(self, key: int, value: Any = None, error: Exception | None = None) -> None:
         with self._lock:
@@ -183,25 +185,27 @@ class InFlight:
             return len(self._open)
 
     def quiesce(self, timeout_s: float) -> bool:
-        """Wait, at most ``timeout_s``, until no finished collective's callback is still
-        running; True if none is. A collective stuck in gloo (see the module's docstring) is
-        not waited for: its callback may never run.
+        """Wait, at most ``timeout_s``, until no finished collective's callback is still held
+        by the thread that ran it; True if none is. A collective stuck in gloo (see the
+        module's docstring) is not waited for: its callback may never run.
 
         Why (``terminate called without an active exception``, a rank killed by SIGABRT as
-        its script exited, 1 run in about 90 under load): the callback runs in one of gloo's
-        threads and settles the outcome with ``Future.set_result``, which releases the GIL
-        while DDP's waiter wakes, then takes it back. The training thread, woken, may run
-        on to the interpreter's exit before that thread is scheduled again; a thread that
-        takes the GIL once the interpreter finalizes is ended by ``pthread_exit``, whose
-        unwinding through pybind11's GIL guard (a destructor, ``noexcept``) terminates the
-        process. Waited for at exit (``atexit``, while the interpreter is whole)."""
+        its script exited, about 1 run in 90 under load): the callback runs in one of
+        gloo's threads, which takes the GIL for it, releases it while ``Future.set_result``
+        wakes DDP's waiter, takes it back, and, once the callback has returned, takes it once
+        more to let go of it (torch's guard of a Python callback drops its reference with the
+        GIL held). The training thread, woken, may run on to the interpreter's exit between
+        any two of those; a thread that takes the GIL once the interpreter finalizes is ended
+        by ``pthread_exit``, whose unwinding through a C++ destructor (``noexcept``)
+        terminates the process. So what is waited for is the callback's release, seen by a
+        weak reference whose callback runs as C code inside it (``watch``). Waited for at
+        exit (``atexit``, while the interpreter is whole); the waiting sleeps, giving the
+        GIL to those threads."""
         deadline = time.monotonic() + timeout_s
-        with self._settled:
-            while any(work.done() for work in self._callbacks.values()):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._settled.wait(min(left, 0.1))
+        while any(work.done() for work in list(self._callbacks.values())):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.002)
         return True
 
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -160,6 +161,82 @@ def test_a_script_exits_only_once_a_collectives_callback_has_returned(tmp_path) 
     mark = tmp_path / "callback-returned"
     result = subprocess.run(
         [sys.executable, "-c", _EXIT_WHILE_A_CALLBACK_RUNS, str(mark)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert mark.exists()
+
+
+class _HeldCallback:
+    """A collective's work whose completing thread, like one of gloo's, runs the callback and
+    lets go of it only later: torch's guard of a Python callback takes the GIL again after the
+    callback has returned, to drop its reference (a thread that takes the GIL once the
+    interpreter finalizes aborts the process)."""
+
+    def __init__(self, hold_s: float, mark: str | None = None) -> None:
+        self.hold_s, self.mark = hold_s, mark
+        self.finished = threading.Event()
+        self._callbacks: list[Any] = []
+        self._done = False
+
+    def add_done_callback(self, callback: Any) -> None:
+        self._callbacks.append(callback)
+
+    def done(self) -> bool:
+        return self._done
+
+    def value(self) -> Any:
+        return [torch.ones(1)]
+
+    def complete(self) -> None:
+        def run() -> None:
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, []
+            for callback in callbacks:
+                callback(self)
+            time.sleep(self.hold_s)  # the callback has returned; its guard still holds it
+            callbacks.clear()
+            if self.mark:
+                open(self.mark, "w").close()
+            self.finished.set()
+
+        threading.Thread(target=run, daemon=True).start()
+
+
+def test_quiesce_waits_until_the_callbacks_thread_has_let_go_of_it() -> None:
+    in_flight = InFlight()
+    work = _HeldCallback(hold_s=0.5)
+    waited = in_flight.issue(lambda: work, lambda value: value[0])  # type: ignore[arg-type,return-value]
+    work.complete()
+    assert torch.equal(waited.wait(), torch.ones(1))  # the waiter is released at once
+    assert not in_flight.quiesce(0.1)  # but the thread still holds the callback
+    assert in_flight.quiesce(30.0)
+    assert work.finished.is_set()
+
+
+_EXIT_WHILE_A_THREAD_HOLDS_THE_CALLBACK = """
+import sys, time, torch
+sys.path.insert(0, ".")
+from peerckpt.runtime.inflight import IN_FLIGHT
+from tests.runtime.test_inflight import _HeldCallback
+
+work = _HeldCallback(hold_s=1.0, mark=sys.argv[1])
+waited = IN_FLIGHT.issue(lambda: work, lambda value: value[0])
+work.complete()
+waited.wait()
+"""
+
+
+def test_a_script_exits_only_once_the_callbacks_thread_has_let_go_of_it(tmp_path) -> None:
+    """The window CI hit once after the last fix (SIGABRT as a script exited): the callback
+    had returned, so the exit went on, while its thread had still to take the GIL back to
+    let go of it. Without the wait, the thread never finishes (no mark)."""
+    mark = tmp_path / "let-go"
+    result = subprocess.run(
+        [sys.executable, "-c", _EXIT_WHILE_A_THREAD_HOLDS_THE_CALLBACK, str(mark)],
         cwd=REPO,
         capture_output=True,
         text=True,
