@@ -19,6 +19,15 @@ carries are saved and put back the same way: word_language_model's learning rate
 on a plateau in a local float, and its best validation loss change what is trained (a timer
 comes back as the committed step left it: one log line's time after a restore is off).
 
+The module's variables the loop's body writes (declared ``global`` in the loop's function:
+ImageNet's ``best_acc1``, an older script's ``global_step`` counter driving a warm-up) are
+carried the same way when the body reads them before writing them, and put back into the
+module: a survivor's would otherwise keep the value its last steps left, a replacement's the
+one its script's top level made (both seen: MISMATCH, nothing said). Those that another
+function of the script writes are not carried: which of them the loop changes is only known
+once it has, and one that a setup function writes (a local rank) must not travel to another
+process; a number among them that changes during the loop is named once (``drifted``).
+
 An iterator of a tracked StatefulDataLoader that the loop carries (the distributed tutorial's
 epochs ported onto ``ctx.steps``: ``if step % per_epoch == 0: batches = iter(train_set)``, then
 ``next(batches)``) cannot travel, but need not: the loader's position does. Its snapshot
@@ -54,6 +63,8 @@ from torch.utils.data.dataloader import (
 _HERE = os.path.dirname(os.path.abspath(__file__))  # the runtime's frames, skipped
 _LOADS = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_DEREF", "LOAD_NAME", "LOAD_CLASSDEREF"})
 _STORES = frozenset({"STORE_FAST", "STORE_DEREF", "STORE_NAME", "DELETE_FAST", "DELETE_DEREF"})
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL"})  # a module's variable, declared ``global`` to write it
+_GLOBAL_STORES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL"})
 # Python 3.13's pairs: (first name's access, second name's access)
 _PAIRS = {
     "LOAD_FAST_LOAD_FAST": ("load", "load"),
@@ -69,16 +80,33 @@ _ENDS = frozenset({"RETURN_VALUE", "RETURN_CONST", "RAISE_VARARGS", "RERAISE"}) 
 CARRIED = "__carried__"  # the snapshot's name for them (never a ctx.track name: it is refused)
 ITERATOR_OF = "__iterator_of__"  # a carried value: {ITERATOR_OF: the tracked loader's name}
 _PLAIN_ITERATORS = (_SingleProcessDataLoaderIter, _MultiProcessingDataLoaderIter)
+_DRIFT_NAMED: set[str] = set()  # module variables ``drifted`` has named in this process
 
 
 class Carry:
     """The loop over ``ctx.steps`` and the names its body carries from step to step."""
 
-    def __init__(self, frame: types.FrameType, names: set[str]) -> None:
+    def __init__(
+        self, frame: types.FrameType, names: set[str], module_names: set[str] | None = None
+    ) -> None:
         self._frame: types.FrameType | None = frame
         self.names = names
+        # the module's variables the loop itself writes (``global best_acc1``) and reads
+        # before it writes them: carried like its locals
+        self.module_names = module_names or set()
         # carried names the code before the loop left unbound (a restore leaves them so)
         self.unbound = names - set(_read(frame, names)) if names else set()
+        # the module's numbers that its other functions write (``global``): named if the
+        # loop changes them, since they are not carried (``drifted``)
+        written = _written_by_functions(frame.f_globals, frame.f_code.co_filename)
+        self._watched = {
+            n: v for n, v in _read_module(frame, written - self.module_names).items() if _number(v)
+        }
+
+    @property
+    def carries(self) -> bool:
+        """Whether the loop carries anything from one step into the next."""
+        return bool(self.names or self.module_names)
 
     @classmethod
     def at_loop_start(
@@ -94,7 +122,12 @@ class Carry:
         frame = frame or _user_frame()
         if frame is None or not frame.f_code.co_flags & inspect.CO_OPTIMIZED:
             return None  # a module's or class's namespace: not a loop's locals
-        return cls(frame, carried_names(frame.f_code, _loop_head(frame)))
+        head = _loop_head(frame)
+        return cls(
+            frame,
+            carried_names(frame.f_code, head),
+            carried_names(frame.f_code, head, module=True),
+        )
 
     def loader_iterators(self) -> list[tuple[str, Any]]:
         """(name, iterator) of the loop's variables that hold an iterator of a plain torch
@@ -112,8 +145,29 @@ class Carry:
         if self._frame is None:
             return {}
         found = _read(self._frame, self.names)
+        found.update(_read_module(self._frame, self.module_names))  # never a local's name too
         saved = {n: _saved_as(v, covered, tracked) for n, v in found.items()}
         return {n: v for n, v in saved.items() if v is not None}
+
+    def drifted(self) -> list[str]:
+        """What a snapshot's audit says, once each, of the module's numbers that changed since
+        the loop began and are written by the script's other functions, not by the loop: they
+        are not carried, so after a restore they keep the value the process has."""
+        if self._frame is None or not self._watched:
+            return []
+        now = _read_module(self._frame, set(self._watched))
+        was = {n: self._watched.pop(n) for n in sorted(now) if now[n] != self._watched[n]}
+        moved = [n for n in was if n not in _DRIFT_NAMED]  # once per process
+        _DRIFT_NAMED.update(moved)
+        return [
+            f"the module variable `{n}` changed during the loop ({_short(was[n])} → "
+            f"{_short(now[n])}), written by a function the loop calls: peerckpt carries the "
+            "module variables the loop's own body writes, not those of the functions it calls; "
+            f"after a restore `{n}` keeps this process's value (a replacement's is the one its "
+            "script's top level made). Assign it in the loop's body, or keep it in a tracked "
+            "object's state_dict()"
+            for n in moved
+        ]
 
     def unsaved(self, tracked: dict[str, Any]) -> list[str]:
         """What the first snapshot's audit says of carried names that the code before the
@@ -136,10 +190,11 @@ class Carry:
         iterator of it; return the names written."""
         if self._frame is None:
             return []
-        wanted = {n: v for n, v in saved.items() if n in self.names}
+        wanted = {n: v for n, v in saved.items() if n in self.names or n in self.module_names}
         if not wanted:
             return []
-        now = _read(self._frame, set(wanted))
+        now = _read(self._frame, set(wanted) & self.names)
+        now.update(_read_module(self._frame, set(wanted) & self.module_names))
         values: dict[str, Any] = {}
         for n, v in wanted.items():
             if isinstance(v, dict) and set(v) == {ITERATOR_OF}:
@@ -154,8 +209,12 @@ class Carry:
                     values[n] = iter(loader)
             else:
                 values[n] = _placed_like(v, now.get(n))
-        if values:
-            _write(self._frame, values)
+        local = {n: v for n, v in values.items() if n in self.names}
+        if local:
+            _write(self._frame, local)
+        for n, v in values.items():
+            if n in self.module_names:
+                self._frame.f_globals[n] = v
         return sorted(values)
 
     def close(self) -> None:
@@ -224,11 +283,12 @@ def _write(frame: types.FrameType, values: dict[str, Any]) -> None:
     snapshot.clear()  # as ``_read``: keep no value of the loop alive
 
 
-def carried_names(code: types.CodeType, for_iter: int) -> set[str]:
+def carried_names(code: types.CodeType, for_iter: int, module: bool = False) -> set[str]:
     """Names the body of the ``for`` loop at offset ``for_iter`` writes, and may read before
     it writes them on some path through it (live where the body begins: a hidden state that
     one branch makes afresh and the others carry counts), from the bytecode alone. Empty when
-    ``for_iter`` is not a ``FOR_ITER``. Exception handlers are not followed."""
+    ``for_iter`` is not a ``FOR_ITER``. Exception handlers are not followed. ``module``: the
+    module's variables the body writes (declared ``global``) instead of its locals."""
     instructions = list(dis.get_instructions(code))
     head = next((i for i in instructions if i.offset == for_iter), None)
     if head is None or head.opname != "FOR_ITER" or not isinstance(head.argval, int):
@@ -262,22 +322,25 @@ def carried_names(code: types.CodeType, for_iter: int) -> set[str]:
         changed = False
         for k in reversed(range(len(body))):
             names = set().union(*(live[n] for n in successors[k]))
-            for name, access in reversed(_accesses(body[k])):
+            for name, access in reversed(_accesses(body[k], module)):
                 if access == "store":
                     names.discard(name)
                 else:
                     names.add(name)
             if names != live[k]:
                 live[k], changed = names, True
-    stored = {n for ins in body for n, access in _accesses(ins) if access == "store"}
+    stored = {n for ins in body for n, access in _accesses(ins, module) if access == "store"}
     return live[entry] & stored
 
 
-def _accesses(ins: dis.Instruction) -> list[tuple[str, str]]:
-    if ins.opname in _LOADS and isinstance(ins.argval, str):
+def _accesses(ins: dis.Instruction, module: bool = False) -> list[tuple[str, str]]:
+    loads, stores = (_GLOBAL_LOADS, _GLOBAL_STORES) if module else (_LOADS, _STORES)
+    if ins.opname in loads and isinstance(ins.argval, str):
         return [(ins.argval, "load")]
-    if ins.opname in _STORES and isinstance(ins.argval, str):
+    if ins.opname in stores and isinstance(ins.argval, str):
         return [(ins.argval, "store")]
+    if module:
+        return []
     pair = _PAIRS.get(ins.opname)
     if pair is not None and isinstance(ins.argval, tuple) and len(ins.argval) == 2:
         return list(zip(ins.argval, pair, strict=True))
@@ -295,6 +358,52 @@ def _read(frame: types.FrameType, names: set[str]) -> dict[str, Any]:
     if type(values) is dict:  # 3.13's write-through proxy is not a snapshot: left alone
         values.clear()
     return out
+
+
+def _read_module(frame: types.FrameType, names: set[str]) -> dict[str, Any]:
+    """The values of the module variables ``names`` of ``frame``'s function."""
+    values = frame.f_globals
+    return {n: values[n] for n in sorted(names) if n in values}
+
+
+def _written_by_functions(namespace: dict[str, Any], filename: str) -> set[str]:
+    """The module variables that the functions (and methods) defined in ``filename`` and
+    found in its namespace ``namespace`` write (``global x; x = …``), from their bytecode."""
+    found: set[str] = set()
+    seen: set[int] = set()
+    codes = [
+        v.__code__
+        for v in list(namespace.values())
+        if isinstance(v, types.FunctionType) and v.__code__.co_filename == filename
+    ]
+    codes += [
+        f.__code__
+        for v in list(namespace.values())
+        if isinstance(v, type)
+        for f in vars(v).values()
+        if isinstance(f, types.FunctionType) and f.__code__.co_filename == filename
+    ]
+    while codes:
+        code = codes.pop()
+        if id(code) in seen:
+            continue
+        seen.add(id(code))
+        found |= {
+            ins.argval
+            for ins in dis.get_instructions(code)
+            if ins.opname in _GLOBAL_STORES and isinstance(ins.argval, str)
+        }
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return found
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 24 else text[:21] + "..."
 
 
 def _instruction_at(frame: types.FrameType, lasti: int | None = None) -> dis.Instruction | None:

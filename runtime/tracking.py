@@ -41,7 +41,7 @@ from peerckpt.messages.local import (
     WantChunks,
 )
 from peerckpt.runtime import capture, loaders, twins
-from peerckpt.runtime.audit import FirstStepWatch, covered_storages, warn_untracked
+from peerckpt.runtime.audit import PREFIX, FirstStepWatch, covered_storages, warn_untracked
 from peerckpt.runtime.carried import CARRIED, Carry
 from peerckpt.runtime.held import held
 from peerckpt.runtime.live import LiveState
@@ -319,7 +319,7 @@ class EpochTracking:
             start = a.restore_step + 1
         carry = Carry.at_loop_start(made_in=asker) if self.tracked else None
         del asker  # the carry holds the loop's frame, until it is closed
-        if carry is not None and carry.names and self._carried:
+        if carry is not None and carry.carries and self._carried:
             put = carry.put_back(self._carried, self.tracked)
             if put:
                 log.info(
@@ -329,7 +329,7 @@ class EpochTracking:
                     start,
                 )
         self._carried = None
-        covered = covered_storages(self.tracked) if carry is not None and carry.names else set()
+        covered = covered_storages(self.tracked) if carry is not None and carry.carries else set()
         self._resumed(start)
         watch = self._watch  # None when ctx.track was not called in this epoch
         if not self.tracked:
@@ -366,7 +366,7 @@ class EpochTracking:
                         extra["every"] = policy.every
                     carried = (
                         carry.values(covered, self.tracked)
-                        if carry is not None and carry.names
+                        if carry is not None and carry.carries
                         else {}
                     )
                     captured = capture.capture(self.tracked, step, extra, carried)
@@ -374,6 +374,11 @@ class EpochTracking:
                         captured.twins = twins.declared_keys(self.tracked, watch.ddp.found())
                     self.live.captured(a.rank, a.world_size, step, captured)
                     self.engine.take(step, captured)
+                    drift = carry.drifted() if carry is not None else []
+                    for text in drift:
+                        log.warning("%s%s", PREFIX, text)
+                    if drift:  # the job's report says so too
+                        self.channel.notify(InexactState(a.epoch, a.rank, drift))
                 policy.record(step, time.perf_counter() - began)
                 if step == start and watch is not None:
                     self._audit.pending = self._audit.pending and not watch.audit

@@ -23,6 +23,8 @@ Patterns (each a habit of ordinary training scripts; ``all`` is every one at onc
   optimizer(s) through torch's ``get_state_dict``/``set_state_dict``, tracked as ``app``;
 - ``user-stateful``: a user object with ``state_dict``/``load_state_dict`` holding a tensor and
   a Python int, both changing every step;
+- ``module-counter``: a module-level step counter the loop increments (``global seen_steps``),
+  warming the loss up over the first 12 micro-batches, as older scripts keep ``global_step``;
 - ``prefetch`` (never in ``all``: with ``stateful-loader`` it is not exact after a restore):
   nanoGPT's batch fetched ahead, before the loop and again at the end of each step for the
   next one (the runtime saves and puts back the carried batch; from a loader, the code before
@@ -76,10 +78,12 @@ PATTERNS = (
     "static-graph",
     "app-state",
     "prefetch",
+    "module-counter",
 )
 EXACT = PATTERNS  # each recovers bit for bit on its own
 BATCH = 8
 ROWS = 4096
+seen_steps = 0  # "module-counter": an older script's module-level step counter (``global``)
 
 
 def dataset() -> TensorDataset:
@@ -222,6 +226,7 @@ def digest(objects: dict) -> str:
 
 @peerckpt.resilient(every=1)  # the tests kill at given steps
 def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
+    global seen_steps
     use = args.patterns
     net = Net(batchnorm="batchnorm" in use)
     wrap = {"static_graph": True} if "static-graph" in use else {}
@@ -306,6 +311,9 @@ def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
                 with nullcontext() if last else ddp.no_sync():
                     logits = ddp(x)
                     loss = nn.functional.cross_entropy(logits, y) / micro_batches
+                    if "module-counter" in use:  # a warm-up on the module's counter
+                        seen_steps += 1
+                        loss = loss * min(1.0, seen_steps / 12)
                     (scaler.scale(loss) if scaler else loss).backward()
                 if stats is not None:
                     stats.update(logits, len(x))

@@ -36,19 +36,22 @@ class Steps:
         self.written: list[str] = []
         self.unsaved: list[str] = []
         self.rng: torch.Tensor | None = None
+        self.module_names: set[str] = set()
+        self.drifted: dict[int, list[str]] = {}
 
     def __iter__(self) -> Iterator[int]:
         carry = Carry.at_loop_start(sys._getframe(1))
         if carry is None:
             yield from range(self.n)
             return
-        self.names = carry.names
+        self.names, self.module_names = carry.names, carry.module_names
         if self.put is not None:
             self.written = carry.put_back(self.put, self.tracked)
         try:
             for step in range(self.start, self.n):
                 yield step
                 self.saved[step] = carry.values(covered_storages(self.tracked), self.tracked)
+                self.drifted[step] = carry.drifted()
                 if step == self.start:
                     self.unsaved = carry.unsaved(self.tracked)
         finally:
@@ -190,6 +193,63 @@ def test_numbers_the_loop_carries_are_saved_too() -> None:
         lr = lr / 4.0 if step == 1 else lr
     assert steps.saved[1] == {"lr": 5.0, "seen": steps.saved[1]["seen"]}
     assert torch.equal(steps.saved[1]["seen"], torch.tensor([40.0]))
+
+
+global_step = 0  # this module's variables, as a script's (``global`` in its functions)
+best_loss = 1e9
+helper_scale = 1.0
+
+
+def _counter_loop(steps: Steps) -> list[int]:
+    """An older script's shape: a module-level step counter and best loss the loop writes."""
+    global global_step, best_loss
+    seen = []
+    for step in steps:
+        global_step += 1
+        seen.append(global_step)
+        best_loss = min(best_loss, 10.0 - step)
+    return seen
+
+
+def test_module_variables_the_loop_writes_are_carried_and_put_back(monkeypatch) -> None:
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "global_step", 0)
+    monkeypatch.setattr(module, "best_loss", 1e9)
+    steps = Steps(4)
+    assert _counter_loop(steps) == [1, 2, 3, 4]
+    assert steps.module_names == {"global_step", "best_loss"}
+    assert steps.names == set()  # `seen` is made before the loop and only appended to
+    assert steps.saved[1] == {"global_step": 2, "best_loss": 9.0}
+
+    # A restored loop resuming at step 2 in this process, whose counter ran on to 4 (a
+    # survivor; a replacement's would be 0): the loop must count on from step 1's 2.
+    resumed = Steps(4, put=steps.saved[1], start=2)
+    assert _counter_loop(resumed) == [3, 4]
+    assert resumed.written == ["best_loss", "global_step"]
+
+
+def _scale_down() -> None:
+    global helper_scale
+    helper_scale = helper_scale * 0.5
+
+
+def _helper_loop(steps: Steps) -> None:
+    for step in steps:
+        if step == 2:
+            _scale_down()
+
+
+def test_a_module_variable_a_called_function_changes_is_named_once(monkeypatch) -> None:
+    from peerckpt.runtime import carried
+
+    monkeypatch.setattr(sys.modules[__name__], "helper_scale", 1.0)
+    monkeypatch.setattr(carried, "_DRIFT_NAMED", set())
+    steps = Steps(5)
+    _helper_loop(steps)
+    assert steps.module_names == set() and steps.saved[3] == {}  # not carried
+    assert steps.drifted[1] == [] and steps.drifted[3] == [] and steps.drifted[4] == []
+    [said] = steps.drifted[2]
+    assert said.startswith("the module variable `helper_scale` changed during the loop (1.0 → 0.5)")
 
 
 def _tutorial_loop(steps: Steps, loader: Any, per_epoch: int) -> list[torch.Tensor]:
