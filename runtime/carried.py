@@ -28,6 +28,14 @@ function of the script writes are not carried: which of them the loop changes is
 once it has, and one that a setup function writes (a local rank) must not travel to another
 process; a number among them that changes during the loop is named once (``drifted``).
 
+A random generator of the script's own that the loop draws from and does not make (a
+``torch.Generator`` seeded before the loop for a diffusion objective's noise, ``random.Random``,
+NumPy's ``Generator`` or ``RandomState``, in a local or a module variable) changes in every step
+without the loop writing its name: its state is saved with each snapshot and set into the
+generator the code before the loop made again (before, a replacement drew the first steps'
+noise again and a survivor drew on: MISMATCH, nothing said). A generator reached only through
+an object (``self.generator``) is not looked for.
+
 An iterator of a tracked StatefulDataLoader that the loop carries (the distributed tutorial's
 epochs ported onto ``ctx.steps``: ``if step % per_epoch == 0: batches = iter(train_set)``, then
 ``next(batches)``) cannot travel, but need not: the loader's position does. Its snapshot
@@ -49,7 +57,9 @@ from __future__ import annotations
 import ctypes
 import dis
 import inspect
+import json
 import os
+import random
 import sys
 import types
 from typing import Any
@@ -87,7 +97,12 @@ class Carry:
     """The loop over ``ctx.steps`` and the names its body carries from step to step."""
 
     def __init__(
-        self, frame: types.FrameType, names: set[str], module_names: set[str] | None = None
+        self,
+        frame: types.FrameType,
+        names: set[str],
+        module_names: set[str] | None = None,
+        read_locals: set[str] | None = None,
+        read_module: set[str] | None = None,
     ) -> None:
         self._frame: types.FrameType | None = frame
         self.names = names
@@ -96,6 +111,12 @@ class Carry:
         self.module_names = module_names or set()
         # carried names the code before the loop left unbound (a restore leaves them so)
         self.unbound = names - set(_read(frame, names)) if names else set()
+        # random generators of the script's own that the loop draws from (``generator``,
+        # made before the loop): their states are carried (name → its module's or not)
+        self.generators: dict[str, bool] = {}
+        for module, names in ((False, read_locals or set()), (True, read_module or set())):
+            values = _read_module(frame, names) if module else _read(frame, names)
+            self.generators.update({n: module for n, v in values.items() if _kind(v)})
         # the module's numbers that its other functions write (``global``): named if the
         # loop changes them, since they are not carried (``drifted``)
         written = _written_by_functions(frame.f_globals, frame.f_code.co_filename)
@@ -106,7 +127,7 @@ class Carry:
     @property
     def carries(self) -> bool:
         """Whether the loop carries anything from one step into the next."""
-        return bool(self.names or self.module_names)
+        return bool(self.names or self.module_names or self.generators)
 
     @classmethod
     def at_loop_start(
@@ -127,6 +148,8 @@ class Carry:
             frame,
             carried_names(frame.f_code, head),
             carried_names(frame.f_code, head, module=True),
+            read_names(frame.f_code, head),
+            read_names(frame.f_code, head, module=True),
         )
 
     def loader_iterators(self) -> list[tuple[str, Any]]:
@@ -147,7 +170,15 @@ class Carry:
         found = _read(self._frame, self.names)
         found.update(_read_module(self._frame, self.module_names))  # never a local's name too
         saved = {n: _saved_as(v, covered, tracked) for n, v in found.items()}
+        saved.update({n: _generator_state(v) for n, v in self._generators().items()})
         return {n: v for n, v in saved.items() if v is not None}
+
+    def _generators(self) -> dict[str, Any]:
+        """The generators the loop draws from, as its names hold them now."""
+        assert self._frame is not None
+        found = _read(self._frame, {n for n, module in self.generators.items() if not module})
+        found.update(_read_module(self._frame, {n for n, m in self.generators.items() if m}))
+        return found
 
     def drifted(self) -> list[str]:
         """What a snapshot's audit says, once each, of the module's numbers that changed since
@@ -190,9 +221,14 @@ class Carry:
         iterator of it; return the names written."""
         if self._frame is None:
             return []
+        states = {n: v for n, v in saved.items() if n in self.generators and _is_state(v)}
+        put = []
+        for n, generator in self._generators().items():  # the ones the code before made
+            if n in states and _set_generator_state(generator, states[n]):
+                put.append(n)
         wanted = {n: v for n, v in saved.items() if n in self.names or n in self.module_names}
         if not wanted:
-            return []
+            return sorted(put)
         now = _read(self._frame, set(wanted) & self.names)
         now.update(_read_module(self._frame, set(wanted) & self.module_names))
         values: dict[str, Any] = {}
@@ -215,7 +251,7 @@ class Carry:
         for n, v in values.items():
             if n in self.module_names:
                 self._frame.f_globals[n] = v
-        return sorted(values)
+        return sorted([*values, *put])
 
     def close(self) -> None:
         self._frame = None
@@ -331,6 +367,81 @@ def carried_names(code: types.CodeType, for_iter: int, module: bool = False) -> 
                 live[k], changed = names, True
     stored = {n for ins in body for n, access in _accesses(ins, module) if access == "store"}
     return live[entry] & stored
+
+
+def read_names(code: types.CodeType, for_iter: int, module: bool = False) -> set[str]:
+    """Names the body of the ``for`` loop at offset ``for_iter`` reads and never writes (what
+    it uses from the code before it: a generator it draws from); ``module``: the module's."""
+    body = _body(code, for_iter)
+    accesses = [a for ins in body for a in _accesses(ins, module)]
+    return {n for n, a in accesses if a == "load"} - {n for n, a in accesses if a == "store"}
+
+
+def _body(code: types.CodeType, for_iter: int) -> list[dis.Instruction]:
+    instructions = list(dis.get_instructions(code))
+    head = next((i for i in instructions if i.offset == for_iter), None)
+    if head is None or head.opname != "FOR_ITER" or not isinstance(head.argval, int):
+        return []
+    return [i for i in instructions if head.offset < i.offset < head.argval]
+
+
+GENERATOR = "__generator__"  # a carried generator's state: {GENERATOR: kind, "state": …}
+
+
+def _kind(value: object) -> str | None:
+    """What sort of random generator ``value`` is, if it is one whose state can travel."""
+    if isinstance(value, torch.Generator):
+        return "torch"
+    if isinstance(value, random.Random):
+        return "random"
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        if isinstance(value, numpy.random.Generator):
+            return "numpy"
+        if isinstance(value, numpy.random.RandomState):
+            return "numpy-legacy"
+    return None
+
+
+def _generator_state(generator: Any) -> dict[str, Any] | None:
+    """A generator's state as a carried value (a tensor, or JSON for the others' integers,
+    which may exceed 64 bits)."""
+    kind = _kind(generator)
+    if kind == "torch":
+        return {GENERATOR: kind, "state": generator.get_state()}
+    if kind == "random":
+        return {GENERATOR: kind, "state": json.dumps(generator.getstate())}
+    if kind == "numpy":
+        return {GENERATOR: kind, "state": json.dumps(generator.bit_generator.state)}
+    if kind == "numpy-legacy":
+        name, keys, pos, has_gauss, cached = generator.get_state(legacy=True)
+        state = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+        return {GENERATOR: kind, "state": json.dumps(state)}
+    return None
+
+
+def _is_state(value: object) -> bool:
+    return isinstance(value, dict) and isinstance(value.get(GENERATOR), str) and "state" in value
+
+
+def _set_generator_state(generator: Any, saved: dict[str, Any]) -> bool:
+    """Set ``generator`` to a state ``_generator_state`` made; False if it is of another kind."""
+    kind = _kind(generator)
+    if kind != saved[GENERATOR]:
+        return False
+    state = saved["state"]
+    if kind == "torch":
+        generator.set_state(state)
+    elif kind == "random":
+        version, internal, gauss = json.loads(state)
+        generator.setstate((version, tuple(internal), gauss))
+    elif kind == "numpy":
+        generator.bit_generator.state = json.loads(state)
+    else:
+        numpy = sys.modules["numpy"]
+        name, keys, pos, has_gauss, cached = json.loads(state)
+        generator.set_state((name, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, cached))
+    return True
 
 
 def _accesses(ins: dis.Instruction, module: bool = False) -> list[tuple[str, str]]:

@@ -25,6 +25,8 @@ Patterns (each a habit of ordinary training scripts; ``all`` is every one at onc
   a Python int, both changing every step;
 - ``module-counter``: a module-level step counter the loop increments (``global seen_steps``),
   warming the loss up over the first 12 micro-batches, as older scripts keep ``global_step``;
+- ``own-generator``: noise drawn from the script's own ``torch.Generator``, made before the
+  loop (as diffusion-style objectives draw theirs);
 - ``prefetch`` (never in ``all``: with ``stateful-loader`` it is not exact after a restore):
   nanoGPT's batch fetched ahead, before the loop and again at the end of each step for the
   next one (the runtime saves and puts back the carried batch; from a loader, the code before
@@ -79,6 +81,7 @@ PATTERNS = (
     "app-state",
     "prefetch",
     "module-counter",
+    "own-generator",
 )
 EXACT = PATTERNS  # each recovers bit for bit on its own
 BATCH = 8
@@ -298,6 +301,7 @@ def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
         return x, y
 
     micro_batches = 2 if "accumulation" in use else 1
+    noise = torch.Generator().manual_seed(17 + ctx.rank) if "own-generator" in use else None
     steps = range(args.steps) if args.loop == "range" else ctx.steps(args.steps)
     ahead = next_batch(0, 0) if "prefetch" in use else None
     with open(os.path.join(args.out, f"rank{ctx.rank}.jsonl"), "a") as log:
@@ -307,6 +311,8 @@ def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
             net.train()
             for micro in range(micro_batches):
                 x, y = ahead if ahead is not None else next_batch(step, micro)
+                if noise is not None:
+                    x = x + 0.05 * torch.randn(x.shape, generator=noise)
                 last = micro == micro_batches - 1
                 with nullcontext() if last else ddp.no_sync():
                     logits = ddp(x)

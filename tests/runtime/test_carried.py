@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import dis
 import itertools
+import random
 import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -250,6 +253,45 @@ def test_a_module_variable_a_called_function_changes_is_named_once(monkeypatch) 
     assert steps.drifted[1] == [] and steps.drifted[3] == [] and steps.drifted[4] == []
     [said] = steps.drifted[2]
     assert said.startswith("the module variable `helper_scale` changed during the loop (1.0 → 0.5)")
+
+
+def _draws(generator: Any, steps: Steps) -> list[float]:
+    """A loop drawing from a generator the code before it made (noise each step)."""
+    out = []
+    for _ in steps:
+        if isinstance(generator, torch.Generator):
+            out.append(torch.rand(1, generator=generator).item())
+        elif isinstance(generator, random.Random):
+            out.append(generator.random())
+        else:
+            out.append(float(generator.random()))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["torch", "random", "numpy", "numpy-legacy"])
+def test_a_generator_the_loop_draws_from_is_carried(kind: str) -> None:
+    def make() -> Any:
+        return {
+            "torch": lambda: torch.Generator().manual_seed(5),
+            "random": lambda: random.Random(5),
+            "numpy": lambda: np.random.default_rng(5),
+            "numpy-legacy": lambda: np.random.RandomState(5),
+        }[kind]()
+
+    steps = Steps(4)
+    reference = _draws(make(), steps)
+    # A restored loop resuming at step 2: the code before it made the generator afresh.
+    resumed = Steps(4, put=steps.saved[1], start=2)
+    assert _draws(make(), resumed) == reference[2:]
+    assert resumed.written == ["generator"]
+
+
+def test_a_generator_made_in_the_step_is_not_carried() -> None:
+    steps = Steps(2)
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        torch.rand(1, generator=g)
+    assert steps.saved[0] == {}
 
 
 def _tutorial_loop(steps: Steps, loader: Any, per_epoch: int) -> list[torch.Tensor]:
