@@ -140,6 +140,7 @@ class EpochTracking:
         self._resumed_sent = False
         self._round = 0
         self._watch: FirstStepWatch | None = None  # this epoch's first-step hooks
+        self._looped = False  # this epoch's function has looped over ctx.steps
 
     def close(self) -> None:
         """The epoch is left: remove every hook it installed and let go of what the function
@@ -150,6 +151,7 @@ class EpochTracking:
         self._hooks.clear()
         self.tracked.clear()  # the dict the epoch's watch and audit hold too
         self._restored = self._carried = None
+        self._looped = False
         if self._watch is not None:  # it holds the optimizers that stepped, the DDPs it saw
             self._watch.remove()
             self._watch = None
@@ -307,6 +309,18 @@ class EpochTracking:
     def steps(self, total: int, made_in: list[types.FrameType] | None = None) -> Iterator[int]:
         """The loop's steps; ``made_in`` holds the frame that called ``ctx.steps`` (taken)."""
         asker = made_in.pop() if made_in else None
+        if self._looped:
+            # A second loop would number its steps again from 0: snapshots and commits of
+            # steps already committed, and a restore could not say which loop to resume
+            # (seen: the job hung at the second loop's step 2, nothing said).
+            raise StateMismatch(
+                f"ctx.steps({total}) is this function's second loop over ctx.steps: one loop "
+                "per call of the decorated function, whose step numbers snapshots and restores "
+                "count. Loop once over every step (epochs too: `for step in "
+                "ctx.steps(epochs * per_epoch)`, with `epoch = step // per_epoch` and a new "
+                "iterator at each epoch's first step), and branch on the step for phases"
+            )
+        self._looped = True
         a = self.assignment
         start = 0
         if a.restore_step is not None:

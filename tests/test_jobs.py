@@ -338,6 +338,15 @@ def test_a_script_that_dies_before_joining_fails_the_job_at_once(tmp_path) -> No
     ), run.report["reason"]
 
 
+def test_a_second_loop_over_the_steps_fails_the_job_saying_how_to_loop_once(tmp_path) -> None:
+    """Seen: a function with a warm-up loop and a main loop, each over ctx.steps, hung at the
+    second loop's step 2 until it was killed (its steps numbered again from 0)."""
+    run = run_job(tmp_path, script_args=["--steps", "3", "--second-loop"], timeout=120)
+    assert run.returncode == 1
+    assert "is this function's second loop over ctx.steps: one loop" in run.report["reason"]
+    assert "ctx.steps(epochs * per_epoch)" in run.log
+
+
 @pytest.mark.slow  # nine processes on two cores: make test-all
 def test_two_nodes_lost_at_once_with_two_replicas_recover_from_the_third(tmp_path) -> None:
     """4 nodes x 1 rank, --replicas 2 (ring: each rank's state on its node and the next two).

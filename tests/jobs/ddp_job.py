@@ -123,6 +123,9 @@ def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
             )
     with open(os.path.join(args.out, f"rank{ctx.rank}.jsonl"), "a") as log:
         run_steps(ctx, model, optim, data, log, args)
+    if args.second_loop:
+        for _ in ctx.steps(2):  # a second phase as a loop of its own: refused
+            pass
     return digest(model, optim)
 
 
@@ -182,6 +185,7 @@ if __name__ == "__main__":
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--second-loop", action="store_true", help="loop over ctx.steps again")
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--slow-s", type=float, default=0.0)
     parser.add_argument("--raise-rank", type=int, default=-1)
