@@ -114,6 +114,7 @@ class ChaosMonkey:
         # most JOIN_S; one that never joined is named by ``unfired``.
         self._joining: dict[int, tuple[int, float]] = {}
         self._not_joined: dict[int, str] = {}
+        self._ended: Any = None  # the ranks' ``ended.json``, read at ``stop``
         self._thread = threading.Thread(target=self._run, name="peerckpt-chaos", daemon=True)
 
     def start(self) -> None:
@@ -124,6 +125,11 @@ class ChaosMonkey:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2.0)
+        # Where the loop ended, read while the job's folder is there (``unfired`` runs after
+        # the launcher removed it: it read nothing there, and named no step the loop ended at).
+        directory = self._target.chaos_dir
+        if directory is not None:
+            self._ended = read_json(directory, ENDED) or self._ended
         self._release(set(a.at for a in self.actions))  # no rank may wait for a stopped monkey
 
     def unfired(self) -> list[str]:
@@ -165,7 +171,10 @@ class ChaosMonkey:
         """Where the job ended, as well as the monkey knows."""
         directory = self._target.chaos_dir
         ended = read_json(directory, ENDED) if directory is not None else None
+        ended = ended or self._ended
         if isinstance(ended, dict) and isinstance(ended.get("step"), int):
+            if ended.get("left"):
+                return f"left its loop after step {ended['step']} (a break)"
             return f"ended at step {ended['step']}"
         if self.reached >= 0:
             return f"got to step {self.reached}"

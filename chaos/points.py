@@ -94,6 +94,9 @@ class ChaosHooks(FaultHooks):
     def reach(self, step: int, check: Callable[[], None] | None = None, **where: Any) -> None:
         self.gates.reach(step, check, **where)
 
+    def left(self, step: int, total: int) -> None:
+        _write_json(os.path.join(self.directory, ENDED), {"step": step, "total": total, "left": 1})
+
 
 class StepGates:
     """One rank process's step points (the module docstring says how they work)."""

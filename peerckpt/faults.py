@@ -86,6 +86,10 @@ class FaultHooks:
         once the rank's epoch has ended: a hold ends with it (a node added at S joins while
         the ranks hold after S)."""
 
+    def left(self, step: int, total: int) -> None:
+        """A rank's loop was left after ``step``, before its ``total`` (a ``break``): an
+        injector waiting for a later step learns that it will never come."""
+
     def close(self) -> None:
         """Stop whatever the hooks started."""
         if self.net is not None:

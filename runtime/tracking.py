@@ -370,7 +370,12 @@ class EpochTracking:
                     self._agree_interval(step)
                 self.step = step
                 began = time.perf_counter()
-                yield step
+                try:
+                    yield step
+                except GeneratorExit:
+                    if self.faults.active and self._still_open():
+                        self.faults.left(step, total)  # a break: no later step comes
+                    raise
                 self.check()
                 # Nothing tracked: a snapshot would hold nothing a restore could use. The last
                 # step is always taken: it is what the job ends with.
@@ -410,6 +415,15 @@ class EpochTracking:
         finally:
             if carry is not None:
                 carry.close()  # it holds the loop's frame
+
+    def _still_open(self) -> bool:
+        """Whether this epoch goes on (a loop closed while it does was left by a break, not
+        unwound by the epoch's end)."""
+        try:
+            self.check()
+        except Exception:
+            return False
+        return True
 
     def _probe(self) -> Probe:
         """The calibration's counters now (``runtime/policy.py``)."""

@@ -127,6 +127,29 @@ def test_an_action_whose_step_never_came_is_named_with_where_the_job_ended(tmp_p
     ]
 
 
+def test_a_loop_left_by_a_break_is_named_also_once_the_jobs_folder_is_gone(tmp_path) -> None:
+    """Early stopping: the ranks left their loop after step 14 of 200 (``ChaosHooks.left``).
+    The launcher removes the job's folder before it asks which actions never fired: what the
+    ranks wrote there is read when the monkey stops (before, a real run named the last
+    committed step, "got to step 13", never the end)."""
+    import shutil
+
+    from peerckpt.chaos.points import ChaosHooks
+
+    folder = tmp_path / "faults"
+    folder.mkdir()
+    job, target = FakeJob(), FakeTarget(str(folder))
+    monkey = ChaosMonkey(parse_chaos("kill rank=1 at=20"), job, target)  # type: ignore[arg-type]
+    monkey.start()
+    ChaosHooks(str(folder), 0, False).left(14, 200)
+    monkey.stop()
+    shutil.rmtree(folder)
+    assert monkey.unfired() == [
+        "chaos action 'kill rank=1 at=20' never fired: the job left its loop after step 14 "
+        "(a break), never reaching step 20"
+    ]
+
+
 def test_a_step_past_the_loop_is_refused_as_soon_as_the_loop_is_known(tmp_path) -> None:
     job, target = FakeJob(), FakeTarget(str(tmp_path))
     monkey = ChaosMonkey(parse_chaos("kill rank=1 at=500"), job, target)  # type: ignore[arg-type]
