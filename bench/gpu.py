@@ -277,6 +277,9 @@ def pull(mib: int = 1024, runs: int = 2) -> dict[str, Any]:
         holder.stdin.close()
         holder.wait(timeout=60)
     out["bytes"] = pull_holder.snapshot_bytes(mib)[2]
+    from peerckpt.replication.nccl import SOCKETS  # what the agents' links ran with
+
+    out["nccl_socket_env"] = {k: os.environ.get(k, v) for k, v in SOCKETS.items()}
     out["tcp_gbps"] = out["bytes"] / out["tcp_s"] / 1e9
     if out["nccl_carried_by"] != "nccl":
         out["nccl_gbps"] = out["ratio"] = None
