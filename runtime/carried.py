@@ -33,8 +33,10 @@ A random generator of the script's own that the loop draws from and does not mak
 NumPy's ``Generator`` or ``RandomState``, in a local or a module variable) changes in every step
 without the loop writing its name: its state is saved with each snapshot and set into the
 generator the code before the loop made again (before, a replacement drew the first steps'
-noise again and a survivor drew on: MISMATCH, nothing said). A generator reached only through
-an object (``self.generator``) is not looked for.
+noise again and a survivor drew on: MISMATCH, nothing said). So is one an object such a name
+holds keeps in its attributes, two levels down (a trainer's ``self.rng``, the
+``DataLoader(generator=g)`` of ``self.loader``), unless it lies inside a tracked object, whose
+own state holds it (a tracked loader's sampler's).
 
 An iterator of a tracked StatefulDataLoader that the loop carries (the distributed tutorial's
 epochs ported onto ``ctx.steps``: ``if step % per_epoch == 0: batches = iter(train_set)``, then
@@ -111,12 +113,15 @@ class Carry:
         self.module_names = module_names or set()
         # carried names the code before the loop left unbound (a restore leaves them so)
         self.unbound = names - set(_read(frame, names)) if names else set()
-        # random generators of the script's own that the loop draws from (``generator``,
-        # made before the loop): their states are carried (name → its module's or not)
+        # random generators of the script's own that the loop draws from, made before the
+        # loop: held by a name the loop reads (``generator``) or by an attribute of the
+        # object such a name holds (``self.rng``, ``loader.generator``); their states are
+        # carried (``name`` or ``name.attribute`` → whether the name is the module's)
         self.generators: dict[str, bool] = {}
         for module, names in ((False, read_locals or set()), (True, read_module or set())):
             values = _read_module(frame, names) if module else _read(frame, names)
-            self.generators.update({n: module for n, v in values.items() if _kind(v)})
+            for n, v in values.items():
+                self.generators.update({path: module for path in _generators_in(n, v)})
         # the module's numbers that its other functions write (``global``): named if the
         # loop changes them, since they are not carried (``drifted``)
         written = _written_by_functions(frame.f_globals, frame.f_code.co_filename)
@@ -170,14 +175,27 @@ class Carry:
         found = _read(self._frame, self.names)
         found.update(_read_module(self._frame, self.module_names))  # never a local's name too
         saved = {n: _saved_as(v, covered, tracked) for n, v in found.items()}
-        saved.update({n: _generator_state(v) for n, v in self._generators().items()})
+        saved.update({n: _generator_state(v) for n, v in self._generators(tracked).items()})
         return {n: v for n, v in saved.items() if v is not None}
 
-    def _generators(self) -> dict[str, Any]:
-        """The generators the loop draws from, as its names hold them now."""
+    def _generators(self, tracked: dict[str, Any]) -> dict[str, Any]:
+        """The generators the loop draws from, as its names hold them now, less those inside
+        a tracked object (a tracked loader's sampler's: its own state holds it)."""
         assert self._frame is not None
-        found = _read(self._frame, {n for n, module in self.generators.items() if not module})
-        found.update(_read_module(self._frame, {n for n, m in self.generators.items() if m}))
+        bases = {key.partition(".")[0]: module for key, module in self.generators.items()}
+        values = _read(self._frame, {n for n, module in bases.items() if not module})
+        values.update(_read_module(self._frame, {n for n, module in bases.items() if module}))
+        inside = {id(obj) for obj in tracked.values()}
+        found = {}
+        for key in self.generators:
+            name, *attributes = key.split(".")
+            value = values.get(name)
+            path = [value]
+            for attribute in attributes:
+                value = getattr(value, attribute, None)
+                path.append(value)
+            if _kind(value) is not None and not any(id(v) in inside for v in path):
+                found[key] = value
         return found
 
     def drifted(self) -> list[str]:
@@ -223,7 +241,7 @@ class Carry:
             return []
         states = {n: v for n, v in saved.items() if n in self.generators and _is_state(v)}
         put = []
-        for n, generator in self._generators().items():  # the ones the code before made
+        for n, generator in self._generators(tracked).items():  # the code before made them
             if n in states and _set_generator_state(generator, states[n]):
                 put.append(n)
         wanted = {n: v for n, v in saved.items() if n in self.names or n in self.module_names}
@@ -401,6 +419,41 @@ def _kind(value: object) -> str | None:
         if isinstance(value, numpy.random.RandomState):
             return "numpy-legacy"
     return None
+
+
+def _own_generator(value: object) -> bool:
+    """A generator of the script's own: not one of the process-wide ones a snapshot already
+    holds (torch's default, ``random``'s, NumPy's legacy one)."""
+    if _kind(value) is None:
+        return False
+    numpy = sys.modules.get("numpy")
+    shared = [torch.default_generator, getattr(random, "_inst", None)]
+    if numpy is not None:
+        shared.append(getattr(numpy.random.mtrand, "_rand", None))
+    return not any(value is g for g in shared)
+
+
+def _generators_in(name: str, value: object, depth: int = 2) -> list[str]:
+    """Paths (``name``, ``name.attribute``, ``name.attribute.attribute``) to the script's own
+    generators in ``value`` and in its attributes, ``depth`` levels down."""
+    if _own_generator(value):
+        return [name]
+    if depth == 0:
+        return []
+    return [
+        path
+        for attribute, held in _attributes(value)
+        for path in _generators_in(f"{name}.{attribute}", held, depth - 1)
+    ]
+
+
+def _attributes(value: object) -> list[tuple[str, Any]]:
+    """The attributes an object keeps in its ``__dict__`` (not a module's, a class's or a
+    function's)."""
+    if isinstance(value, (types.ModuleType, type, types.FunctionType, types.MethodType)):
+        return []
+    attributes = getattr(value, "__dict__", None)
+    return list(attributes.items()) if isinstance(attributes, dict) else []
 
 
 def _generator_state(generator: Any) -> dict[str, Any] | None:

@@ -13,6 +13,7 @@ import dis
 import itertools
 import random
 import sys
+import types
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -284,6 +285,41 @@ def test_a_generator_the_loop_draws_from_is_carried(kind: str) -> None:
     resumed = Steps(4, put=steps.saved[1], start=2)
     assert _draws(make(), resumed) == reference[2:]
     assert resumed.written == ["generator"]
+
+
+class _Trainer:
+    """A trainer class whose loader holds the generator (``DataLoader(generator=g)``) and
+    which draws noise from its own (``self.rng``) in the method the loop calls."""
+
+    def __init__(self) -> None:
+        self.rng = torch.Generator().manual_seed(3)
+        self.loader = types.SimpleNamespace(generator=torch.Generator().manual_seed(4))
+
+    def step(self) -> tuple[float, float]:
+        return (
+            torch.rand(1, generator=self.rng).item(),
+            torch.rand(1, generator=self.loader.generator).item(),
+        )
+
+
+def _trainer_loop(trainer: _Trainer, steps: Steps) -> list[tuple[float, float]]:
+    return [trainer.step() for _ in steps]
+
+
+def test_generators_held_by_the_objects_the_loop_uses_are_carried() -> None:
+    steps = Steps(4)
+    reference = _trainer_loop(_Trainer(), steps)
+    resumed = Steps(4, put=steps.saved[1], start=2)
+    assert _trainer_loop(_Trainer(), resumed) == reference[2:]
+    assert resumed.written == ["trainer.loader.generator", "trainer.rng"]
+
+
+def test_the_process_wide_generators_are_left_to_the_snapshots_rng_state() -> None:
+    steps = Steps(2)
+    generator = torch.default_generator
+    for _ in steps:
+        torch.rand(1, generator=generator)
+    assert steps.saved[0] == {}
 
 
 def test_a_generator_made_in_the_step_is_not_carried() -> None:
