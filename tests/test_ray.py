@@ -379,6 +379,7 @@ def test_the_launching_environment_reaches_the_ranks_on_every_ray_node(
         assert values["DISPLAY"] == os.environ.get("DISPLAY"), record  # the node's own
 
 
+@pytest.mark.slow  # make test: the removed-node Ray job; this one (17 s) in make test-all
 def test_a_ray_job_waits_for_every_host_to_finish_the_script_and_judges_it(
     tmp_path, ray_cluster
 ) -> None:

@@ -81,6 +81,7 @@ def test_a_rank_lost_without_spares_shrinks_four_ranks_to_three(tmp_path) -> Non
     _assert_ddp_restores_match(tmp_path, world=3, log=run.log)
 
 
+@pytest.mark.slow  # make test: tests/recovery/test_decide.py decides the same loss below --min-nodes
 def test_shrinking_below_min_nodes_fails_with_the_reason(tmp_path) -> None:
     run = run_job(
         tmp_path,
