@@ -28,6 +28,13 @@ function of the script writes are not carried: which of them the loop changes is
 once it has, and one that a setup function writes (a local rank) must not travel to another
 process; a number among them that changes during the loop is named once (``drifted``).
 
+A number in the attributes of the script's own objects that the loop uses, two levels down (a
+class-based trainer's ``self.global_step`` driving a warm-up, ``args.lr`` halved on a plateau;
+not a tracked object's, not torch's), travels with each snapshot beside the value the code
+before the loop made; a restore puts it back where the two differ, that is where the loop
+changed it. One the loop never changed (``self.local_rank``, set before the loop) is left as
+the restoring process made it, since it may belong to that process.
+
 A random generator of the script's own that the loop draws from and does not make (a
 ``torch.Generator`` seeded before the loop for a diffusion objective's noise, ``random.Random``,
 NumPy's ``Generator`` or ``RandomState``, in a local or a module variable) changes in every step
@@ -56,6 +63,7 @@ not looked at.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import dis
 import inspect
@@ -128,11 +136,22 @@ class Carry:
         self._watched = {
             n: v for n, v in _read_module(frame, written - self.module_names).items() if _number(v)
         }
+        # numbers in the attributes of the script's own objects that the loop uses (a
+        # trainer's ``self.global_step``, ``args.lr``), two levels down: carried where the
+        # loop changed them (path → (the object, the attribute, the value the code before
+        # the loop made))
+        own = _OwnTypes(frame)
+        self._attributes: dict[str, tuple[object, str, Any]] = {}
+        for module, names in ((False, read_locals or set()), (True, read_module or set())):
+            values = _read_module(frame, names) if module else _read(frame, names)
+            for n, v in values.items():
+                for path, owner, attribute, number in _numbers_in(n, v, own):
+                    self._attributes[path] = (owner, attribute, number)
 
     @property
     def carries(self) -> bool:
         """Whether the loop carries anything from one step into the next."""
-        return bool(self.names or self.module_names or self.generators)
+        return bool(self.names or self.module_names or self.generators or self._attributes)
 
     @classmethod
     def at_loop_start(
@@ -176,6 +195,11 @@ class Carry:
         found.update(_read_module(self._frame, self.module_names))  # never a local's name too
         saved = {n: _saved_as(v, covered, tracked) for n, v in found.items()}
         saved.update({n: _generator_state(v) for n, v in self._generators(tracked).items()})
+        inside = {id(obj) for obj in tracked.values()}
+        for path, (owner, attribute, made) in self._attributes.items():
+            now = getattr(owner, attribute, made)
+            if now != made and id(owner) not in inside and _number(now):  # the loop changed it
+                saved[path] = {ATTRIBUTE: [made, now]}
         return {n: v for n, v in saved.items() if v is not None}
 
     def _generators(self, tracked: dict[str, Any]) -> dict[str, Any]:
@@ -198,17 +222,20 @@ class Carry:
                 found[key] = value
         return found
 
-    def drifted(self) -> list[str]:
+    def drifted(self, tracked: dict[str, Any] | None = None) -> list[str]:
         """What a snapshot's audit says, once each, of the module's numbers that changed since
         the loop began and are written by the script's other functions, not by the loop: they
         are not carried, so after a restore they keep the value the process has."""
-        if self._frame is None or not self._watched:
+        if self._frame is None:
             return []
+        lines: list[str] = []
+        if not self._watched:
+            return lines
         now = _read_module(self._frame, set(self._watched))
         was = {n: self._watched.pop(n) for n in sorted(now) if now[n] != self._watched[n]}
         moved = [n for n in was if n not in _DRIFT_NAMED]  # once per process
         _DRIFT_NAMED.update(moved)
-        return [
+        return lines + [
             f"the module variable `{n}` changed during the loop ({_short(was[n])} → "
             f"{_short(now[n])}), written by a function the loop calls: peerckpt carries the "
             "module variables the loop's own body writes, not those of the functions it calls; "
@@ -244,6 +271,16 @@ class Carry:
         for n, generator in self._generators(tracked).items():  # the code before made them
             if n in states and _set_generator_state(generator, states[n]):
                 put.append(n)
+        for path, value in saved.items():
+            if not (isinstance(value, dict) and set(value) == {ATTRIBUTE}):
+                continue
+            made, now = value[ATTRIBUTE]
+            found = self._attributes.get(path)
+            # Only what the loop changed: what the code before it made (a rank, a device
+            # index) stays this process's own
+            if found is not None and made != now:
+                setattr(found[0], found[1], now)
+                put.append(path)
         wanted = {n: v for n, v in saved.items() if n in self.names or n in self.module_names}
         if not wanted:
             return sorted(put)
@@ -273,6 +310,7 @@ class Carry:
 
     def close(self) -> None:
         self._frame = None
+        self._attributes.clear()  # it holds the script's objects
 
 
 def _placed_like(saved: Any, now: Any) -> Any:
@@ -404,6 +442,7 @@ def _body(code: types.CodeType, for_iter: int) -> list[dis.Instruction]:
 
 
 GENERATOR = "__generator__"  # a carried generator's state: {GENERATOR: kind, "state": …}
+ATTRIBUTE = "__attribute__"  # a carried attribute: {ATTRIBUTE: [as made before the loop, now]}
 
 
 def _kind(value: object) -> str | None:
@@ -445,6 +484,44 @@ def _generators_in(name: str, value: object, depth: int = 2) -> list[str]:
         for attribute, held in _attributes(value)
         for path in _generators_in(f"{name}.{attribute}", held, depth - 1)
     ]
+
+
+class _OwnTypes:
+    """Whether an object is one of the script's own: of a class its module (or a module beside
+    it, not an installed package) defines, or a plain namespace (``argparse.Namespace``,
+    ``types.SimpleNamespace``). Torch's objects and the like keep counters of their own
+    (DDP's, a scheduler's) that a snapshot holds or that do not matter."""
+
+    def __init__(self, frame: types.FrameType) -> None:
+        self.module = frame.f_globals.get("__name__")
+        self.folder = os.path.dirname(os.path.abspath(frame.f_code.co_filename))
+
+    def __call__(self, value: object) -> bool:
+        kind = type(value)
+        if kind in (argparse.Namespace, types.SimpleNamespace):
+            return True
+        name = getattr(kind, "__module__", None)
+        if name in (self.module, "__main__"):
+            return True
+        module = sys.modules.get(name or "")
+        path = os.path.abspath(getattr(module, "__file__", None) or "/")
+        return os.path.dirname(path) == self.folder and "site-packages" not in path
+
+
+def _numbers_in(
+    name: str, value: object, own: _OwnTypes, depth: int = 2
+) -> list[tuple[str, object, str, Any]]:
+    """(path, object, attribute, number) for the numbers in the attributes of ``value`` and
+    of the script's own objects in them, ``depth`` levels down, where ``value`` is one."""
+    if depth == 0 or not own(value):
+        return []
+    found: list[tuple[str, object, str, Any]] = []
+    for attribute, held in _attributes(value):
+        if _number(held):
+            found.append((f"{name}.{attribute}", value, attribute, held))
+        else:
+            found += _numbers_in(f"{name}.{attribute}", held, own, depth - 1)
+    return found
 
 
 def _attributes(value: object) -> list[tuple[str, Any]]:

@@ -163,6 +163,8 @@ def _campaign(
     return report
 
 
+@pytest.mark.slow  # 50 s; make test: the campaign's spreading, rows and refusals above and below, and
+# the coordinator, agent and rank kill jobs of tests/test_chaos_jobs.py
 def test_a_campaign_of_six_faults_fits_a_40_step_script_and_ends_bit_exact(tmp_path) -> None:
     """No --every: the six faults are spread over the script's 40 steps (the issue's case,
     where they were scheduled at steps 5…55 and the last two never fired)."""

@@ -330,6 +330,7 @@ def test_a_chaos_campaign_on_ray_ends_bit_exact(tmp_path, ray_cluster) -> None:
     assert report["steps_compared"] >= 4 * 30
 
 
+@pytest.mark.slow  # make test: tests/launch/test_raydriver.py (the environment sent to each node)
 def test_the_launching_environment_reaches_the_ranks_on_every_ray_node(
     tmp_path, ray_cluster
 ) -> None:

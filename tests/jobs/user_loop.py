@@ -27,6 +27,8 @@ Patterns (each a habit of ordinary training scripts; ``all`` is every one at onc
   warming the loss up over the first 12 micro-batches, as older scripts keep ``global_step``;
 - ``own-generator``: noise drawn from the script's own ``torch.Generator``, made before the
   loop (as diffusion-style objectives draw theirs);
+- ``attribute-counter``: a step counter kept in an object's attribute (``state.seen += 1``, a
+  class-based trainer's ``self.global_step``), scaling the loss as a warm-up;
 - ``prefetch`` (never in ``all``: with ``stateful-loader`` it is not exact after a restore):
   nanoGPT's batch fetched ahead, before the loop and again at the end of each step for the
   next one (the runtime saves and puts back the carried batch; from a loader, the code before
@@ -52,6 +54,7 @@ import json
 import os
 import random
 import time
+import types
 from contextlib import nullcontext
 
 import numpy as np
@@ -82,6 +85,7 @@ PATTERNS = (
     "prefetch",
     "module-counter",
     "own-generator",
+    "attribute-counter",
 )
 EXACT = PATTERNS  # each recovers bit for bit on its own
 BATCH = 8
@@ -302,6 +306,7 @@ def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
 
     micro_batches = 2 if "accumulation" in use else 1
     noise = torch.Generator().manual_seed(17 + ctx.rank) if "own-generator" in use else None
+    state = types.SimpleNamespace(seen=0, rank=ctx.rank)  # "attribute-counter"
     steps = range(args.steps) if args.loop == "range" else ctx.steps(args.steps)
     ahead = next_batch(0, 0) if "prefetch" in use else None
     with open(os.path.join(args.out, f"rank{ctx.rank}.jsonl"), "a") as log:
@@ -320,6 +325,9 @@ def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
                     if "module-counter" in use:  # a warm-up on the module's counter
                         seen_steps += 1
                         loss = loss * min(1.0, seen_steps / 12)
+                    if "attribute-counter" in use:  # the same on an object's attribute
+                        state.seen += 1
+                        loss = loss * min(1.0, state.seen / 16)
                     (scaler.scale(loss) if scaler else loss).backward()
                 if stats is not None:
                     stats.update(logits, len(x))

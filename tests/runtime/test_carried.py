@@ -322,6 +322,46 @@ def test_the_process_wide_generators_are_left_to_the_snapshots_rng_state() -> No
     assert steps.saved[0] == {}
 
 
+class _Counting:
+    """A trainer counting its steps in an attribute, as class-based trainers do."""
+
+    def __init__(self, rank: int) -> None:
+        self.global_step = 0
+        self.rank = rank  # set before the loop, never changed by it
+
+    def step(self) -> int:
+        self.global_step += 1
+        return self.global_step
+
+
+def _counting_loop(trainer: _Counting, args: Any, steps: Steps) -> list[tuple[int, float]]:
+    seen = []
+    for step in steps:
+        seen.append((trainer.step(), args.lr))
+        if step == 1:
+            args.lr = args.lr / 2
+    return seen
+
+
+def test_numbers_the_loop_changes_in_its_objects_attributes_are_carried() -> None:
+    import argparse
+
+    steps = Steps(4)
+    optim = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(optim, 1)  # torch's own counters: not carried
+    reference = _counting_loop(_Counting(rank=3), argparse.Namespace(lr=0.1), steps)
+    assert reference == [(1, 0.1), (2, 0.1), (3, 0.05), (4, 0.05)]
+    assert not any(key.startswith("sched") for key in steps.saved[1])
+    del sched
+    # A replacement (another rank number) resumes at step 2 with fresh objects: the counter
+    # and the halved lr come back; the rank it set before the loop stays its own.
+    trainer = _Counting(rank=5)
+    resumed = Steps(4, put=steps.saved[1], start=2)
+    assert _counting_loop(trainer, argparse.Namespace(lr=0.1), resumed) == reference[2:]
+    assert resumed.written == ["args.lr", "trainer.global_step"]
+    assert trainer.rank == 5
+
+
 def test_a_generator_made_in_the_step_is_not_carried() -> None:
     steps = Steps(2)
     for step in steps:
