@@ -10,7 +10,8 @@ handler, once per process, that in every child forked from the rank's main threa
   once if the rank died between the fork and that call;
 - closes the child's copy of the control socket (the child never speaks to the agent);
 - waits first until no finished collective's callback is still held by the thread that ran
-  it (``_before_fork`` says why: a child forked meanwhile could hang in ``os.fork()``);
+  it (``_before_fork`` says why: a child forked meanwhile can hang in ``os.fork()``, which
+  still happens from another cause, not found yet);
 - freezes the garbage collector's view of what it inherited (``gc.freeze``), so that the
   child never collects the rank's garbage. After a membership change the previous epoch's
   objects (the function's frames, held in a cycle by the exception that ended them, its DDP,
@@ -79,7 +80,8 @@ def _before_fork() -> None:
         # _PyEval_ReInitThreads → _PyThreadState_DeleteExcept), and a DataLoader waited for
         # that worker forever (a rank whose function re-iterated its loader right after an
         # all_reduce: 2 runs in about 20). So a fork first waits, briefly, for the callbacks
-        # of finished collectives to be let go (``InFlight.quiesce``).
+        # of finished collectives to be let go (``InFlight.quiesce``). That closes this
+        # window only: the hang still came in 1 run of 15 after it (docs/failure-model.md).
         in_flight.IN_FLIGHT.quiesce(FORK_QUIESCE_S)
     with _gc_lock:  # threads may fork at once: the collector's state is saved by the first
         if _gc_depth == 0:
