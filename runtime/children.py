@@ -72,16 +72,17 @@ def _before_fork() -> None:
     global _gc_depth, _gc_was_enabled
     in_flight = sys.modules.get("peerckpt.runtime.inflight")  # never imported: no collective
     if in_flight is not None:
-        # A collective's completion runs its Python callback in one of gloo's threads, which
-        # makes itself a Python thread state for it, and again to let go of it, taking the
-        # interpreter's thread-state lock without the GIL. A fork at that moment leaves the
-        # lock held in the child, and CPython 3.11 takes it in the child before it resets it:
-        # the child hangs in os.fork() itself (gdb: PyOS_AfterFork_Child →
-        # _PyEval_ReInitThreads → _PyThreadState_DeleteExcept), and a DataLoader waited for
-        # that worker forever (a rank whose function re-iterated its loader right after an
-        # all_reduce: 2 runs in about 20). So a fork first waits, briefly, for the callbacks
-        # of finished collectives to be let go (``InFlight.quiesce``). That closes this
-        # window only: the hang still came in 1 run of 15 after it (docs/failure-model.md).
+        # A DataLoader worker forked while another thread held the interpreter's thread-state
+        # lock hangs in os.fork() itself: CPython 3.11 takes that lock in the child before
+        # it resets it (gdb: PyOS_AfterFork_Child → _PyEval_ReInitThreads →
+        # _PyThreadState_DeleteExcept), and the DataLoader waited for that worker forever (a
+        # rank whose function re-iterated its loader right after an all_reduce: 2 runs in
+        # about 20). A thread that makes itself a Python thread state takes that lock without
+        # the GIL; one of gloo's threads running or letting go of a collective's Python
+        # callback might, so a fork first waits, briefly, for the callbacks of finished
+        # collectives to be let go (``InFlight.quiesce``). That was a guess: the hang still
+        # came in 1 run of 15 after it, and gdb saw no thread state made in a rank during 8 s
+        # of training. Which thread holds the lock is not known (docs/failure-model.md).
         in_flight.IN_FLIGHT.quiesce(FORK_QUIESCE_S)
     with _gc_lock:  # threads may fork at once: the collector's state is saved by the first
         if _gc_depth == 0:
