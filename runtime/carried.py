@@ -126,27 +126,24 @@ class Carry:
         # object such a name holds (``self.rng``, ``loader.generator``); their states are
         # carried (``name`` or ``name.attribute`` → whether the name is the module's)
         self.generators: dict[str, bool] = {}
+        # numbers in the attributes of the script's own objects that the loop uses (a
+        # trainer's ``self.global_step``, ``args.lr``), two levels down: carried where the
+        # loop changed them (path → (the object, the attribute, the value the code before
+        # the loop made))
+        self._attributes: dict[str, tuple[object, str, Any]] = {}
+        own = _OwnTypes(frame)
         for module, names in ((False, read_locals or set()), (True, read_module or set())):
             values = _read_module(frame, names) if module else _read(frame, names)
             for n, v in values.items():
                 self.generators.update({path: module for path in _generators_in(n, v)})
+                for path, owner, attribute, number in _numbers_in(n, v, own):
+                    self._attributes[path] = (owner, attribute, number)
         # the module's numbers that its other functions write (``global``): named if the
         # loop changes them, since they are not carried (``drifted``)
         written = _written_by_functions(frame.f_globals, frame.f_code.co_filename)
         self._watched = {
             n: v for n, v in _read_module(frame, written - self.module_names).items() if _number(v)
         }
-        # numbers in the attributes of the script's own objects that the loop uses (a
-        # trainer's ``self.global_step``, ``args.lr``), two levels down: carried where the
-        # loop changed them (path → (the object, the attribute, the value the code before
-        # the loop made))
-        own = _OwnTypes(frame)
-        self._attributes: dict[str, tuple[object, str, Any]] = {}
-        for module, names in ((False, read_locals or set()), (True, read_module or set())):
-            values = _read_module(frame, names) if module else _read(frame, names)
-            for n, v in values.items():
-                for path, owner, attribute, number in _numbers_in(n, v, own):
-                    self._attributes[path] = (owner, attribute, number)
 
     @property
     def carries(self) -> bool:
@@ -168,12 +165,13 @@ class Carry:
         if frame is None or not frame.f_code.co_flags & inspect.CO_OPTIMIZED:
             return None  # a module's or class's namespace: not a loop's locals
         head = _loop_head(frame)
+        body = _body(frame.f_code, head)  # disassembled once for the four passes
         return cls(
             frame,
-            carried_names(frame.f_code, head),
-            carried_names(frame.f_code, head, module=True),
-            read_names(frame.f_code, head),
-            read_names(frame.f_code, head, module=True),
+            _live_names(body, head),
+            _live_names(body, head, module=True),
+            _read_only(body),
+            _read_only(body, module=True),
         )
 
     def loader_iterators(self) -> list[tuple[str, Any]]:
@@ -222,20 +220,17 @@ class Carry:
                 found[key] = value
         return found
 
-    def drifted(self, tracked: dict[str, Any] | None = None) -> list[str]:
+    def drifted(self) -> list[str]:
         """What a snapshot's audit says, once each, of the module's numbers that changed since
         the loop began and are written by the script's other functions, not by the loop: they
         are not carried, so after a restore they keep the value the process has."""
-        if self._frame is None:
+        if self._frame is None or not self._watched:
             return []
-        lines: list[str] = []
-        if not self._watched:
-            return lines
         now = _read_module(self._frame, set(self._watched))
         was = {n: self._watched.pop(n) for n in sorted(now) if now[n] != self._watched[n]}
         moved = [n for n in was if n not in _DRIFT_NAMED]  # once per process
         _DRIFT_NAMED.update(moved)
-        return lines + [
+        return [
             f"the module variable `{n}` changed during the loop ({_short(was[n])} → "
             f"{_short(now[n])}), written by a function the loop calls: peerckpt carries the "
             "module variables the loop's own body writes, not those of the functions it calls; "
@@ -381,18 +376,19 @@ def carried_names(code: types.CodeType, for_iter: int, module: bool = False) -> 
     one branch makes afresh and the others carry counts), from the bytecode alone. Empty when
     ``for_iter`` is not a ``FOR_ITER``. Exception handlers are not followed. ``module``: the
     module's variables the body writes (declared ``global``) instead of its locals."""
-    instructions = list(dis.get_instructions(code))
-    head = next((i for i in instructions if i.offset == for_iter), None)
-    if head is None or head.opname != "FOR_ITER" or not isinstance(head.argval, int):
-        return set()
-    body = [i for i in instructions if head.offset < i.offset < head.argval]
+    return _live_names(_body(code, for_iter), for_iter, module)
+
+
+def _live_names(body: list[dis.Instruction], for_iter: int, module: bool = False) -> set[str]:
+    """``carried_names`` of the loop ``body`` (``_body``) whose ``FOR_ITER`` is at
+    ``for_iter``."""
     if not body:
         return set()
     at = {ins.offset: k for k, ins in enumerate(body)}
     entry = 0  # the next iteration begins where the body does (the back edge's FOR_ITER)
 
     def index(offset: object) -> int | None:
-        if offset == head.offset:
+        if offset == for_iter:
             return entry
         return at.get(offset) if isinstance(offset, int) else None
 
@@ -425,15 +421,16 @@ def carried_names(code: types.CodeType, for_iter: int, module: bool = False) -> 
     return live[entry] & stored
 
 
-def read_names(code: types.CodeType, for_iter: int, module: bool = False) -> set[str]:
-    """Names the body of the ``for`` loop at offset ``for_iter`` reads and never writes (what
-    it uses from the code before it: a generator it draws from); ``module``: the module's."""
-    body = _body(code, for_iter)
+def _read_only(body: list[dis.Instruction], module: bool = False) -> set[str]:
+    """Names the loop ``body`` reads and never writes (what it uses from the code before it:
+    a generator it draws from); ``module``: the module's variables instead of its locals."""
     accesses = [a for ins in body for a in _accesses(ins, module)]
     return {n for n, a in accesses if a == "load"} - {n for n, a in accesses if a == "store"}
 
 
 def _body(code: types.CodeType, for_iter: int) -> list[dis.Instruction]:
+    """The instructions of the ``for`` loop's body whose ``FOR_ITER`` is at ``for_iter`` (none
+    where there is no ``FOR_ITER``)."""
     instructions = list(dis.get_instructions(code))
     head = next((i for i in instructions if i.offset == for_iter), None)
     if head is None or head.opname != "FOR_ITER" or not isinstance(head.argval, int):

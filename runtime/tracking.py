@@ -393,7 +393,7 @@ class EpochTracking:
                         captured.twins = twins.declared_keys(self.tracked, watch.ddp.found())
                     self.live.captured(a.rank, a.world_size, step, captured)
                     self.engine.take(step, captured)
-                    drift = carry.drifted(self.tracked) if carry is not None else []
+                    drift = carry.drifted() if carry is not None else []
                     for text in drift:
                         log.warning("%s%s", PREFIX, text)
                     if drift:  # the job's report says so too
