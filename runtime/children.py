@@ -9,9 +9,6 @@ handler, once per process, that in every child forked from the rank's main threa
 - asks the kernel to SIGKILL the child when the rank dies (``PR_SET_PDEATHSIG``), and exits at
   once if the rank died between the fork and that call;
 - closes the child's copy of the control socket (the child never speaks to the agent);
-- waits first until no finished collective's callback is still held by the thread that ran
-  it (``_before_fork`` says why: a child forked meanwhile can hang in ``os.fork()``, which
-  still happens from another cause, not found yet);
 - freezes the garbage collector's view of what it inherited (``gc.freeze``), so that the
   child never collects the rank's garbage. After a membership change the previous epoch's
   objects (the function's frames, held in a cycle by the exception that ended them, its DDP,
@@ -51,7 +48,6 @@ _gc_lock = threading.Lock()
 _gc_depth = 0  # forks under way (threads may fork at once)
 _gc_was_enabled = False  # the collector's state before the first of them
 _prctl: Any = None  # libc's prctl, looked up before any fork
-FORK_QUIESCE_S = 2.0  # at most, waiting for collectives' callbacks before a fork
 
 
 def install(control: socket.socket) -> None:
@@ -70,20 +66,9 @@ def install(control: socket.socket) -> None:
 
 def _before_fork() -> None:
     global _gc_depth, _gc_was_enabled
-    in_flight = sys.modules.get("peerckpt.runtime.inflight")  # never imported: no collective
-    if in_flight is not None:
-        # A DataLoader worker forked while another thread held the interpreter's thread-state
-        # lock hangs in os.fork() itself: CPython 3.11 takes that lock in the child before
-        # it resets it (gdb: PyOS_AfterFork_Child → _PyEval_ReInitThreads →
-        # _PyThreadState_DeleteExcept), and the DataLoader waited for that worker forever (a
-        # rank whose function re-iterated its loader right after an all_reduce: 2 runs in
-        # about 20). A thread that makes itself a Python thread state takes that lock without
-        # the GIL; one of gloo's threads running or letting go of a collective's Python
-        # callback might, so a fork first waits, briefly, for the callbacks of finished
-        # collectives to be let go (``InFlight.quiesce``). That was a guess: the hang still
-        # came in 1 run of 15 after it, and gdb saw no thread state made in a rank during 8 s
-        # of training. Which thread holds the lock is not known (docs/failure-model.md).
-        in_flight.IN_FLIGHT.quiesce(FORK_QUIESCE_S)
+    # A child forked while another thread made a Python thread state hung in os.fork()
+    # itself (CPython 3.11): the collectives' callbacks no longer make one at each call
+    # (``runtime/inflight.py``, ``_keep_thread_state``), so nothing is waited for here.
     with _gc_lock:  # threads may fork at once: the collector's state is saved by the first
         if _gc_depth == 0:
             _gc_was_enabled = gc.isenabled()

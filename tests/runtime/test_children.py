@@ -120,23 +120,3 @@ def test_a_worker_forked_after_a_membership_change_never_collects_the_ranks_proc
     assert "exited 0" in with_, out
     assert "own garbage collected" in with_  # what the child makes is collected as usual
     assert "gc enabled True" in with_ and "parent gc enabled True" in with_  # on, both sides
-
-
-def test_a_fork_waits_until_a_finished_collectives_callback_is_let_go() -> None:
-    """Seen: a DataLoader worker forked right after an all_reduce hung inside os.fork() (gdb:
-    PyOS_AfterFork_Child → _PyThreadState_DeleteExcept, waiting for the interpreter's
-    thread-state lock, which gloo's thread held, making a thread state to let go of the
-    collective's callback, at the moment of the fork). The fork now waits for that."""
-    from peerckpt.runtime import children
-    from peerckpt.runtime.inflight import IN_FLIGHT
-    from tests.runtime.test_inflight import _HeldCallback
-
-    work = _HeldCallback(hold_s=0.5)
-    waited = IN_FLIGHT.issue(lambda: work, lambda value: value[0])  # type: ignore[arg-type,return-value]
-    work.complete()
-    waited.wait()
-    children._before_fork()
-    try:
-        assert work.finished.is_set()  # the callback was let go before the fork went on
-    finally:
-        children._in_parent()
