@@ -51,6 +51,9 @@ class JobSpec:
     replicas: int | None = None
     chaos: str = ""
     heartbeat_timeout: float = 5.0
+    # A rank whose step has not moved for this long, in no collective and using no CPU, is
+    # fenced and recovered (None: such a rank is only named; replication/stall.py)
+    stall_timeout: float | None = None
     start_timeout: float = 300.0
     min_nodes: int | None = None
     # A rank process lost on a live node, with no spare free: restarted there, from its

@@ -115,6 +115,14 @@ def check_spec(spec: JobSpec, nodes_flag: str = "--nodes") -> None:
         f"a rank's heartbeat comes every {HEARTBEAT_S:g} s, and a shorter timeout declares "
         "healthy processes lost; the default is 5",
     )
+    if spec.stall_timeout is not None:
+        _seconds(
+            "--stall-timeout",
+            spec.stall_timeout,
+            1.0,
+            "how long a rank's step may stay still, in no collective and using no CPU, before "
+            "it is fenced; leave it out to only name such a rank",
+        )
     _seconds("start_timeout", spec.start_timeout, 0.0, "how long the ranks get to connect")
     if spec.placement not in STRATEGY_NAMES:
         raise ConfigurationError(

@@ -54,6 +54,7 @@ def _run(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         chaos=args.chaos or "",
         heartbeat_timeout=args.heartbeat_timeout,
+        stall_timeout=args.stall_timeout,
         report=args.report,
         job=args.job,
         min_nodes=args.min_nodes,
@@ -586,6 +587,16 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=5.0,
         help="seconds without a heartbeat before a node is declared lost (≥ 0.5)",
+    )
+    run.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="fence and recover a rank whose step has not moved for this long while it waits "
+        "in no collective and uses no CPU (a DataLoader that never delivers, a hung read); "
+        "default: such a rank is named with its stacks after 120 s (or 30 usual steps), "
+        "not fenced",
     )
     run.add_argument(
         "--placement",

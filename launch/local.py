@@ -173,6 +173,7 @@ class LocalLauncher(Launcher):
             self.job,
             spec.world,
             heartbeat_timeout=spec.heartbeat_timeout,
+            stall_timeout=spec.stall_timeout,
             replicas=spec.replicas,
             min_nodes=spec.min_nodes,
             max_restarts=spec.max_restarts,

@@ -147,6 +147,7 @@ class HostSupervisor:
             restart_based=True,
             # how long a silent host is given before it is declared lost
             heartbeat_timeout=os.environ.get("PEERCKPT_HEARTBEAT_TIMEOUT") or None,
+            stall_timeout=os.environ.get("PEERCKPT_STALL_TIMEOUT") or None,
             min_nodes=min_nodes_of(self.args.launcher_pid),
         )
         self.coordinator = self.procs.spawn(argv, self.procs.env(), ready=True)

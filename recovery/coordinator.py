@@ -135,6 +135,7 @@ class Coordinator:
         restart_based: bool = False,
         moved_from: str | None = None,
         max_restarts: int = 0,
+        stall_timeout: float | None = None,
     ) -> None:
         """``max_restarts``: how many times a rank lost on a live node may be restarted in
         place over the job (``peerckpt run --max-restarts``); 0, the default here, for a
@@ -150,6 +151,7 @@ class Coordinator:
             placement or RingPlacement(),
             restart_based,
             max_restarts,
+            stall_timeout,
         )
         self.registry = Registry()
         self.life = JobLife(self.registry)
@@ -204,7 +206,10 @@ class Coordinator:
                 self.rebuild_back.add(msg.node)
                 rebuild.adopt(self, msg.node, msg.rejoin)
             return AgentConfig(
-                s.replicas, s.heartbeat_timeout, record_digests=self._digests_file is not None
+                s.replicas,
+                s.heartbeat_timeout,
+                record_digests=self._digests_file is not None,
+                stall_timeout=s.stall_timeout,
             )
 
     async def watch(self, msg: Watch, context: Any) -> AsyncIterator[bytes]:

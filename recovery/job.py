@@ -32,6 +32,7 @@ class Settings:
     placement: Placement
     restart_based: bool = False  # torchrun: every worker restarts after any failure
     max_restarts: int = 0  # restarts in place per rank over the job (0: its launcher starts none)
+    stall_timeout: float | None = None  # a rank stuck outside collectives this long is fenced
     # Rank 0's tracked objects that cannot follow a change of world size (its
     # ``Unreshardable`` report): while there are any, the world neither shrinks nor grows.
     unreshardable: tuple[str, ...] = ()

@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--replicas", type=int, default=None)
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    parser.add_argument(
+        "--stall-timeout", type=float, default=None, help="fence a rank stuck this long"
+    )
     parser.add_argument("--min-nodes", type=int, default=None)
     parser.add_argument("--spares", type=int, default=0, help="spares the launcher starts")
     parser.add_argument("--placement", default="ring")
@@ -89,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         restart_based=args.restart_based,
         moved_from=args.moved_from,
         max_restarts=args.max_restarts,
+        stall_timeout=args.stall_timeout,
     )
     unary, streams = coordinator.handlers()
     server = RpcServer(

@@ -26,6 +26,7 @@ table of what an agent answers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -86,7 +87,7 @@ from peerckpt.names import RUN_ENV
 from peerckpt.pidwatch import ProcessWatch
 from peerckpt.replication import nccl
 from peerckpt.replication.arena import Arena
-from peerckpt.replication.busy import BusyWatch
+from peerckpt.replication.busy import BusyWatch, cpu_seconds
 from peerckpt.replication.control import ControlServer, ProcLink
 from peerckpt.replication.coordlink import CoordinatorLink
 from peerckpt.replication.dedup import twin_digest
@@ -94,6 +95,7 @@ from peerckpt.replication.devicepull import DevicePulls
 from peerckpt.replication.mirroring import Mirroring
 from peerckpt.replication.recovering import Preparer
 from peerckpt.replication.spares import SpareSlots
+from peerckpt.replication.stall import STACK_SIGNAL, StallWatch
 from peerckpt.replication.stats import node_stats
 from peerckpt.replication.store import SlotStore
 from peerckpt.replication.transfer import DataServer
@@ -249,6 +251,7 @@ class Agent:
         self.mirroring.record_digests = config.record_digests
         self.heartbeat_interval = max(0.05, min(0.5, self.heartbeat_timeout / 5))
         self._busy = BusyWatch()  # silent processes that compute are not hung
+        self._stalls = StallWatch(cpu_seconds, fence_after_s=config.stall_timeout)
         for target, name in ((self._watch, "watch"), (self._heartbeat, "heartbeat")):
             thread = threading.Thread(target=target, name=f"peerckpt-agent-{name}", daemon=True)
             thread.start()
@@ -386,6 +389,7 @@ class Agent:
         last_beat = 0.0
         while not self.stopping.wait(self.heartbeat_interval):
             self._fence_silent()
+            self._watch_stalls()
             if self.net is not None and self.net.partitioned():
                 continue  # cut off: the coordinator hears nothing from this node
             now = time.monotonic()
@@ -431,6 +435,38 @@ class Agent:
             log.warning("%s", reason)
             self.control.fence(link, f"declared lost by node {self.node}'s agent: {reason}")
             self.coordinator.report(ProcLost(self.node, link.pid, reason))
+
+    def _watch_stalls(self) -> None:
+        """Name each local rank whose step has not moved for long, with its stacks; fence
+        those stuck past ``--stall-timeout`` (``replication/stall.py``)."""
+        if self._ending.is_set():
+            return
+        now = time.monotonic()
+        links = {link.pid: link for link in self.control.links() if link.fenced is None}
+        self._stalls.observe(now, ((p, lk.beat.rank, lk.beat.step) for p, lk in links.items()))
+        found = self._stalls.due(now, lambda pid: links[pid].beat.waiting)
+        if not found:
+            return
+        log.warning(
+            "no step for a while on node %d: %s. Each one's Python stacks follow in its output",
+            self.node,
+            "; ".join(stalled.line() for stalled in found),
+        )
+        for stalled in found:
+            with contextlib.suppress(OSError):
+                os.kill(stalled.pid, STACK_SIGNAL)  # the rank's faulthandler writes its stacks
+        for stalled in found:
+            if not stalled.fence:
+                continue
+            reason = (
+                f"{stalled.line()}; stuck past --stall-timeout "
+                f"{self._stalls.fence_after_s:g} s: it is fenced"
+            )
+            log.warning("%s", reason)
+            self.control.fence(
+                links[stalled.pid], f"declared lost by node {self.node}'s agent: {reason}"
+            )
+            self.coordinator.report(ProcLost(self.node, stalled.pid, reason))
 
     def _on_shutdown(self, event: Shutdown) -> None:
         log.info("job ends (%s); stopping local processes", event.state.value)

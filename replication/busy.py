@@ -35,7 +35,7 @@ AGAIN_S = 60.0  # a silent process that computes is named again after this much 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
 
-def _cpu_seconds(pid: int) -> float | None:
+def cpu_seconds(pid: int) -> float | None:
     """The CPU time of the process's main thread (the one that runs the script: its other
     threads, gloo's or the runtime's, may use CPU while it is blocked), or None if it is
     stopped or gone."""
@@ -76,7 +76,7 @@ class BusyWatch:
                 self._named.pop(pid, None)
                 self._verdicts.pop(pid, None)
         for pid in silent - set(self._marks):
-            cpu = _cpu_seconds(pid)
+            cpu = cpu_seconds(pid)
             if cpu is not None:
                 self._marks[pid] = (cpu, time.monotonic())
 
@@ -92,7 +92,7 @@ class BusyWatch:
         now = time.monotonic()
         if now - mark[1] < window and pid in self._verdicts:
             return self._verdicts[pid]  # the first verdict is over whatever time has passed
-        cpu = _cpu_seconds(pid)
+        cpu = cpu_seconds(pid)
         share = None if cpu is None else (cpu - mark[0]) / (now - mark[1])
         verdict = share if share is not None and share >= BUSY_SHARE else None
         if cpu is not None:

@@ -25,6 +25,7 @@ import gc
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -58,6 +59,7 @@ from peerckpt.messages.local import (
     Restarting,
     Staging,
 )
+from peerckpt.replication.stall import STACK_SIGNAL
 from peerckpt.runtime import capture, userpg
 from peerckpt.runtime.abort import AbortWatchdog, exit_code, exit_if_still_inside
 from peerckpt.runtime.channel import AgentChannel
@@ -94,6 +96,7 @@ class RankRuntime:
             # before the process dies: the launcher names the signal, this says where.
             faulthandler.enable(all_threads=True)
         self._unwound = -1  # the last epoch whose function this process has left
+        self._in_function = False  # the script's function runs (in its current epoch)
         self.env = env
         self.state = RankState.WAITING if env.role is ProcRole.RANK else RankState.SPARE
         self._cond = threading.Condition()
@@ -130,6 +133,7 @@ class RankRuntime:
         hello = ProcHello(
             env.role, os.getpid(), env.rank, config.replicas, config.persist_msg(), config.erasure
         )
+        _stacks_on_signal()  # before the first heartbeat: the agent may ask from then on
         self.channel = AgentChannel(
             env.agent_socket, env.secret, env.job, hello, self._on_event, self._beat
         )
@@ -290,7 +294,11 @@ class RankRuntime:
                 try:
                     self._join(assignment)
                     assert self.tracking is not None
-                    result = fn(Context(self.tracking), *args, **kwargs)
+                    self._in_function = True  # its loop's step is live (heartbeats carry it)
+                    try:
+                        result = fn(Context(self.tracking), *args, **kwargs)
+                    finally:
+                        self._in_function = False
                     self._finish()
                 except BaseException as exc:
                     self._restart_on_comm_error(exc)
@@ -541,9 +549,16 @@ class RankRuntime:
     def _beat(self) -> Beat:
         """A heartbeat, with the live step when the loop runs one."""
         tracking = self.tracking
-        if tracking is None or tracking.step is None:
-            return Beat()
-        return Beat(tracking.assignment.rank, tracking.step, tracking.total)
+        if (
+            tracking is None
+            or tracking.step is None
+            or not self._in_function
+            or self.state is not RankState.RUNNING
+        ):
+            return Beat()  # not in its loop: an epoch that ended has no live step
+        in_flight = sys.modules.get("peerckpt.runtime.inflight")  # no collective without it
+        waiting = in_flight is not None and in_flight.IN_FLIGHT.open() > 0
+        return Beat(tracking.assignment.rank, tracking.step, tracking.total, waiting)
 
     # -- what Context and the epoch's tracking call -----------------------------------------
     @property
@@ -638,6 +653,14 @@ def _short(exc: BaseException) -> str:
     if line != text.rstrip(": "):  # a trace or a wrapper was left out
         log.debug("%s, in full: %s", line, text)
     return line if len(line) < 160 else line[:157] + "..."
+
+
+def _stacks_on_signal() -> None:
+    """Write every thread's Python stack to stderr on ``STACK_SIGNAL``: the agent sends it
+    when this rank's step stops moving (``replication/stall.py``). faulthandler's C handler
+    writes it while the training thread is stuck, even inside a C call holding the GIL."""
+    with contextlib.suppress(ValueError, OSError, AttributeError, RuntimeError):
+        faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
 
 
 def _destroy_at_exit() -> None:

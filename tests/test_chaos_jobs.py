@@ -61,6 +61,27 @@ def test_a_rank_that_holds_the_gil_computing_is_not_declared_hung(tmp_path, refe
     assert_same_digests(run, reference_run)
 
 
+def test_a_rank_stuck_outside_collectives_is_named_and_fenced_past_the_stall_timeout(
+    tmp_path, reference_run
+) -> None:
+    # Rank 1 stops in its step 5, in no collective and using no CPU (as behind a DataLoader
+    # that never delivers); its heartbeats go on, so nothing found it and the job waited for
+    # the process group's timeout (30 min). With --stall-timeout its agent names it with its
+    # stack and fences it; the ranks waiting for it in the all-reduce are left alone.
+    run = run_job(
+        tmp_path,
+        script_args=["--steps", "30", "--stuck-rank", "1", "--stuck-at", "5"],
+        extra=["--stall-timeout", "4"],
+    )
+    event = _one_recovery(run, "rank")
+    assert event["ranks"] == [1], event
+    assert "stuck past --stall-timeout 4 s" in event["reason"], event
+    assert "in no collective and uses no CPU" in event["reason"], event
+    named = run.log.index("no step for a while on node 0")
+    assert "in run_steps" in run.log[named:]  # rank 1's Python stack, from its faulthandler
+    assert_same_digests(run, reference_run)
+
+
 @pytest.mark.slow  # make test: tests/launch/test_processes.py (a live process killed first)
 def test_a_hung_rank_with_no_spare_is_killed_and_restarted_in_place(tmp_path) -> None:
     """No spare: rank 2, stopped, is declared lost while alive. Its launcher SIGKILLs it

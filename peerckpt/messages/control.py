@@ -117,6 +117,7 @@ class AgentConfig(Message):
     heartbeat_timeout: float
     lost: bool = False
     record_digests: bool = False  # report every snapshot's tensor digests (``peerckpt chaos``)
+    stall_timeout: float | None = None  # fence a rank stuck this long (``replication/stall.py``)
 
 
 @message("RegisterAgent")

@@ -100,11 +100,13 @@ class Reply(ToRank):
 @dataclass(frozen=True)
 class Beat(ToAgent):
     """The process is alive (a few times a second); inside ``ctx.steps``, the rank it is,
-    the step it runs and the loop's total (the live step: chaos actions fire on it)."""
+    the step it runs and the loop's total (the live step: chaos actions fire on it), and
+    whether it waits in a collective peerckpt watches (``replication/stall.py``)."""
 
     rank: int | None = None
     step: int | None = None
     total: int | None = None
+    waiting: bool = False
 
 
 @message("snapshot")

@@ -34,6 +34,7 @@ BASE = JobSpec(script=SCRIPT, nodes=2, nproc_per_node=1)
         ({"min_nodes": 0}, r"--min-nodes 0: .*give --min-nodes 1 or more"),
         ({"heartbeat_timeout": 0}, r"--heartbeat-timeout 0: give at least 0.5 seconds"),
         ({"heartbeat_timeout": 0.3}, r"--heartbeat-timeout 0.3: give at least 0.5 seconds"),
+        ({"stall_timeout": 0.5}, r"--stall-timeout 0.5: give at least 1 seconds .*leave it out"),
         ({"heartbeat_timeout": float("nan")}, r"--heartbeat-timeout nan"),
         ({"heartbeat_timeout": float("inf")}, r"--heartbeat-timeout inf"),
         ({"start_timeout": -1.0}, r"start_timeout -1.0: give a positive"),
