@@ -66,6 +66,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dis
+import gc
 import inspect
 import json
 import os
@@ -131,7 +132,8 @@ class Carry:
         # loop changed them (path → (the object, the attribute, the value the code before
         # the loop made))
         self._attributes: dict[str, tuple[object, str, Any]] = {}
-        own = _OwnTypes(frame)
+        own = self._own = _OwnTypes(frame)
+        self._read_module = read_module or set()
         for module, names in ((False, read_locals or set()), (True, read_module or set())):
             values = _read_module(frame, names) if module else _read(frame, names)
             for n, v in values.items():
@@ -175,12 +177,23 @@ class Carry:
         )
 
     def loader_iterators(self) -> list[tuple[str, Any]]:
-        """(name, iterator) of the loop's variables that hold an iterator of a plain torch
-        DataLoader (not torchdata's StatefulDataLoader, which keeps its position)."""
+        """(path, iterator) for each iterator of a plain torch DataLoader (not torchdata's
+        StatefulDataLoader, which keeps its position) that the loop's variables hold: as
+        their value, inside a generator they hold (``cycle(loader)``, lucidrains' trainers),
+        or in an attribute of the script's own objects two levels down (``self.train_iter``,
+        ``self.dl = cycle(dl)``). Each iterator once, under the first path found."""
         if self._frame is None:
             return []
         found = _read(self._frame, set(self._frame.f_code.co_varnames))
-        return [(n, v) for n, v in found.items() if isinstance(v, _PLAIN_ITERATORS)]
+        found.update(_read_module(self._frame, self._read_module))
+        out: list[tuple[str, Any]] = []
+        seen: set[int] = set()
+        for n, v in found.items():
+            for path, iterator in _iterators_in(n, v, self._own):
+                if id(iterator) not in seen:
+                    seen.add(id(iterator))
+                    out.append((path, iterator))
+        return out
 
     def values(self, covered: set[int], tracked: dict[str, Any]) -> dict[str, Any]:
         """The carried names that hold numbers or tensors now, less those whose tensors
@@ -519,6 +532,29 @@ def _numbers_in(
         else:
             found += _numbers_in(f"{name}.{attribute}", held, own, depth - 1)
     return found
+
+
+def _iterators_in(
+    name: str, value: object, own: _OwnTypes, depth: int = 2
+) -> list[tuple[str, Any]]:
+    """(path, iterator) for the plain DataLoader iterators in ``value``: itself, those a
+    generator it is runs over (on its frame's stack, so found among the generator's
+    referents), and those in the attributes of the script's own objects, ``depth`` levels
+    down."""
+    if isinstance(value, _PLAIN_ITERATORS):
+        return [(name, value)]
+    if depth == 0:
+        return []
+    if isinstance(value, types.GeneratorType):
+        held = gc.get_referents(value)
+        return [found for h in held for found in _iterators_in(name, h, own, depth - 1)]
+    if not own(value):
+        return []
+    return [
+        found
+        for attribute, held in _attributes(value)
+        for found in _iterators_in(f"{name}.{attribute}", held, own, depth - 1)
+    ]
 
 
 def _attributes(value: object) -> list[tuple[str, Any]]:

@@ -39,6 +39,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from torch.utils.data._utils import worker as torch_worker
 
@@ -134,6 +135,23 @@ class _WrappedIterators:
     def __call__(self) -> Any:
         loader = self.loader()
         assert loader is not None  # called through the loader's attribute
+        if restored_position(loader) <= 0:
+            return self._make(loader)
+        # It resumes a data epoch from a restored state, where the fault-free run made no
+        # iterator: the seeds iter() draws (the workers' base seed, a shuffling sampler's)
+        # must not move the generators they come from. The loop of a restored process makes
+        # it inside a step when a generator wraps the loader (``cycle(loader)``): the draw
+        # shifted torch's generator for every later step.
+        own = loader.generator
+        state = own.get_state() if own is not None else None
+        with torch.random.fork_rng(devices=[]):
+            try:
+                return self._make(loader)
+            finally:
+                if own is not None:
+                    own.set_state(state)
+
+    def _make(self, loader: Any) -> Any:
         dataset, init = loader.dataset, loader.worker_init_fn
         if loader.num_workers == 0 or isinstance(dataset, IterableDataset):
             return self.original(loader)
@@ -159,8 +177,9 @@ def is_stateful_loader(obj: object) -> bool:
 
 def install(tracked: dict[str, Any]) -> None:
     """Make every tracked ``StatefulDataLoader`` with workers over a map-style dataset carry
-    its workers' generator states in its state, for the iterators it makes from now on
-    (idempotent: a loader tracked again in a later epoch is the same object)."""
+    its workers' generator states in its state, for the iterators it makes from now on, and
+    every one resume a restored data epoch without drawing from the generators (idempotent:
+    a loader tracked again in a later epoch is the same object)."""
     for obj in tracked.values():
         if is_stateful_loader(obj) and not wrapped(obj):
             obj.__dict__["_get_iterator"] = _WrappedIterators(obj)

@@ -29,6 +29,9 @@ Patterns (each a habit of ordinary training scripts; ``all`` is every one at onc
   loop (as diffusion-style objectives draw theirs);
 - ``attribute-counter``: a step counter kept in an object's attribute (``state.seen += 1``, a
   class-based trainer's ``self.global_step``), scaling the loss as a warm-up;
+- ``cycle-loader``: the StatefulDataLoader's batches drawn from a generator that cycles it
+  (lucidrains' trainers: ``self.dl = cycle(dl)``, ``next(self.dl)`` in the step), so a restored
+  process makes the loader's iterator inside its first step, resuming the data epoch there;
 - ``prefetch`` (never in ``all``: with ``stateful-loader`` it is not exact after a restore):
   nanoGPT's batch fetched ahead, before the loop and again at the end of each step for the
   next one (the runtime saves and puts back the carried batch; from a loader, the code before
@@ -86,6 +89,7 @@ PATTERNS = (
     "module-counter",
     "own-generator",
     "attribute-counter",
+    "cycle-loader",
 )
 EXACT = PATTERNS  # each recovers bit for bit on its own
 BATCH = 8
@@ -268,7 +272,7 @@ def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
         tracked["stats"] = stats
     data = dataset()
     loader = sampler = None
-    if "stateful-loader" in use or "worker-random" in use:
+    if "stateful-loader" in use or "worker-random" in use or "cycle-loader" in use:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         random_draws = "worker-random" in use
@@ -296,7 +300,9 @@ def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
     if args.record_workers and ctx.restored_step is not None:
         record_orphans(args.out, ctx)
 
-    batches = iter(loader) if loader is not None else None
+    batches = None
+    if loader is not None:  # "cycle-loader": lucidrains' ``self.dl = cycle(dl)``, made lazily
+        batches = _cycle(loader) if "cycle-loader" in use else iter(loader)
 
     def next_batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = next(batches) if batches is not None else _indexed(data, step, micro, ctx)
@@ -355,6 +361,11 @@ def train(ctx: peerckpt.Context, args: argparse.Namespace) -> str:
             log.write(json.dumps(entry) + "\n")
             log.flush()
     return digest(tracked)
+
+
+def _cycle(loader):
+    while True:
+        yield from loader  # lucidrains: ``for data in dl: yield data``
 
 
 def _indexed(data: TensorDataset, step: int, micro: int, ctx: peerckpt.Context):

@@ -169,6 +169,38 @@ def test_the_loops_plain_loader_iterators_are_found_by_name() -> None:
     assert found == [["it"]]
 
 
+def _cycle(loader: DataLoader) -> Iterator[Any]:
+    while True:
+        yield from loader
+
+
+def test_plain_loader_iterators_inside_generators_and_attributes_are_found() -> None:
+    """lucidrains' trainers keep ``self.dl = cycle(dl)`` and draw ``next(self.dl)`` in the
+    step: the DataLoader's iterator is on the generator's frame, two levels from the loop's
+    ``self``. Not found, the job ended silently MISMATCH after a kill; now it is named."""
+    loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2)
+    found: list[list[str]] = []
+
+    class Trainer:
+        def __init__(self) -> None:
+            self.dl = _cycle(loader)
+            self.parts = types.SimpleNamespace(it=iter(loader))
+
+        def train(self) -> None:
+            for _ in steps():
+                next(self.dl), next(self.parts.it)
+
+    def steps() -> Iterator[int]:
+        carry = Carry.at_loop_start(sys._getframe(1))
+        assert carry is not None
+        yield 0
+        found.append(sorted(n for n, _ in carry.loader_iterators()))
+        carry.close()
+
+    Trainer().train()
+    assert found == [["self.dl", "self.parts.it"]]
+
+
 def test_a_name_one_branch_makes_afresh_and_the_others_carry_is_carried() -> None:
     """word_language_model: ``hidden`` made afresh on the first batch of an epoch, carried
     (repackaged) otherwise; its learning rate a local float divided on a plateau."""

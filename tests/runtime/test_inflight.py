@@ -341,8 +341,9 @@ def test_a_callbacks_thread_makes_no_python_thread_state_after_its_first_callbac
     to 20 of an imagenet script): gdb showed the child waiting for the interpreter's
     thread-state lock, held at the fork by gloo's thread making a Python thread state to run
     a collective's callback. pybind11 made three per collective (300 per 100 before the
-    fix); the thread's state is now kept (``_keep_thread_state``), so none is made."""
-    assert _thread_states(forks=0)["made"] == 0
+    fix); the thread's state is now kept (``_keep_thread_state``): one at most per thread."""
+    # At most one per gloo worker thread (2) that ran no callback during the warm-up.
+    assert _thread_states(forks=0)["made"] <= 2
 
 
 @pytest.mark.slow  # 2000 forks of a torch process: about 30 s

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import random
 import weakref
+from typing import Any
 
 import numpy as np
 import pytest
@@ -225,3 +226,33 @@ def test_a_plain_dataloader_tracked_is_refused_at_track_naming_the_loaders_that_
     assert "StatefulDataLoader" in str(refused.value)
     assert "peerckpt.ResumableSampler" in str(refused.value)
     refuse_unsupported("data", StatefulDataLoader(Noisy(), batch_size=4))  # keeps its place
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_restored_loader_resumes_its_epoch_without_moving_torchs_generator(workers: int) -> None:
+    """Seen with lucidrains' ``cycle(loader)``: a restored process makes the loader's iterator
+    inside its first step, where the fault-free run made none; iter() drew a seed from torch's
+    generator (a shuffling sampler's, the workers' base seed), and every later step drew other
+    numbers (MISMATCH after a kill, with the StatefulDataLoader tracked as advised). A resumed
+    iterator now leaves the generator as it was; a new data epoch still draws, as it did."""
+    data = torch.arange(32.0)
+
+    def loader() -> Any:
+        return StatefulDataLoader(data, batch_size=4, shuffle=True, num_workers=workers)
+
+    torch.manual_seed(5)
+    first = loader()
+    it = iter(first)
+    taken = [next(it) for _ in range(3)]
+    state = first.state_dict()
+    rest = [b.tolist() for b in it]  # the epoch's last five batches
+    assert len(taken) + len(rest) == 8
+    restored = loader()
+    restored.load_state_dict(state)
+    loaders.install({"data": restored})
+    before = torch.get_rng_state()
+    resumed = iter(restored)
+    assert torch.equal(torch.get_rng_state(), before)  # the resume drew nothing
+    assert [b.tolist() for b in resumed] == rest
+    iter(restored)  # a new epoch draws its order, as the fault-free run's did
+    assert not torch.equal(torch.get_rng_state(), before)
