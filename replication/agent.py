@@ -67,6 +67,7 @@ from peerckpt.messages.control import (
     Wants,
 )
 from peerckpt.messages.local import (
+    STACK_SIGNAL,
     Abort,
     AllocSlot,
     Granted,
@@ -95,7 +96,7 @@ from peerckpt.replication.devicepull import DevicePulls
 from peerckpt.replication.mirroring import Mirroring
 from peerckpt.replication.recovering import Preparer
 from peerckpt.replication.spares import SpareSlots
-from peerckpt.replication.stall import STACK_SIGNAL, StallWatch
+from peerckpt.replication.stall import StallWatch
 from peerckpt.replication.stats import node_stats
 from peerckpt.replication.store import SlotStore
 from peerckpt.replication.transfer import DataServer

@@ -27,7 +27,6 @@ is restored from its last committed step.
 from __future__ import annotations
 
 import collections
-import signal
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -37,7 +36,6 @@ from peerckpt.replication.busy import BUSY_SHARE
 STALL_WARN_MIN_S = 120.0  # a stall shorter than this is never named (a slow step, an eval)
 STALL_STEPS = 30  # ... nor one shorter than this many usual steps
 AGAIN_S = 600.0  # a stall that lasts is named again this often
-STACK_SIGNAL = signal.SIGRTMIN + 6  # the rank writes its Python stacks on it (faulthandler)
 CPU_WINDOW_S = 30.0  # a stalled rank's CPU share is judged over its last this many seconds
 _INTERVALS = 32  # recent step times kept per rank
 

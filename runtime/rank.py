@@ -45,6 +45,7 @@ from peerckpt.manifest import ChunkRecord
 from peerckpt.messages import Dispatch, Message
 from peerckpt.messages.control import Commit, Shutdown
 from peerckpt.messages.local import (
+    STACK_SIGNAL,
     Abort,
     AgentLost,
     Arrived,
@@ -59,7 +60,6 @@ from peerckpt.messages.local import (
     Restarting,
     Staging,
 )
-from peerckpt.replication.stall import STACK_SIGNAL
 from peerckpt.runtime import capture, userpg
 from peerckpt.runtime.abort import AbortWatchdog, exit_code, exit_if_still_inside
 from peerckpt.runtime.channel import AgentChannel

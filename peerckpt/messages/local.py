@@ -20,12 +20,17 @@ rank's reader makes it when the link closes.
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 from typing import Any
 
 from peerckpt.manifest import SnapshotManifest
 from peerckpt.messages import Message, message
 from peerckpt.states import EpochMode, ProcRole
+
+# A rank writes every thread's Python stack to its stderr on this signal (faulthandler): its
+# agent sends it when the rank's step stops moving (``replication/stall.py``).
+STACK_SIGNAL = signal.SIGRTMIN + 6
 
 
 class ToAgent(Message):
