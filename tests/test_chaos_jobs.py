@@ -68,6 +68,8 @@ def test_a_rank_computing_is_left_alone_and_one_stuck_outside_collectives_is_fen
     assert "hung or stopped" not in run.log
     event = _one_recovery(run, "rank")
     assert event["ranks"] == [2], event
+    assert event["in_place"] == {"2": 1}, event  # no spare: restarted from its node's memory
+    assert event["replacements"]["2"][0] == 1, event
     assert "stuck past --stall-timeout 4 s" in event["reason"], event
     assert "in no collective and uses no CPU" in event["reason"], event
     named = run.log.index("no step for a while on node 1")

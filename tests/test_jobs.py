@@ -112,6 +112,9 @@ def test_a_rank_stuck_in_an_aborted_epoch_is_restarted_in_place(tmp_path, refere
     assert "repaired together" not in run.log
 
 
+# make test: the stuck rank of tests/test_chaos_jobs.py is fenced and restarted in place from
+# its node's memory, bit-exact; torchrun's restart from its host's memory in test_torchrun.py
+@pytest.mark.slow
 def test_a_killed_rank_with_no_spare_is_restarted_in_place_from_its_nodes_memory(
     tmp_path, reference_run
 ) -> None:
@@ -150,6 +153,9 @@ def test_with_max_restarts_0_a_killed_rank_and_no_spare_fail_the_job_naming_the_
     assert "restarted in place" not in run.log
 
 
+# make test: user_loop's all-patterns job loses node 1 to spares (tests/test_user_loops.py), as
+# the killed agent of tests/test_chaos_jobs.py does
+@pytest.mark.slow
 def test_a_lost_node_is_replaced_by_two_spares_from_peer_memory(tmp_path, reference_run) -> None:
     run = run_job(tmp_path, script_args=["--steps", "30"], spares=2, chaos="kill node=1 at=12")
     assert run.returncode == 0, run.log[-4000:]
