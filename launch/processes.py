@@ -109,6 +109,11 @@ class ProcessSet:
         env = dict(os.environ)
         env.update(self.extra_env)
         env.setdefault("OMP_NUM_THREADS", "1")  # one intra-op thread per rank unless told
+        # One string hash for every process of the job, replacements included: a script that
+        # iterates a set of strings (a vocabulary built without sorting) or splits data by
+        # hash() (minGPT's demo datasets) saw other orders in a replacement, and its restore
+        # was not bit for bit. Unless the user set one.
+        env.setdefault("PYTHONHASHSEED", "0")
         for name in SECRET_NAMES:  # the secret travels in a descriptor (``spawn``)
             env.pop(name, None)
         env.update(PEERCKPT_JOB=self.job, **extra)

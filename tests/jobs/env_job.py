@@ -17,7 +17,11 @@ import peerckpt
 
 @peerckpt.resilient()
 def train(ctx: peerckpt.Context, out: str, names: list[str]) -> None:
-    record = {"node": ctx.node, "values": {name: os.environ.get(name) for name in names}}
+    record = {
+        "node": ctx.node,
+        "values": {name: os.environ.get(name) for name in names},
+        "hash": hash("peerckpt"),
+    }
     with open(os.path.join(out, f"env{ctx.rank}.json"), "w") as f:
         json.dump(record, f)
     model = DistributedDataParallel(torch.nn.Linear(4, 1))
