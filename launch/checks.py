@@ -116,13 +116,7 @@ def check_spec(spec: JobSpec, nodes_flag: str = "--nodes") -> None:
         "healthy processes lost; the default is 5",
     )
     if spec.stall_timeout is not None:
-        _seconds(
-            "--stall-timeout",
-            spec.stall_timeout,
-            1.0,
-            "how long a rank's step may stay still, in no collective and using no CPU, before "
-            "it is fenced; leave it out to only name such a rank",
-        )
+        check_stall_timeout("--stall-timeout", spec.stall_timeout)
     _seconds("start_timeout", spec.start_timeout, 0.0, "how long the ranks get to connect")
     if spec.placement not in STRATEGY_NAMES:
         raise ConfigurationError(
@@ -286,6 +280,23 @@ def check_campaign(
 def _at_least(flag: str, value: object, least: int, why: str) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < least:
         raise ConfigurationError(f"{flag} {value!r:.40}: {why}; give {flag} {least} or more")
+
+
+def check_stall_timeout(flag: str, value: object) -> float:
+    """``--stall-timeout`` (or torchrun's ``PEERCKPT_STALL_TIMEOUT``): at least 1 s."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    _seconds(
+        flag,
+        value,
+        1.0,
+        "how long a rank's step may stay still, in no collective and using no CPU, before "
+        "it is fenced; leave it out to only name such a rank",
+    )
+    return float(value)  # type: ignore[arg-type]
 
 
 def _seconds(flag: str, value: object, least: float, why: str) -> None:

@@ -595,8 +595,8 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECONDS",
         help="fence and recover a rank whose step has not moved for this long while it waits "
         "in no collective and uses no CPU (a DataLoader that never delivers, a hung read); "
-        "default: such a rank is named with its stacks after 120 s (or 30 usual steps), "
-        "not fenced",
+        "default: such a rank is named with its stacks after 120 s or 30 of its usual steps, "
+        "whichever is longer, not fenced",
     )
     run.add_argument(
         "--placement",

@@ -38,6 +38,7 @@ from typing import Any
 
 from peerckpt.errors import PeerckptError
 from peerckpt.launch.addr import node_address
+from peerckpt.launch.checks import check_stall_timeout
 from peerckpt.launch.processes import ProcessSet, coordinator_argv
 from peerckpt.messages.control import AllocateNode, JobStatus, Status, Stop
 from peerckpt.names import new_run_id
@@ -147,7 +148,7 @@ class HostSupervisor:
             restart_based=True,
             # how long a silent host is given before it is declared lost
             heartbeat_timeout=os.environ.get("PEERCKPT_HEARTBEAT_TIMEOUT") or None,
-            stall_timeout=os.environ.get("PEERCKPT_STALL_TIMEOUT") or None,
+            stall_timeout=_stall_timeout(os.environ.get("PEERCKPT_STALL_TIMEOUT")),
             min_nodes=min_nodes_of(self.args.launcher_pid),
         )
         self.coordinator = self.procs.spawn(argv, self.procs.env(), ready=True)
@@ -242,6 +243,12 @@ class HostSupervisor:
         with os.fdopen(fd, "w") as f:
             json.dump(content, f)
         os.replace(tmp, os.path.join(self.dir, name))
+
+
+def _stall_timeout(value: str | None) -> float | None:
+    """``PEERCKPT_STALL_TIMEOUT``, checked as ``peerckpt run --stall-timeout`` is (unset or
+    empty: stuck ranks are only named)."""
+    return check_stall_timeout("PEERCKPT_STALL_TIMEOUT", value) if value else None
 
 
 def main(argv: list[str] | None = None) -> int:

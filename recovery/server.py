@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         help="every worker restarts after any failure (torchrun): wait for them",
     )
     args = parser.parse_args(argv)
+    if args.stall_timeout is not None and not (1.0 <= args.stall_timeout < float("inf")):
+        parser.error(f"--stall-timeout {args.stall_timeout:g}: give at least 1 second")
     secret = service_process(f"coordinator job={args.job}")
     store, gate = _rendezvous_store(secret, args.job, args.host, args.store_port)
     coordinator = Coordinator(

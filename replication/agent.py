@@ -444,8 +444,9 @@ class Agent:
             return
         now = time.monotonic()
         links = {link.pid: link for link in self.control.links() if link.fenced is None}
-        self._stalls.observe(now, ((p, lk.beat.rank, lk.beat.step) for p, lk in links.items()))
-        found = self._stalls.due(now, lambda pid: links[pid].beat.waiting)
+        beats = {pid: link.beat for pid, link in links.items()}  # one read: a beat replaces it
+        self._stalls.observe(now, ((pid, b.rank, b.step) for pid, b in beats.items()))
+        found = self._stalls.due(now, lambda pid: beats[pid].waiting)
         if not found:
             return
         log.warning(
@@ -454,8 +455,9 @@ class Agent:
             "; ".join(stalled.line() for stalled in found),
         )
         for stalled in found:
-            with contextlib.suppress(OSError):
-                os.kill(stalled.pid, STACK_SIGNAL)  # the rank's faulthandler writes its stacks
+            if links[stalled.pid].hello.stacks:  # else the signal's default would end it
+                with contextlib.suppress(OSError):
+                    os.kill(stalled.pid, STACK_SIGNAL)  # its faulthandler writes its stacks
         for stalled in found:
             if not stalled.fence:
                 continue

@@ -16,8 +16,11 @@ neither (stuck: the rank to look at); and its Python stacks are written to its o
 every ``AGAIN_S`` while the stall lasts.
 
 With ``peerckpt run --stall-timeout S`` a rank stuck for ``S`` seconds (neither waiting in a
-collective peerckpt watches nor computing) is fenced like a hung process: the job recovers it
-from its peers' memory. Off by default: a step that legitimately waits outside a collective
+collective peerckpt watches or in the runtime itself, ``runtime/waits.py``, nor computing) is
+fenced like a hung process: the job recovers it from its peers' memory. Not before its CPU
+share is known over at least ``MIN_WINDOW_S`` (one look says nothing of it), and, until the
+rank has finished a step in its loop, not before ``STALL_WARN_MIN_S`` (a first step pays for a
+compile, the workers' start, a restored loader catching up). Off by default: a step that legitimately waits outside a collective
 (an evaluation that reads from a slow store) must not be cut short by a guess. A rank that
 waits in a collective peerckpt does not watch (NCCL's, a collective started with
 ``async_op=True``) counts as stuck there, so a stall fences its peers too, and the whole job
@@ -37,6 +40,7 @@ STALL_WARN_MIN_S = 120.0  # a stall shorter than this is never named (a slow ste
 STALL_STEPS = 30  # ... nor one shorter than this many usual steps
 AGAIN_S = 600.0  # a stall that lasts is named again this often
 CPU_WINDOW_S = 30.0  # a stalled rank's CPU share is judged over its last this many seconds
+MIN_WINDOW_S = 1.0  # ... and never over less
 _INTERVALS = 32  # recent step times kept per rank
 
 
@@ -50,7 +54,9 @@ class _Live:
     )
     named_at: float | None = None  # when this stall was last named
     fenced: bool = False
-    cpu_mark: tuple[float, float] | None = None  # (its main thread's CPU seconds, when)
+    cpu: collections.deque[tuple[float, float]] = field(  # (main thread's CPU seconds, when)
+        default_factory=collections.deque
+    )
 
 
 @dataclass(frozen=True)
@@ -114,7 +120,7 @@ class StallWatch:
             elif step > live.step:
                 live.intervals.append((now - live.since) / (step - live.step))
                 live.step, live.since, live.named_at, live.fenced = step, now, None, False
-                live.cpu_mark = None
+                live.cpu.clear()
         for pid in set(self._live) - seen:
             del self._live[pid]
 
@@ -124,28 +130,47 @@ class StallWatch:
         usual = statistics.median(live.intervals) if live.intervals else 0.0
         return max(self.warn_min_s, self.steps * usual)
 
-    def _cpu_share(self, pid: int, live: _Live, now: float) -> float | None:
-        """The share of a core ``pid``'s main thread used over about the last
-        ``CPU_WINDOW_S`` if it computes (at least ``BUSY_SHARE``), else None."""
+    def fence_after(self, pid: int) -> float | None:
+        """How long ``pid``'s step may stay before a stuck rank is fenced: ``fence_after_s``,
+        but never less than the naming floor before the rank has finished a step in this
+        loop (its first step pays what no later one does: a compile, the workers' start, a
+        restored loader's catching up)."""
+        if self.fence_after_s is None:
+            return None
+        if not self._live[pid].intervals:
+            return max(self.fence_after_s, self.warn_min_s)
+        return self.fence_after_s
+
+    def _sample(self, pid: int, live: _Live, now: float) -> None:
+        """Note ``pid``'s main thread's CPU time now; keep the newest sample at least
+        ``CPU_WINDOW_S`` old, and those after it."""
         cpu = self.cpu_seconds(pid)
         if cpu is None:
-            return None
-        mark = live.cpu_mark
-        if mark is None or now - mark[1] <= 0:
-            live.cpu_mark = (cpu, now)
-            return None  # judged from the next look on
-        share = (cpu - mark[0]) / (now - mark[1])
-        if now - mark[1] >= CPU_WINDOW_S:
-            live.cpu_mark = (cpu, now)
-        return share if share >= BUSY_SHARE else None
+            live.cpu.clear()  # stopped or gone: nothing to judge a share over
+            return
+        live.cpu.append((cpu, now))
+        while len(live.cpu) > 2 and now - live.cpu[1][1] >= CPU_WINDOW_S:
+            live.cpu.popleft()
+
+    def _cpu_share(self, live: _Live, now: float) -> tuple[bool, float | None]:
+        """(known, share): whether the share of a core ``pid``'s main thread used over about
+        the last ``CPU_WINDOW_S`` (at least ``MIN_WINDOW_S``) is known, and that share if it
+        computes (at least ``BUSY_SHARE``), else None."""
+        if len(live.cpu) < 2:
+            return False, None
+        (first, then), (last, at) = live.cpu[0], live.cpu[-1]
+        if at - then < MIN_WINDOW_S:
+            return False, None
+        share = (last - first) / (at - then)
+        return True, share if share >= BUSY_SHARE else None
 
     def look(self, now: float) -> None:
-        """Mark the CPU time of each rank stalled for a third of the shortest threshold, so
-        that its share is known by the time it is judged."""
+        """Sample the CPU time of each rank stalled for a third of its shortest threshold,
+        so that its share is known, over a window, by the time it is judged."""
         for pid, live in self._live.items():
-            soonest = min(self.warn_after(pid), self.fence_after_s or float("inf"))
-            if live.cpu_mark is None and now - live.since >= soonest / 3:
-                self._cpu_share(pid, live, now)
+            soonest = min(self.warn_after(pid), self.fence_after(pid) or float("inf"))
+            if now - live.since >= soonest / 3:
+                self._sample(pid, live, now)
 
     def due(self, now: float, waiting: Callable[[int], bool]) -> list[Stalled]:
         """The stalls to name or fence now; each is named once per ``AGAIN_S`` and fenced
@@ -154,18 +179,16 @@ class StallWatch:
         out = []
         for pid, live in self._live.items():
             stalled_s = now - live.since
-            fence = (
-                self.fence_after_s is not None
-                and stalled_s >= self.fence_after_s
-                and not live.fenced
-            )
+            fence_after = self.fence_after(pid)
+            fence = fence_after is not None and stalled_s >= fence_after and not live.fenced
             name = stalled_s >= self.warn_after(pid) and (
                 live.named_at is None or now - live.named_at >= AGAIN_S
             )
             if not (fence or name):
                 continue
-            is_waiting, share = waiting(pid), self._cpu_share(pid, live, now)
-            fence = fence and not is_waiting and share is None
+            is_waiting, (known, share) = waiting(pid), self._cpu_share(live, now)
+            # never fenced on a share not yet known: it may compute
+            fence = fence and known and not is_waiting and share is None
             if not (fence or name):
                 continue  # past --stall-timeout, but waiting or computing: named on time
             live.named_at = now

@@ -21,6 +21,7 @@ from peerckpt import errors
 from peerckpt.errors import PeerckptError, PeerUnavailable, ProtocolError
 from peerckpt.messages import Message, decode, encode, from_frame, to_frame
 from peerckpt.messages.local import AgentLost, Beat, ProcHello, Reply, ToAgent
+from peerckpt.runtime import waits
 from peerckpt.wire import connect_unix, peer_pid
 
 M = TypeVar("M")
@@ -69,7 +70,8 @@ class AgentChannel:
         try:
             header, payload = to_frame(msg)
             self.conn.send({**header, "req": req}, payload)
-            reply = future.result(timeout=timeout)
+            with waits.waiting():
+                reply = future.result(timeout=timeout)
         finally:
             with self._lock:
                 self._pending.pop(req, None)

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import ctypes
 import functools
 import itertools
@@ -142,7 +143,8 @@ class InFlight:
         """A watched collective's callback, run by the thread that completed it (one of
         gloo's): settles its outcome. Frames of this method never keep the callback (a
         ``partial``) alive, so an error's traceback does not hold up ``quiesce``."""
-        _keep_thread_state()
+        with contextlib.suppress(Exception):  # never in the way of settling the outcome
+            _keep_thread_state()
         try:
             value = pick(finished.value())
         except Exception as exc:
@@ -185,6 +187,11 @@ class InFlight:
         """How many watched collectives are in flight."""
         with self._lock:
             return len(self._open)
+
+    def waiting(self) -> bool:
+        """Whether a watched collective is in flight, without the lock (read by the
+        heartbeat thread, which must not wait for a collective being started)."""
+        return bool(self._open)
 
     def quiesce(self, timeout_s: float) -> bool:
         """Wait, at most ``timeout_s``, until no finished collective's callback is still held

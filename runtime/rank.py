@@ -60,7 +60,7 @@ from peerckpt.messages.local import (
     Restarting,
     Staging,
 )
-from peerckpt.runtime import capture, userpg
+from peerckpt.runtime import capture, userpg, waits
 from peerckpt.runtime.abort import AbortWatchdog, exit_code, exit_if_still_inside
 from peerckpt.runtime.channel import AgentChannel
 from peerckpt.runtime.config import DEFAULTS, ResilientConfig
@@ -131,9 +131,14 @@ class RankRuntime:
         # joined just then) before the rest of this constructor has run: it waits for it.
         self._ready = threading.Event()
         hello = ProcHello(
-            env.role, os.getpid(), env.rank, config.replicas, config.persist_msg(), config.erasure
+            env.role,
+            os.getpid(),
+            env.rank,
+            config.replicas,
+            config.persist_msg(),
+            config.erasure,
+            stacks=_stacks_on_signal(),  # before the first heartbeat: asked from then on
         )
-        _stacks_on_signal()  # before the first heartbeat: the agent may ask from then on
         self.channel = AgentChannel(
             env.agent_socket, env.secret, env.job, hello, self._on_event, self._beat
         )
@@ -557,7 +562,7 @@ class RankRuntime:
         ):
             return Beat()  # not in its loop: an epoch that ended has no live step
         in_flight = sys.modules.get("peerckpt.runtime.inflight")  # no collective without it
-        waiting = in_flight is not None and in_flight.IN_FLIGHT.open() > 0
+        waiting = waits.now() or (in_flight is not None and in_flight.IN_FLIGHT.waiting())
         return Beat(tracking.assignment.rank, tracking.step, tracking.total, waiting)
 
     # -- what Context and the epoch's tracking call -----------------------------------------
@@ -655,12 +660,17 @@ def _short(exc: BaseException) -> str:
     return line if len(line) < 160 else line[:157] + "..."
 
 
-def _stacks_on_signal() -> None:
+def _stacks_on_signal() -> bool:
     """Write every thread's Python stack to stderr on ``STACK_SIGNAL``: the agent sends it
-    when this rank's step stops moving (``replication/stall.py``). faulthandler's C handler
+    when this rank's step stops moving (``replication/stall.py``), only to a process that
+    said it could (the signal's default action ends the process). faulthandler's C handler
     writes it while the training thread is stuck, even inside a C call holding the GIL."""
-    with contextlib.suppress(ValueError, OSError, AttributeError, RuntimeError):
+    try:
         faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
+    except (ValueError, OSError, AttributeError, RuntimeError) as exc:
+        log.debug("no stacks on signal %d: %r", STACK_SIGNAL, exc)
+        return False
+    return True
 
 
 def _destroy_at_exit() -> None:

@@ -29,7 +29,7 @@ from peerckpt.errors import CommitTimeout, MembershipChanged
 from peerckpt.faults import NO_FAULTS, FaultHooks
 from peerckpt.manifest import ChunkRecord, SnapshotManifest
 from peerckpt.messages.local import AllocSlot, SlotGranted, SnapshotTaken
-from peerckpt.runtime import cuda_copy
+from peerckpt.runtime import cuda_copy, waits
 from peerckpt.runtime.capture import Captured, layout, write_slot
 from peerckpt.runtime.channel import AgentChannel
 from peerckpt.runtime.twins import twin_indices
@@ -190,8 +190,9 @@ class SnapshotEngine:
                 self._raise_pending()
                 return
             start = time.perf_counter()
-            while self._busy and self._copies_queued is None and not self._aborted:
-                self._cond.wait()
+            with waits.waiting():
+                while self._busy and self._copies_queued is None and not self._aborted:
+                    self._cond.wait()
             if self._busy and self._copies_queued is not None:
                 cuda_copy.wait_on_training_streams(self._copies_queued)
             self.stall_s += time.perf_counter() - start
@@ -202,15 +203,16 @@ class SnapshotEngine:
         with self._cond:
             if self._busy:
                 start = time.perf_counter()
-                while self._busy and not self._aborted:
-                    self._cond.wait()
+                with waits.waiting():
+                    while self._busy and not self._aborted:
+                        self._cond.wait()
                 self.stall_s += time.perf_counter() - start
             self._raise_pending()
 
     def wait_committed(self, step: int, timeout: float) -> bool:
         """Wait until ``step`` (or a later one) is committed."""
         deadline = time.monotonic() + timeout
-        with self._cond:
+        with self._cond, waits.waiting():
             while self.committed_step is None or self.committed_step < step:
                 self._raise_pending()
                 left = deadline - time.monotonic()

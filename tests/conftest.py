@@ -77,7 +77,9 @@ def no_leaks() -> Any:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
     for path in files:
-        with contextlib.suppress(FileNotFoundError):
+        if os.path.isdir(path):  # a torchrun host's folder (runtime/torchrun.py)
+            shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
             os.unlink(path)
     for path in dirs:
         shutil.rmtree(path, ignore_errors=True)

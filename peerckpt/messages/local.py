@@ -52,6 +52,7 @@ class ProcHello(Message):
     replicas: int | None = None  # rank 0's @resilient(replicas=…)
     persist: dict[str, Any] | None = None  # rank 0's @resilient(persist=…), PersistConfig form
     erasure: str | None = None  # rank 0's @resilient(erasure="K+M")
+    stacks: bool = False  # it writes its stacks on STACK_SIGNAL (its default would end it)
 
 
 # -- requests (a reply each) -----------------------------------------------------------------

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -206,3 +207,17 @@ def test_help_speaks_to_users_and_version_is_the_package_version() -> None:
     assert "peerckpt run train.py" in helped.stdout
     shown = _cli("--version")
     assert shown.returncode == 0 and shown.stdout.strip() == f"peerckpt {version('peerckpt')}"
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [("0", "PEERCKPT_STALL_TIMEOUT 0.0: give at least 1 seconds"), ("soon", "'soon': give")],
+)
+def test_torchruns_stall_timeout_is_checked_as_the_flag_is(value: str, said: str) -> None:
+    """Under torchrun the coordinator takes it from the environment: 0 (meant as "off") had
+    fenced every rank not in a collective at each step."""
+    from peerckpt.launch.checks import check_stall_timeout
+
+    with pytest.raises(ConfigurationError, match=re.escape(said)):
+        check_stall_timeout("PEERCKPT_STALL_TIMEOUT", value)
+    assert check_stall_timeout("PEERCKPT_STALL_TIMEOUT", "90") == 90.0

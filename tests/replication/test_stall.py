@@ -80,3 +80,37 @@ def test_past_the_stall_timeout_only_a_stuck_rank_is_fenced() -> None:
     assert "waits in a collective" in later[waiting].line()
     assert "computes (" in later[computing].line()
     assert not later[waiting].fence and not later[computing].fence
+
+
+def test_a_rank_whose_cpu_share_is_not_known_yet_is_not_fenced() -> None:
+    """The agent's heartbeat thread may first look at a stalled rank only at the fence
+    time (its tick delayed by a slow call to the coordinator): one CPU sample says nothing
+    of a share, and a rank computing at full speed was fenced as stuck."""
+    cpu = _Cpu()
+    watch = StallWatch(cpu, fence_after_s=5.0, warn_min_s=120.0)
+    for step in range(3):
+        watch.observe(step * 0.1, [(PID, 1, step)])
+    cpu.seconds[PID] = 10.0
+    assert watch.due(5.5, lambda pid: False) == []  # first look: one sample, share unknown
+    cpu.seconds[PID] = 10.0 + 0.9  # it computes: 90 % of a core over the next second
+    assert watch.due(6.5, lambda pid: False) == []
+    assert watch.due(7.0, lambda pid: False) == []  # not stuck: named at the warning only
+    stuck = StallWatch(cpu, fence_after_s=5.0, warn_min_s=120.0)
+    for step in range(3):
+        stuck.observe(step * 0.1, [(PID, 1, step)])
+    assert stuck.due(5.5, lambda pid: False) == []
+    [fenced] = stuck.due(6.6, lambda pid: False)  # a second of no CPU: stuck
+    assert fenced.fence
+
+
+def test_before_its_first_step_is_done_a_rank_is_fenced_no_sooner_than_it_is_named() -> None:
+    """A loop's first step pays for a compile, its workers' start, a restored loader catching
+    up: --stall-timeout counts only once a step has been seen done in the loop."""
+    cpu = _Cpu()
+    cpu.seconds[PID] = 1.0
+    watch = StallWatch(cpu, fence_after_s=5.0, warn_min_s=60.0)
+    watch.observe(0.0, [(PID, 1, 0)])
+    found = [s for t in range(1, 600) for s in watch.due(t * 0.1, lambda pid: False)]
+    assert found == []  # 60 s: neither named nor fenced
+    [stalled] = watch.due(60.5, lambda pid: False)
+    assert stalled.fence and stalled.step_s is None
