@@ -53,6 +53,8 @@ def _assert_full_restore_matches(out: Path, world: int, log: str = "") -> None:
     assert restored["digest"] == committed[-1]["digest"]
 
 
+# make test: the sharded states below shrink two nodes to one on a node's loss
+@pytest.mark.slow
 def test_a_node_lost_without_spares_shrinks_two_nodes_to_one(tmp_path) -> None:
     run = run_job(
         tmp_path,
@@ -111,7 +113,8 @@ def test_a_joining_node_grows_two_ranks_to_four(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("kind", "chaos", "world"),
     [
-        ("dtensor", "kill node=1 at=6", 2),  # Shard(0) on four ranks restores as Shard(1) on two
+        # Shard(0) on four ranks restores as Shard(1) on two (make test: FSDP2's DTensors below)
+        pytest.param("dtensor", "kill node=1 at=6", 2, marks=pytest.mark.slow),
         # FSDP2 model and AdamW state, four ranks to two (make test: the same in an AppState)
         pytest.param("fsdp", "kill node=1 at=6", 2, marks=pytest.mark.slow),
         ("fsdp-app", "kill node=1 at=6", 2),  # the same in DCP's AppState (get_state_dict)
