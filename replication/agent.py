@@ -433,9 +433,13 @@ class Agent:
                 f"{link!r} sent no heartbeat for {silent_s:.1f} s "
                 f"(timeout {self.heartbeat_timeout:g} s): hung or stopped; it is fenced"
             )
-            log.warning("%s", reason)
-            self.control.fence(link, f"declared lost by node {self.node}'s agent: {reason}")
-            self.coordinator.report(ProcLost(self.node, link.pid, reason))
+            self._declare_lost(link, reason)
+
+    def _declare_lost(self, link: ProcLink, reason: str) -> None:
+        """Fence a live process (it exits when it reads why) and report it lost."""
+        log.warning("%s", reason)
+        self.control.fence(link, f"declared lost by node {self.node}'s agent: {reason}")
+        self.coordinator.report(ProcLost(self.node, link.pid, reason))
 
     def _watch_stalls(self) -> None:
         """Name each local rank whose step has not moved for long, with its stacks; fence
@@ -465,11 +469,7 @@ class Agent:
                 f"{stalled.line()}; stuck past --stall-timeout "
                 f"{self._stalls.fence_after_s:g} s: it is fenced"
             )
-            log.warning("%s", reason)
-            self.control.fence(
-                links[stalled.pid], f"declared lost by node {self.node}'s agent: {reason}"
-            )
-            self.coordinator.report(ProcLost(self.node, stalled.pid, reason))
+            self._declare_lost(links[stalled.pid], reason)
 
     def _on_shutdown(self, event: Shutdown) -> None:
         log.info("job ends (%s); stopping local processes", event.state.value)

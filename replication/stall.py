@@ -20,8 +20,9 @@ collective peerckpt watches or in the runtime itself, ``runtime/waits.py``, nor 
 fenced like a hung process: the job recovers it from its peers' memory. Not before its CPU
 share is known over at least ``MIN_WINDOW_S`` (one look says nothing of it), and, until the
 rank has finished a step in its loop, not before ``STALL_WARN_MIN_S`` (a first step pays for a
-compile, the workers' start, a restored loader catching up). Off by default: a step that legitimately waits outside a collective
-(an evaluation that reads from a slow store) must not be cut short by a guess. A rank that
+compile, the workers' start, a restored loader catching up). Off by default: a step that
+legitimately waits outside a collective (an evaluation that reads from a slow store) must not
+be cut short by a guess. A rank that
 waits in a collective peerckpt does not watch (NCCL's, a collective started with
 ``async_op=True``) counts as stuck there, so a stall fences its peers too, and the whole job
 is restored from its last committed step.
@@ -57,6 +58,10 @@ class _Live:
     cpu: collections.deque[tuple[float, float]] = field(  # (main thread's CPU seconds, when)
         default_factory=collections.deque
     )
+
+    def usual(self) -> float | None:
+        """Its usual step time: the median of its recent steps, if it finished any."""
+        return statistics.median(self.intervals) if self.intervals else None
 
 
 @dataclass(frozen=True)
@@ -126,9 +131,7 @@ class StallWatch:
 
     def warn_after(self, pid: int) -> float:
         """How long ``pid``'s step may stay before the stall is named."""
-        live = self._live[pid]
-        usual = statistics.median(live.intervals) if live.intervals else 0.0
-        return max(self.warn_min_s, self.steps * usual)
+        return max(self.warn_min_s, self.steps * (self._live[pid].usual() or 0.0))
 
     def fence_after(self, pid: int) -> float | None:
         """How long ``pid``'s step may stay before a stuck rank is fenced: ``fence_after_s``,
@@ -137,7 +140,7 @@ class StallWatch:
         restored loader's catching up)."""
         if self.fence_after_s is None:
             return None
-        if not self._live[pid].intervals:
+        if self._live[pid].usual() is None:
             return max(self.fence_after_s, self.warn_min_s)
         return self.fence_after_s
 
@@ -193,8 +196,9 @@ class StallWatch:
                 continue  # past --stall-timeout, but waiting or computing: named on time
             live.named_at = now
             live.fenced = live.fenced or fence
-            usual = statistics.median(live.intervals) if live.intervals else None
             out.append(
-                Stalled(pid, live.rank, live.step, stalled_s, usual, is_waiting, share, fence)
+                Stalled(
+                    pid, live.rank, live.step, stalled_s, live.usual(), is_waiting, share, fence
+                )
             )
         return out

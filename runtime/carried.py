@@ -69,6 +69,7 @@ import dis
 import gc
 import inspect
 import json
+import logging
 import os
 import random
 import sys
@@ -100,6 +101,7 @@ _GOTOS = frozenset(  # always go to their argval
 _ENDS = frozenset({"RETURN_VALUE", "RETURN_CONST", "RAISE_VARARGS", "RERAISE"})  # go nowhere
 CARRIED = "__carried__"  # the snapshot's name for them (never a ctx.track name: it is refused)
 ITERATOR_OF = "__iterator_of__"  # a carried value: {ITERATOR_OF: the tracked loader's name}
+log = logging.getLogger("peerckpt.rank")
 _PLAIN_ITERATORS = (_SingleProcessDataLoaderIter, _MultiProcessingDataLoaderIter)
 _DRIFT_NAMED: set[str] = set()  # module variables ``drifted`` has named in this process
 
@@ -181,18 +183,24 @@ class Carry:
         StatefulDataLoader, which keeps its position) that the loop's variables hold: as
         their value, inside a generator they hold (``cycle(loader)``, lucidrains' trainers),
         or in an attribute of the script's own objects two levels down (``self.train_iter``,
-        ``self.dl = cycle(dl)``). Each iterator once, under the first path found."""
+        ``self.dl = cycle(dl)``). Each iterator once, under the first path found. It walks the
+        script's objects, whose attributes or generators may raise when read: then the
+        training goes on without the finding."""
         if self._frame is None:
             return []
         found = _read(self._frame, set(self._frame.f_code.co_varnames))
         found.update(_read_module(self._frame, self._read_module))
         out: list[tuple[str, Any]] = []
         seen: set[int] = set()
-        for n, v in found.items():
-            for path, iterator in _iterators_in(n, v, self._own):
-                if id(iterator) not in seen:
-                    seen.add(id(iterator))
-                    out.append((path, iterator))
+        try:
+            for n, v in found.items():
+                for path, iterator in _iterators_in(n, v, self._own):
+                    if id(iterator) not in seen:
+                        seen.add(id(iterator))
+                        out.append((path, iterator))
+        except Exception as exc:
+            log.debug("looking for the loop's DataLoader iterators failed: %r", exc)
+            return []
         return out
 
     def values(self, covered: set[int], tracked: dict[str, Any]) -> dict[str, Any]:

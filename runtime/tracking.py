@@ -402,7 +402,7 @@ class EpochTracking:
                 if step == start and watch is not None:
                     self._audit.pending = self._audit.pending and not watch.audit
                     # the first step is done: the hooks go, the audit speaks
-                    iterators = _loader_iterators(carry) if carry and watch.audit else []
+                    iterators = carry.loader_iterators() if carry and watch.audit else []
                     unsaved = carry.unsaved(self.tracked) if carry and watch.audit else []
                     found = watch.finish(iterators, unsaved)
                     if found:  # the job's report says so too
@@ -513,14 +513,3 @@ def refuse_unsupported(name: str, obj: Any) -> None:
                 "of data-parallel state per node pair: resilient(dedup=True)), or shard "
                 "the model and its optimizer state with FSDP2"
             )
-
-
-def _loader_iterators(carry: Any) -> list[tuple[str, Any]]:
-    """The audit's search for plain DataLoader iterators (``Carry.loader_iterators``): it
-    walks the script's objects, whose attributes or generators may raise when read; the
-    training goes on without the finding."""
-    try:
-        return carry.loader_iterators()
-    except Exception as exc:
-        log.debug("looking for the loop's DataLoader iterators failed: %r", exc)
-        return []

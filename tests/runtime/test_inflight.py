@@ -162,16 +162,22 @@ def test_a_script_exits_only_once_a_collectives_callback_has_returned(tmp_path) 
     _assert_exits_leaving(_EXIT_WHILE_A_CALLBACK_RUNS, mark)
 
 
-def _assert_exits_leaving(script: str, mark: Any) -> None:
-    """Run ``script`` (its argument: ``mark``'s path); it exits 0 having made ``mark``."""
+def _run_script(script: str, argument: str, timeout: float) -> str:
+    """Run ``script`` in a fresh interpreter from the repository; it exits 0. Its output."""
     result = subprocess.run(
-        [sys.executable, "-c", script, str(mark)],
+        [sys.executable, "-c", script, argument],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
     assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+def _assert_exits_leaving(script: str, mark: Any) -> None:
+    """Run ``script`` (its argument: ``mark``'s path); it exits 0 having made ``mark``."""
+    _run_script(script, str(mark), timeout=120)
     assert mark.exists()
 
 
@@ -325,15 +331,8 @@ print(json.dumps(result))
 
 
 def _thread_states(forks: int) -> dict[str, int]:
-    out = subprocess.run(
-        [sys.executable, "-c", _THREAD_STATES, str(forks)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    out = _run_script(_THREAD_STATES, str(forks), timeout=280)
+    return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
 def test_a_callbacks_thread_makes_no_python_thread_state_after_its_first_callback() -> None:
